@@ -1,0 +1,67 @@
+"""The TensorRT-LLM boundary.
+
+Re-exports TensorRT-LLM's connector base classes and layout types when TensorRT-LLM is
+importable (the ``connectors/`` package of 1.3+, then the 1.2-era flat module), and our
+contract-faithful definitions otherwise. Connectors import from here and run unchanged on
+either. ``TRTLLM_SOURCE`` says which was taken.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import _contract, layout
+
+_NEW = "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector"
+_NEW_LAYOUT = "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout"
+_OLD = "tensorrt_llm._torch.pyexecutor.kv_cache_connector"
+
+
+def _try(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except Exception:  # ImportError, or a broken install raising anything at import
+        return None
+
+
+_conn = _try(_NEW) or _try(_OLD)
+_lay = _try(_NEW_LAYOUT) if _conn is not None else None
+
+if _conn is not None:
+    TRTLLM_SOURCE: str = _conn.__name__
+    KvCacheConnectorScheduler: Any = _conn.KvCacheConnectorScheduler
+    KvCacheConnectorWorker: Any = _conn.KvCacheConnectorWorker
+    RequestData: Any = _conn.RequestData
+    SchedulerOutput: Any = _conn.SchedulerOutput
+else:
+    TRTLLM_SOURCE = "disagg.engine._contract"
+    KvCacheConnectorScheduler = _contract.KvCacheConnectorScheduler
+    KvCacheConnectorWorker = _contract.KvCacheConnectorWorker
+    RequestData = _contract.RequestData
+    SchedulerOutput = _contract.SchedulerOutput
+
+# 1.2.x has no layout module: our layout types then describe our own caches only.
+_L: Any = _lay if _lay is not None and hasattr(_lay, "valid_page_slots") else layout
+KvCacheLayout: Any = _L.KvCacheLayout
+KvCacheLayerGroupLayout: Any = _L.KvCacheLayerGroupLayout
+KvCacheRegion: Any = _L.KvCacheRegion
+KvCacheBufferRef: Any = _L.KvCacheBufferRef
+valid_page_slots: Any = _L.valid_page_slots
+BAD_PAGE_INDEX: int = getattr(_L, "BAD_PAGE_INDEX", -1)
+USING_TRTLLM: bool = _conn is not None
+
+__all__ = [
+    "BAD_PAGE_INDEX",
+    "TRTLLM_SOURCE",
+    "USING_TRTLLM",
+    "KvCacheBufferRef",
+    "KvCacheConnectorScheduler",
+    "KvCacheConnectorWorker",
+    "KvCacheLayerGroupLayout",
+    "KvCacheLayout",
+    "KvCacheRegion",
+    "RequestData",
+    "SchedulerOutput",
+    "valid_page_slots",
+]
