@@ -170,7 +170,9 @@ class KvCacheConnectorScheduler(ABC):
         """Once per iteration; the result must be picklable (it is broadcast under TP)."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Once per request: tokens beyond the device match the connector supplies, and
         whether the load is asynchronous. ``(0, True)`` is an error."""
 
@@ -220,9 +222,7 @@ def reject_flat_only_scheduler(
     if num_layer_groups <= 1:
         return
     missing = [
-        grouped
-        for _, grouped in _SCHEDULER_PAIRS
-        if not overrides(scheduler, base, grouped)
+        grouped for _, grouped in _SCHEDULER_PAIRS if not overrides(scheduler, base, grouped)
     ]
     if missing:
         raise NotImplementedError(

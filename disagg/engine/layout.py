@@ -183,6 +183,8 @@ class KvCacheLayout:
             return None
         block_size = region.size // len(bufs) // item
         view = region.as_tensor(self.dtype)
-        return view.reshape(region.num_slots, num_layers, kv_factor, block_size) if (
-            region.stride == region.size
-        ) else view.unflatten(1, (num_layers, kv_factor, block_size))
+        return (
+            view.reshape(region.num_slots, num_layers, kv_factor, block_size)
+            if (region.stride == region.size)
+            else view.unflatten(1, (num_layers, kv_factor, block_size))
+        )

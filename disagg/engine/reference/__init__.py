@@ -1,0 +1,30 @@
+"""The reference engine: a seeded tiny llama-style model with a paged KV cache and an
+executor loop that drives a TensorRT-LLM KV cache connector as the real executor does.
+
+Public API (used by serve/bench/tests)::
+
+    from disagg.engine.reference import Engine, EngineConfig, ConnectorSpec
+    eng = Engine(EngineConfig(kv_manager="v2", windows=(64, None)),
+                 connector=ConnectorSpec("mod", "SchedCls", "WorkerCls", extra={}))
+    rid = eng.add_request([1, 2, 3], max_tokens=8, cache_salt=None)
+    while eng.has_work():
+        eng.step()
+    eng.results[rid].tokens, eng.results[rid].error, eng.stats.as_dict()
+    eng.generate([[1, 2, 3]], max_tokens=8)  # -> [[...]]; raises RuntimeError on failure
+"""
+
+from .config import ConnectorSpec, EngineConfig, LlmArgs, parse_windows
+from .connector_driver import CpuStream
+from .executor import Engine, EngineStats, Request, RequestResult
+
+__all__ = [
+    "ConnectorSpec",
+    "CpuStream",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "LlmArgs",
+    "Request",
+    "RequestResult",
+    "parse_windows",
+]

@@ -1,0 +1,223 @@
+"""The consumer's engine adapter: TensorRT-LLM's scheduler/worker hooks over ``ConsumerService``.
+
+Scheduler: answers ``get_num_new_matched_tokens`` by claiming the longest prefix a producer
+holds, captures destination slots from the allocation callback, and hands loads to the
+worker in the metadata. Worker: asks the producer to push, reports completion through
+``get_finished``, and raises an error naming the request before any forward pass could
+read pages whose load failed (there is no API to report a failed load).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..connector_common import request_tokens, resolve_config
+from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from ..pages import PagePool
+from ..protocol.keys import block_keys
+from .service import ConsumerService, Load, service_for
+
+log = logging.getLogger("disagg.consumer")
+
+
+class KvLoadFailedError(RuntimeError):
+    """A claimed prefix could not be loaded; the request must fail, never read those pages."""
+
+
+@dataclass
+class ConsumerMeta:
+    loads: list[int] = field(default_factory=list)  # request ids whose load starts now
+    scheduled: list[int] = field(default_factory=list)  # every request computed this pass
+
+
+class ConsumerScheduler(KvCacheConnectorScheduler):
+    """Leader side of the consumer: claims remote prefixes and plans their loads."""
+
+    def __init__(self, llm_args: Any):
+        super().__init__(llm_args)
+        self.config = resolve_config(llm_args, "consumer")
+        self.service: ConsumerService = service_for(self.config, llm_args)
+        self.is_async = self.config.consumer.load_mode == "async"
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Once per request (again after a replay). Offers whole blocks past a block-aligned
+        device match, never the last prompt token, only blocks a producer holds in every
+        layer group and has leased to us. Any failure before the answer is a miss."""
+        svc = self.service
+        rid = request.request_id
+        self._drop(rid)  # a replayed request must not leak its first lease
+        if svc.pool is None:
+            return 0, False
+        tpb = svc.pool.tokens_per_block
+        if num_computed_tokens % tpb:
+            svc.metrics["declined_unaligned"] += 1
+            return 0, False
+        prompt = request_tokens(request)
+        offerable = (len(prompt) - 1) // tpb  # the last prompt token is always computed here
+        first = num_computed_tokens // tpb
+        if offerable <= first:
+            return 0, False
+        try:
+            keys = block_keys(
+                svc.namespace_seed(getattr(request, "cache_salt", None)),
+                prompt[: offerable * tpb],
+                tpb,
+            )
+            claimed = svc.claim(rid, keys[first:offerable])
+        except Exception:  # a miss, never an engine failure
+            log.exception("claim for request %d failed; recomputing", rid)
+            return 0, False
+        if claimed is None:
+            return 0, False
+        svc.loads[rid] = Load(rid, claimed, first_block=first)
+        return claimed.num_blocks * tpb, self.is_async
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Right after allocation: remember where the claimed blocks must land."""
+        self.update_state_after_alloc_by_layer_group(request, [list(block_ids)])
+
+    def update_state_after_alloc_by_layer_group(
+        self, request: Any, block_ids_by_layer_group: list[list[int]]
+    ) -> None:
+        """Per-group form: slot ``[g][i]`` of block ordinal ``i``; ``-1`` (outside a sliding
+        window) means that group's page is not wanted and is skipped."""
+        load = self.service.loads.get(request.request_id)
+        if load is None or load.dispatched:
+            return
+        first, n = load.first_block, load.claimed.num_blocks
+        dst = []
+        for ids in block_ids_by_layer_group:
+            part = [int(s) for s in ids[first : first + n]]
+            dst.append(part + [-1] * (n - len(part)))
+        if all(s < 0 for g in dst for s in g):
+            self.service.fail(load, "the engine allocated no page for the claimed blocks")
+        load.dst_slots = dst
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConsumerMeta:
+        """Once per iteration: loads whose slots are known start now (async requests are
+        parked, so they are absent from the output: the loads travel here anyway)."""
+        meta = ConsumerMeta(
+            scheduled=[
+                rd.request_id
+                for rd in [*scheduler_output.new_requests, *scheduler_output.cached_requests]
+            ]
+        )
+        for rid, load in self.service.loads.items():
+            if not load.dispatched and load.dst_slots is not None and not load.done:
+                meta.loads.append(rid)
+        return meta
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Once at the end: release the lease. Nothing is saved, so never ``True``."""
+        self._drop(request.request_id)
+        return False
+
+    def request_finished_by_layer_group(
+        self, request: Any, cache_block_ids_by_layer_group: list[list[int]]
+    ) -> bool:
+        return self.request_finished(request, [])
+
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        """V2: the runtime will not consume the offer; give the lease back."""
+        load = self.service.loads.get(request.request_id)
+        if load is not None and not load.dispatched:
+            self._drop(request.request_id)
+
+    def request_reset(self, request: Any) -> None:
+        """V2: the request will replay from scratch and be queried again."""
+        self._drop(request.request_id)
+
+    def _drop(self, rid: int) -> None:
+        load = self.service.loads.pop(rid, None)
+        if load is not None:
+            self.service.release(load.claimed)
+
+
+class ConsumerWorker(KvCacheConnectorWorker):
+    """Worker side of the consumer: has pages pushed into our slots, reports completion."""
+
+    def __init__(self, llm_args: Any):
+        super().__init__(llm_args)
+        self.config = resolve_config(llm_args, "consumer")
+        self.service: ConsumerService = service_for(self.config, llm_args)
+        self.is_async = self.config.consumer.load_mode == "async"
+        self._loading: set[int] = set()  # ids handed in through get_finished
+        self._failed: dict[int, str] = {}
+        self._sync_pending: list[Load] = []
+        self._first_layer = 0
+
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        """Bring-up, V1: the rank's single pool tensor."""
+        tpb = self._llm_args.kv_cache_config.tokens_per_block
+        self.service.attach(PagePool.from_v1_tensor(kv_cache_tensor, tpb))
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Bring-up, V2: any number of layer groups and regions."""
+        self.service.attach(PagePool(layout))
+        self._first_layer = min(min(g.layer_ids) for g in layout.groups)
+
+    def start_load_kv(self, stream: Any) -> None:
+        """Once per pass: ask producers to push this pass's loads. Never raises: an
+        exception here is fatal to the executor, so failures are recorded instead."""
+        meta = self._metadata
+        if not isinstance(meta, ConsumerMeta):
+            return
+        for rid in meta.loads:
+            load = self.service.loads.get(rid)
+            if load is None or load.dispatched:
+                continue
+            self.service.dispatch(load)
+            if not self.is_async:
+                self._sync_pending.append(load)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Before the first layer: synchronous loads complete (bounded), and any request of
+        this batch whose load failed raises an error naming it, so no layer reads its pages."""
+        if layer_idx != self._first_layer:
+            return
+        pending, self._sync_pending = self._sync_pending, []
+        for load in pending:
+            self.service.wait(load)
+            if load.error:
+                self._failed[load.request_id] = load.error
+        meta = self._metadata
+        scheduled = meta.scheduled if isinstance(meta, ConsumerMeta) else []
+        bad = [rid for rid in scheduled if rid in self._failed]
+        if bad:
+            msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)
+            raise KvLoadFailedError(
+                f"KV cache load failed, refusing to compute on unloaded pages ({msg})"
+            )
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """A consumer saves nothing."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        """A consumer saves nothing."""
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Every iteration: report each handed-in async load once it is over. A failed load
+        is reported too (so the request leaves the parking lot) and recorded, so its first
+        forward pass raises in ``wait_for_layer_load`` instead of reading its pages."""
+        self._loading.update(started_loading_req_ids)
+        done = []
+        for rid in list(self._loading):
+            load = self.service.loads.get(rid)
+            if load is None:  # released while parked: its pages were never (fully) written
+                done.append(rid)
+                self._failed[rid] = "its load was cancelled before the pages landed"
+                continue
+            if self.service.poll(load):
+                done.append(rid)
+                if load.error:
+                    self._failed[rid] = load.error
+        self._loading.difference_update(done)
+        return list(finished_gen_req_ids), done

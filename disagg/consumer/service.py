@@ -1,0 +1,327 @@
+"""The consumer's engine-neutral core: producer links, claims, leases held, loads.
+
+Rules it keeps (DESIGN §5):
+- anything failing *before* a claim is answered is a miss (the engine recomputes);
+- a lease is held from the claim until released (request end, cancel, reset, replay);
+- a load that fails after the answer is recorded against its request, so the engine
+  adapter can raise an error naming it before any forward pass reads those pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import DisaggConfig
+from ..identity import fingerprint_of, model_id_of, namespace_of, tp_of
+from ..pages import PagePool
+from ..protocol import messages as m
+from ..protocol.errors import ProtocolError
+from ..protocol.fingerprint import Fingerprint
+from ..protocol.version import PROTOCOL_VERSION
+from ..transport.control import ControlClient
+from ..transport.dataplane import TransferState
+from ..transport.factory import make_data_plane
+
+log = logging.getLogger("disagg.consumer")
+
+V = PROTOCOL_VERSION
+# A producer that failed a call is skipped for this long, then tried again (a dead peer
+# must not be cached forever, nor retried on every query).
+DOWN_BACKOFF_S = 2.0
+
+_services: dict[str, ConsumerService] = {}
+_services_lock = threading.Lock()
+
+
+def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
+    with _services_lock:
+        svc = _services.get(config.instance_id)
+        if svc is None or svc.closed:
+            svc = ConsumerService(config, llm_args)
+            _services[config.instance_id] = svc
+        return svc
+
+
+class ProducerLink:
+    """One producer's control channel; says Hello (handshake) before anything else."""
+
+    def __init__(self, endpoint: str, owner: str, timeout_s: float):
+        self.endpoint = endpoint
+        self.owner = owner
+        self.client = ControlClient(endpoint, default_timeout_s=timeout_s)
+        self.ready = False
+        self.down_until = 0.0
+        self.lock = threading.Lock()
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def call(self, msg: Any, fingerprint: Fingerprint, data_endpoint: str, timeout_s: float) -> Any:
+        try:
+            if not self.ready:  # first use, or after any failure (the socket may be new)
+                self.client.call(
+                    m.Hello(
+                        v=V,
+                        instance_id=self.owner,
+                        role="consumer",
+                        fingerprint=fingerprint,
+                        data_endpoint=data_endpoint,
+                    ),
+                    timeout_s=timeout_s,
+                )
+                self.ready = True
+            return self.client.call(msg, timeout_s=timeout_s)
+        except ProtocolError:
+            self.ready = False
+            self.down_until = time.monotonic() + DOWN_BACKOFF_S
+            raise
+
+
+@dataclass
+class Claimed:
+    link: ProducerLink
+    lease_id: int
+    num_blocks: int
+
+
+@dataclass
+class Load:
+    """One request's load: its lease, destination slots, and transfer state."""
+
+    request_id: int
+    claimed: Claimed
+    first_block: int  # block ordinal in the request where the loaded run starts
+    dst_slots: list[list[int]] | None = None
+    transfer_id: int = 0
+    token: bytes = b""
+    dispatched: bool = False
+    error: str | None = None
+    done: bool = False
+
+
+class ConsumerService:
+    def __init__(self, config: DisaggConfig, llm_args: Any):
+        self.config = config
+        self.ccfg = config.consumer
+        self.model_id = model_id_of(llm_args, config.model_id)
+        self.tp_size, self.tp_rank = tp_of(llm_args)
+        if self.tp_size != 1:
+            raise NotImplementedError(
+                f"disagg consumer: tensor_parallel_size={self.tp_size} is not supported yet; "
+                "run decode instances with TP=1"
+            )
+        self.links = [
+            ProducerLink(ep, config.instance_id, self.ccfg.claim_timeout_s)
+            for ep in self.ccfg.producers
+        ]
+        self.pool: PagePool | None = None
+        self.fingerprint: Fingerprint | None = None
+        self.data = None
+        self._seeds: dict[str | None, bytes] = {}
+        self.loads: dict[int, Load] = {}
+        self._transfer_ids = iter(range(1, 1 << 62))
+        self._releases: list[tuple[ProducerLink, int]] = []
+        self._lock = threading.Lock()
+        self._lookups = ThreadPoolExecutor(
+            max(1, len(self.links)), thread_name_prefix="disagg-lookup"
+        )
+        self.metrics: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.closed = False
+
+    def attach(self, pool: PagePool) -> None:
+        if self.pool is not None:
+            raise RuntimeError("disagg consumer: KV caches were registered twice")
+        self.pool = pool
+        self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
+        self.data = make_data_plane(
+            self.config.transport, bind=self.ccfg.data, advertise_host=self.ccfg.advertise_host
+        )
+        self.data.register_regions(pool.regions)
+        threading.Thread(target=self._keepalive_loop, name="disagg-keepalive", daemon=True).start()
+
+    def namespace_seed(self, cache_salt: str | None) -> bytes:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            assert self.fingerprint is not None
+            seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
+        return seed
+
+    def _call(self, link: ProducerLink, msg: Any, timeout_s: float | None = None) -> Any:
+        assert self.fingerprint is not None and self.data is not None
+        with link.lock:
+            return link.call(
+                msg, self.fingerprint, self.data.endpoint, timeout_s or self.ccfg.claim_timeout_s
+            )
+
+    # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
+    def claim(self, request_id: int, keys: list[bytes]) -> Claimed | None:
+        """Lease the longest run of ``keys`` any producer holds; None on a miss or on any
+        failure (a miss: the engine recomputes)."""
+        if self.fingerprint is None or not keys:
+            return None
+        links = [lk for lk in self.links if lk.usable()]
+        if not links:
+            self.metrics["claims_no_producer"] += 1
+            return None
+        if len(links) > 1:
+            links = self._rank_by_lookup(links, keys)
+        for link in links:
+            try:
+                ok = self._call(
+                    link,
+                    m.Claim(
+                        v=V,
+                        owner=self.config.instance_id,
+                        request_id=str(request_id),
+                        keys=keys,
+                        ttl_s=self.ccfg.lease_ttl_s,
+                    ),
+                )
+            except ProtocolError as exc:
+                self.metrics["claims_failed"] += 1
+                log.info("claim on %s failed (a miss): %s", link.endpoint, exc)
+                continue
+            if ok.num_blocks > 0:
+                self.metrics["claims_hit"] += 1
+                return Claimed(link, ok.lease_id, ok.num_blocks)
+        self.metrics["claims_miss"] += 1
+        return None
+
+    def _rank_by_lookup(self, links: list[ProducerLink], keys: list[bytes]) -> list[ProducerLink]:
+        """Ask every producer in parallel how much it holds; best first, misses dropped."""
+        msg = m.Lookup(v=V, owner=self.config.instance_id, keys=keys)
+        futs = {self._lookups.submit(self._call, lk, msg): lk for lk in links}
+        done, _ = wait(futs, timeout=self.ccfg.claim_timeout_s)
+        held = []
+        for f in done:
+            if f.exception() is None and f.result().num_blocks > 0:
+                held.append((f.result().num_blocks, futs[f]))
+        held.sort(key=lambda x: -x[0])
+        return [lk for _, lk in held]
+
+    def release(self, claimed: Claimed) -> None:
+        """Queue the release; the keepalive thread sends it (never the engine thread)."""
+        with self._lock:
+            self._releases.append((claimed.link, claimed.lease_id))
+        self._wake.set()
+
+    # -- loads (engine thread; never waits past a deadline) ------------------------------
+    def dispatch(self, load: Load) -> None:
+        """Ask the producer to push the leased pages into our slots. A failure marks the
+        load failed (reported by the adapter), it never raises into the engine."""
+        assert self.data is not None and load.dst_slots is not None
+        load.transfer_id = next(self._transfer_ids)
+        load.token = secrets.token_bytes(16)
+        load.dispatched = True
+        pages_by_group = [sum(1 for s in g if s >= 0) for g in load.dst_slots]
+        try:
+            self.data.expect(
+                load.transfer_id,
+                load.claimed.lease_id,
+                load.token,
+                pages_by_group,
+                self.ccfg.load_timeout_s,
+            )
+            self._call(
+                load.claimed.link,
+                m.Push(
+                    v=V,
+                    owner=self.config.instance_id,
+                    lease_id=load.claimed.lease_id,
+                    transfer_id=load.transfer_id,
+                    token=load.token,
+                    data_endpoint=self.data.endpoint,
+                    first_block=0,
+                    num_blocks=load.claimed.num_blocks,
+                    dst_slots=load.dst_slots,
+                ),
+            )
+            self.metrics["loads_started"] += 1
+        except Exception as exc:
+            self.fail(load, f"push request to {load.claimed.link.endpoint} failed: {exc}")
+
+    def fail(self, load: Load, why: str) -> None:
+        load.error, load.done = why, True
+        self.metrics["loads_failed"] += 1
+        if self.data is not None and load.transfer_id:
+            self.data.abort(load.transfer_id)
+        log.warning("KV load for request %d failed: %s", load.request_id, why)
+
+    def poll(self, load: Load) -> bool:
+        """True once the load is over (done or failed)."""
+        if load.done or not load.dispatched:
+            return load.done
+        assert self.data is not None
+        st = self.data.poll(load.transfer_id)
+        if st.state is TransferState.DONE:
+            load.done = True
+            self.metrics["loads_done"] += 1
+            self.metrics["pages_loaded"] += sum(
+                sum(1 for s in g if s >= 0) for g in load.dst_slots or []
+            )
+        elif st.state is TransferState.FAILED:
+            self.fail(load, st.error or "transfer failed")
+        return load.done
+
+    def wait(self, load: Load) -> None:
+        """Synchronous mode: wait until the load is over, bounded by its deadline."""
+        deadline = time.monotonic() + self.ccfg.load_timeout_s
+        while not self.poll(load):
+            if time.monotonic() > deadline:
+                self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                return
+            time.sleep(0.0002)
+
+    # -- keepalive: heartbeats, renewals, queued releases --------------------------------
+    def _keepalive_loop(self) -> None:
+        period = max(0.05, min(self.ccfg.heartbeat_s, self.ccfg.lease_ttl_s / 3))
+        next_renew = time.monotonic() + period
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_renew - time.monotonic()))
+            self._wake.clear()
+            self._send_releases()
+            if time.monotonic() < next_renew:
+                continue
+            next_renew = time.monotonic() + period
+            held: dict[ProducerLink, list[int]] = {}
+            for load in list(self.loads.values()):
+                held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
+            for link, ids in held.items():
+                try:
+                    self._call(link, m.Renew(v=V, owner=self.config.instance_id, lease_ids=ids))
+                except ProtocolError as exc:
+                    log.info("renewing leases on %s failed: %s", link.endpoint, exc)
+
+    def _send_releases(self) -> None:
+        with self._lock:
+            todo, self._releases = self._releases, []
+        for link, lease_id in todo:
+            try:
+                self._call(link, m.Release(v=V, owner=self.config.instance_id, lease_id=lease_id))
+                self.metrics["leases_released"] += 1
+            except ProtocolError as exc:  # the producer's TTL frees it anyway
+                self.metrics["release_failed"] += 1
+                log.info("release of lease %d failed: %s", lease_id, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._send_releases()
+        self.closed = True
+        for link in self.links:
+            link.client.close()
+        if self.data is not None:
+            self.data.close()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        with _services_lock:
+            if _services.get(self.config.instance_id) is self:
+                del _services[self.config.instance_id]

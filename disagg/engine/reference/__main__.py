@@ -1,0 +1,107 @@
+"""CLI: ``python -m disagg.engine.reference [--connector-module M --connector-scheduler-class S
+--connector-worker-class W] [model/cache/scheduling flags] [--json]``.
+
+Without a connector it runs monolithic. ``--json`` prints one JSON object on the last line
+of stdout: ``outputs`` (generated ids per prompt), ``errors``, ``connector_matched_tokens``,
+``device_matched_tokens``, ``calls`` and the other ``EngineStats`` fields. ``--dump-pages F``
+(with capture on) writes ``torch.save`` of ``[{"loaded": {"g:o": uint8 tensor},
+"computed": {...}}]`` per prompt, for byte comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from .config import ConnectorSpec, EngineConfig, parse_windows
+from .executor import Engine
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m disagg.engine.reference", description=__doc__)
+    p.add_argument("--connector-module")
+    p.add_argument("--connector-scheduler-class")
+    p.add_argument("--connector-worker-class")
+    p.add_argument("--connector-extra", default="{}", help="JSON dict passed as llm_args.disagg")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--windows", default="full", help="comma list per layer: full or a token count")
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--kv-manager", choices=("v1", "v2"), default="v1")
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument("--no-block-reuse", action="store_true")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--prompt", default=None, help="comma list of token ids")
+    p.add_argument("--num-prompts", type=int, default=1)
+    p.add_argument("--cache-salt", default=None)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dump-pages", default=None)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    names = (a.connector_module, a.connector_scheduler_class, a.connector_worker_class)
+    if any(names) and not all(names):
+        print("error: give all three --connector-* options or none", file=sys.stderr)
+        return 2
+    cfg = EngineConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
+        num_kv_heads=a.kv_heads, head_dim=a.head_dim, windows=parse_windows(a.windows),
+        tokens_per_block=a.tokens_per_block, kv_manager=a.kv_manager, chunk_size=a.chunk_size,
+        tp=a.tp, overlap=a.overlap, num_blocks=a.num_blocks, max_seq_len=a.max_seq_len,
+        device=a.device, seed=a.seed, dtype=a.dtype, enable_block_reuse=not a.no_block_reuse,
+        capture_pages=a.dump_pages is not None,
+    )
+    spec = ConnectorSpec(names[0], names[1], names[2], json.loads(a.connector_extra)) if all(names) else None
+    if a.prompt:
+        prompts = [[int(t) for t in a.prompt.split(",") if t.strip()]] * a.num_prompts
+    else:
+        rng = random.Random(a.seed)
+        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.num_prompts)]
+    t0 = time.perf_counter()
+    eng = Engine(cfg, spec)
+    ids = [eng.add_request(p, a.max_tokens, a.cache_salt) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    elapsed = time.perf_counter() - t0
+    outputs = [eng.results[i].tokens for i in ids]
+    errors = [eng.results[i].error for i in ids]
+    if a.dump_pages:
+        import torch
+
+        def conv(d: dict[tuple[int, int], bytes]) -> dict[str, torch.Tensor]:
+            return {f"{g}:{o}": torch.frombuffer(bytearray(b), dtype=torch.uint8) for (g, o), b in d.items()}
+
+        torch.save([{"loaded": conv(eng.results[i].loaded_pages), "computed": conv(eng.results[i].computed_pages)}
+                    for i in ids], a.dump_pages)
+    out = {"outputs": outputs, "errors": errors, "elapsed_s": round(elapsed, 4),
+           "per_request_connector_matched": [eng.results[i].connector_matched_tokens for i in ids],
+           **eng.stats.as_dict()}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for i, (o, e) in enumerate(zip(outputs, errors, strict=True)):
+            print(f"prompt {i}: {'ERROR ' + e if e else o}")
+        print(f"connector_matched_tokens={out['connector_matched_tokens']} "
+              f"device_matched_tokens={out['device_matched_tokens']} elapsed={elapsed:.3f}s")
+    return 1 if any(errors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

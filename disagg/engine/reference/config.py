@@ -1,0 +1,185 @@
+"""Engine configuration, connector spec and the ``TorchLlmArgs``-like object connectors see."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_windows(text: str) -> tuple[int | None, ...]:
+    """``"64,full"`` -> ``(64, None)``; one entry per layer, repeated cyclically."""
+    out: list[int | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        out.append(None if item in ("full", "none", "0") else int(item))
+    if not out:
+        raise ValueError("windows: empty list")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the reference engine needs. Validated on construction (``ValueError``).
+
+    ``windows``: per-layer attention windows repeated cyclically over ``num_layers``;
+    ``None`` is full attention, an int a sliding window in tokens (a window at or above
+    ``max_seq_len`` is full attention, as in TensorRT-LLM). ``num_blocks`` is the number of
+    page slots of *each* layer-group pool.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    windows: tuple[int | None, ...] = (None,)
+    tokens_per_block: int = 32
+    kv_manager: str = "v1"
+    chunk_size: int | None = None
+    tp: int = 1
+    overlap: bool = False
+    num_blocks: int = 512
+    max_seq_len: int = 8192
+    device: str = "cpu"
+    seed: int = 0
+    dtype: str = "float32"
+    enable_block_reuse: bool = True
+    # Snapshot page bytes as they are loaded by a connector and as blocks complete, for
+    # byte comparisons in tests (costs memory; off by default).
+    capture_pages: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "windows", tuple(self.windows))
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "tokens_per_block", "tp", "num_blocks",
+                     "max_seq_len"):
+            need(int(getattr(self, name)) > 0, f"{name} must be > 0")
+        need(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        need(self.num_kv_heads % self.tp == 0, f"num_kv_heads {self.num_kv_heads} not divisible by tp {self.tp}")
+        need(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
+        need(self.kv_manager in ("v1", "v2"), f"kv_manager must be 'v1' or 'v2', not {self.kv_manager!r}")
+        need(self.chunk_size is None or self.chunk_size > 0, "chunk_size must be > 0 or None")
+        need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
+        need(len(self.windows) > 0, "windows must not be empty")
+        for w in self.windows:
+            need(w is None or int(w) > 0, f"window {w!r} must be a positive token count or None")
+        need(self.device == "cpu" or self.device.startswith("cuda"), "device must be cpu or cuda[:N]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Effective window per layer (``None`` = full)."""
+        out = []
+        for i in range(self.num_layers):
+            w = self.windows[i % len(self.windows)]
+            out.append(None if w is None or w >= self.max_seq_len else int(w))
+        return tuple(out)
+
+    @property
+    def layer_groups(self) -> list[tuple[int | None, tuple[int, ...]]]:
+        """``[(window, layer_ids)]``, one per distinct window in first-appearance order."""
+        order: list[int | None] = []
+        for w in self.layer_windows:
+            if w not in order:
+                order.append(w)
+        return [(w, tuple(i for i, lw in enumerate(self.layer_windows) if lw == w)) for w in order]
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tp
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """Module and class names, imported like ``KvCacheConnectorConfig``; ``extra`` is passed
+    to the connector as ``llm_args.disagg`` (a dict)."""
+
+    module: str
+    scheduler_class: str
+    worker_class: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Obj:
+    """Attribute bag (repr shows fields) standing in for pydantic config objects."""
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__!r})"
+
+
+class KvCacheConfigLike(_Obj):
+    pass
+
+
+class KvCacheConnectorConfigLike(_Obj):
+    pass
+
+
+class LlmArgs(_Obj):
+    """What a connector's ``llm_args`` exposes (the subset of ``TorchLlmArgs`` connectors
+    read, contract §13), plus ``disagg`` (the spec's ``extra`` dict) and ``rank`` (our
+    stand-in for ``mpi_rank()``: each worker gets a copy carrying its own rank)."""
+
+
+def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
+    windows = [cfg.max_seq_len if w is None else w for w in cfg.layer_windows]
+    return LlmArgs(
+        model="disagg-reference-tiny-llama",
+        backend="pytorch",
+        kv_cache_config=KvCacheConfigLike(
+            tokens_per_block=cfg.tokens_per_block,
+            max_attention_window=windows,
+            enable_block_reuse=cfg.enable_block_reuse,
+            use_kv_cache_manager_v2=cfg.kv_manager == "v2",
+            host_cache_size=None,
+            disk_cache_size=None,
+            enable_partial_reuse=False,
+        ),
+        kv_connector_config=None
+        if spec is None
+        else KvCacheConnectorConfigLike(
+            connector_module=spec.module,
+            connector_scheduler_class=spec.scheduler_class,
+            connector_worker_class=spec.worker_class,
+        ),
+        max_seq_len=cfg.max_seq_len,
+        max_beam_width=1,
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=1,
+        context_parallel_size=1,
+        enable_attention_dp=False,
+        speculative_config=None,
+        cuda_graph_config=None,
+        disable_overlap_scheduler=not cfg.overlap,
+        dtype=cfg.dtype,
+        disagg=dict(spec.extra) if spec is not None else {},
+        engine_config=cfg,
+        rank=0,
+    )
+
+
+def llm_args_for_rank(args: LlmArgs, rank: int) -> LlmArgs:
+    out = copy.copy(args)
+    out.rank = rank
+    return out

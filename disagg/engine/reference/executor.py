@@ -1,0 +1,493 @@
+"""The executor loop: drives the model, the paged cache and a connector exactly as
+TensorRT-LLM's PyTorch executor does (contract §7 and §13).
+
+One ``Engine.step()`` is one executor iteration:
+
+1. schedule: running context/generation requests plus admitted waiting ones (FIFO,
+   admitted only if the pools can hold their whole lifetime: GUARANTEED_NO_EVICT);
+2. prepare_resources: a request's first context chunk computes the device-matched prefix P,
+   asks ``get_num_new_matched_tokens(req, P)`` once, allocates (V1: every prompt block; V2:
+   P+N plus the first chunk) and calls ``update_state_after_alloc`` (flat, V1) or
+   ``update_state_after_alloc_by_layer_group`` (V2); later chunks/generation grow pages;
+3. a ``SchedulerOutput`` of deltas (async-loading requests left out), then
+   ``build_connector_meta`` -> pickle round trip -> ``bind_connector_meta`` on every rank ->
+   ``start_load_kv`` (an exception there is fatal: it propagates and the engine is dead);
+4. the forward, if anything is left after parking: per layer ``wait_for_layer_load`` ->
+   compute -> ``save_kv_layer``; the forward-pass callable; ``wait_for_save``. An exception
+   fails every request of the batch with its message; other requests keep being served;
+5. sampling (greedy), block registration for reuse, sliding-window reclamation;
+6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
+   every rank reports the save;
+7. ``get_finished`` every iteration, forward or not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .. import RequestData, SchedulerOutput
+from .config import ConnectorSpec, EngineConfig, build_llm_args
+from .connector_driver import Driver
+from .kv_cache import KvCacheManager, RequestKv, block_hashes
+from .model import TinyLlama
+
+
+@dataclass
+class RequestResult:
+    """``tokens``: generated ids; ``error``: message if the request failed; ``finished``:
+    no more tokens will come. Page snapshots are filled only with ``capture_pages``:
+    ``loaded_pages[(group, ordinal)]`` right after the connector's load,
+    ``computed_pages[(group, ordinal)]`` when the block's KV was computed here."""
+
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    finished: bool = False
+    device_matched_tokens: int = 0
+    connector_matched_tokens: int = 0
+    loaded_pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    computed_pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    calls: Counter[str] = field(default_factory=Counter)  # connector calls (rank 0 / leader)
+    iterations: int = 0
+    forward_passes: int = 0
+    device_matched_tokens: int = 0
+    connector_matched_tokens: int = 0
+    computed_tokens: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["calls"] = dict(self.calls)
+        return d
+
+
+class Request:
+    """The ``LlmRequest`` attributes connectors read (contract §6)."""
+
+    def __init__(self, rid: int, prompt: list[int], max_tokens: int, salt: str | None, groups: int):
+        self.request_id = self.py_request_id = rid
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)
+        self.max_new_tokens = max_tokens
+        self.cache_salt = salt
+        self.cache_salt_id = None
+        self.lora_task_id = None
+        self.multimodal_hashes = None
+        self.kv_cache_retention_config = None
+        self.py_draft_tokens: list[int] = []
+        self.is_dummy_request = False
+        self.is_generation_only_request = False
+        self.state = "waiting"  # waiting|context|loading|generation|finishing|saving|done
+        self.context_current_position = 0
+        self.context_chunk_size = 0
+        self.py_num_connector_matched_tokens = self.num_connector_matched_tokens = 0
+        self.pages: list[list[int]] = [[] for _ in range(groups)]
+        self.hashes: list[bytes] = []
+        self.queried = False
+        self.forwarded = False
+        self.P = self.N = 0
+        self.external_load: int | None = None
+        self.reported = False
+        self.rep_tokens = 0
+        self.rep_pages = [0] * groups
+        self.sampled_iter = -1
+        self.finished_iter = -1
+        self.generated: list[int] = []
+
+    def get_tokens(self, beam: int = 0) -> list[int]:
+        return list(self.tokens)
+
+    @property
+    def context_remaining_length(self) -> int:
+        return max(0, self.prompt_len - self.context_current_position)
+
+    @property
+    def is_first_context_chunk(self) -> bool:
+        return not self.forwarded
+
+    def __repr__(self) -> str:
+        return f"Request(id={self.request_id}, state={self.state}, prompt_len={self.prompt_len})"
+
+
+def _request_data(**kw: Any) -> Any:
+    names = {f.name for f in fields(RequestData)}
+    return RequestData(**{k: v for k, v in kw.items() if k in names})
+
+
+class Engine:
+    """The reference engine. Single-threaded: call ``add_request`` and ``step`` from the
+    same thread. See the module docstring for what one ``step`` does."""
+
+    def __init__(self, config: EngineConfig, connector: ConnectorSpec | None = None):
+        self.config = cfg = config
+        self.stats = EngineStats()
+        self.model = TinyLlama(cfg)
+        self.kv = KvCacheManager(cfg)
+        self.llm_args = build_llm_args(cfg, connector)
+        self.driver: Driver | None = (
+            Driver(cfg, connector, self.llm_args, self.kv, self.stats.calls) if connector else None
+        )
+        self.results: dict[int, RequestResult] = {}
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count(1)
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._iteration = 0
+        self._fatal: BaseException | None = None
+        self._new_saving: list[int] = []
+        self._hidden: dict[int, Any] = {}
+        self._spans: dict[int, tuple[int, int]] = {}
+
+    # ----- public API -----------------------------------------------------------------
+    @property
+    def kv_pools(self) -> list[list[Any]]:
+        """``kv_pools[group][rank]``: the pool tensors (see ``kv_cache`` for the layout)."""
+        return [g.pools for g in self.kv.groups]
+
+    def request_pages(self, request_id: int) -> list[list[int]]:
+        """The request's current page slots per layer group (``-1`` = no page)."""
+        return [list(p) for p in self.requests[request_id].pages]
+
+    def page_bytes(self, group: int, slot: int) -> bytes:
+        """One group page's bytes (every rank's shard, rank order)."""
+        return self.kv.page_bytes(group, slot)
+
+    def add_request(self, prompt_tokens: list[int], max_tokens: int, cache_salt: str | None = None) -> int:
+        cfg = self.config
+        if not prompt_tokens:
+            raise ValueError("prompt must not be empty")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if any(not 0 <= int(t) < cfg.vocab_size for t in prompt_tokens):
+            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        if len(prompt_tokens) + max_tokens > cfg.max_seq_len:
+            raise ValueError(f"prompt + max_tokens exceeds max_seq_len {cfg.max_seq_len}")
+        rid = next(self._ids)
+        req = Request(rid, [int(t) for t in prompt_tokens], max_tokens, cache_salt, len(self.kv.groups))
+        self.requests[rid] = req
+        self.results[rid] = RequestResult()
+        self._waiting.append(req)
+        return rid
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
+                 cache_salt: str | None = None) -> list[list[int]]:
+        """Run prompts to completion; raises ``RuntimeError`` naming a failed request."""
+        mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        ids = [self.add_request(p, m, cache_salt) for p, m in zip(prompts, mts, strict=True)]
+        while any(not self.results[i].finished for i in ids) or self.has_work():
+            self.step()
+        for i in ids:
+            if self.results[i].error:
+                raise RuntimeError(f"request {i} failed: {self.results[i].error}")
+        return [list(self.results[i].tokens) for i in ids]
+
+    # ----- one iteration --------------------------------------------------------------
+    def step(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(f"engine is dead after a fatal error: {self._fatal}") from self._fatal
+        try:
+            self._step()
+        except BaseException as e:
+            self._fatal = e
+            raise
+
+    def _step(self) -> None:
+        cfg, drv = self.config, self.driver
+        self._iteration += 1
+        it = self._iteration
+        self.stats.iterations += 1
+        self._new_saving: list[int] = []
+        new_loading: list[int] = []
+
+        # 1. schedule
+        ctx = [r for r in self._active if r.state == "context"]
+        gen = [r for r in self._active if r.state == "generation"]
+        while self._waiting:
+            req = self._waiting[0]
+            verdict = self._admission(req)
+            if verdict is None:
+                break
+            self._waiting.popleft()
+            if verdict:
+                self._fail(req, verdict)
+                continue
+            req.state = "context"
+            self._active.append(req)
+            ctx.append(req)
+
+        # 2. prepare_resources
+        sched_ctx: list[Request] = []
+        for req in ctx:
+            if not req.queried:
+                if not self._first_allocation(req, new_loading):
+                    continue
+            elif cfg.kv_manager == "v2":
+                upto = req.context_current_position + self._chunk(req)
+                self.kv.extend(req.pages, upto, req.context_current_position, req.hashes, 0)
+            req.context_chunk_size = self._chunk(req)
+            sched_ctx.append(req)
+        for req in gen:
+            self.kv.extend(req.pages, len(req.tokens), len(req.tokens) - 1, req.hashes, 0)
+
+        # 3. scheduler output, park async loads, metadata, start_load_kv
+        scheduled = sched_ctx + gen
+        batch = [r for r in sched_ctx if r.state == "context"] + gen
+        if drv is not None and scheduled:
+            out = SchedulerOutput()
+            for req in batch:
+                (out.cached_requests if req.reported else out.new_requests).append(
+                    self._report(req, it)
+                )
+            meta = drv.sched("build_connector_meta", out)
+            drv.bind_and_start(meta)
+        for req in sched_ctx:
+            req.external_load = None
+        if cfg.capture_pages:
+            for req in batch:
+                if not req.forwarded and req.N > 0:
+                    self._snapshot(req, req.P, req.P + req.N, self.results[req.request_id].loaded_pages)
+
+        # 4. forward
+        if batch:
+            self.stats.forward_passes += 1
+            if not self._forward(batch):
+                batch = []
+
+        # 5. sampling and bookkeeping
+        for req in batch:
+            self._after_forward(req, it)
+
+        # 6. terminate finished requests (one iteration late under the overlap scheduler)
+        for req in list(self._active):
+            if req.state == "finishing" and (not cfg.overlap or req.finished_iter < it):
+                self._terminate(req)
+
+        # 7. get_finished, every iteration
+        if drv is not None:
+            fin_save, fin_load = drv.get_finished(self._new_saving, new_loading)
+            for rid in sorted(fin_load):
+                req = self.requests[rid]
+                req.state = "context"
+            for rid in sorted(fin_save):
+                req = self.requests[rid]
+                self.kv.free(req.pages)
+                self._drop(req)
+
+    # ----- helpers --------------------------------------------------------------------
+    def _chunk(self, req: Request) -> int:
+        rem = req.context_remaining_length
+        return rem if self.config.chunk_size is None else min(rem, self.config.chunk_size)
+
+    def _lifetime_blocks(self, req: Request) -> int:
+        return -(-(req.prompt_len + req.max_new_tokens) // self.config.tokens_per_block)
+
+    def _admission(self, req: Request) -> str | None | bool:
+        """False: admit; None: wait; str: fail with that message."""
+        need = self._lifetime_blocks(req)
+        if need > self.config.num_blocks:
+            return (f"request needs {need} KV blocks per layer group; the pools hold "
+                    f"{self.config.num_blocks}")
+        for gid, g in enumerate(self.kv.groups):
+            outstanding = sum(
+                max(0, self._lifetime_blocks(r) - len(r.pages[gid])) for r in self._active
+            )
+            if g.available() - outstanding < need:
+                return None
+        return False
+
+    def _extend_hashes(self, req: Request, ntokens: int) -> list[bytes]:
+        tpb = self.config.tokens_per_block
+        nb = min(ntokens, len(req.tokens)) // tpb
+        if len(req.hashes) < nb:
+            req.hashes = block_hashes(req.tokens[: nb * tpb], tpb, req.cache_salt)
+        return req.hashes
+
+    def _first_allocation(self, req: Request, new_loading: list[int]) -> bool:
+        cfg, drv = self.config, self.driver
+        hashes = self._extend_hashes(req, req.prompt_len)
+        P = self.kv.match_prefix(hashes, req.prompt_len)
+        N, is_async = 0, False
+        if drv is not None:
+            N, is_async = drv.sched("get_num_new_matched_tokens", req, P)
+            N, is_async = int(N), bool(is_async)
+            if N == 0 and is_async:
+                self._fail(req, "load_kv_async must be False when num_tokens is 0!")
+                return False
+            if N < 0 or P + N >= req.prompt_len:
+                self._fail(req, f"There must be at least one uncomputed token in the prompt! "
+                                f"(device-matched {P} + connector-matched {N} >= prompt length "
+                                f"{req.prompt_len})")
+                return False
+        req.queried = True
+        req.P, req.N = P, N
+        req.external_load = N
+        req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = N
+        req.context_current_position = P + N
+        res = self.results[req.request_id]
+        res.device_matched_tokens, res.connector_matched_tokens = P, N
+        self.stats.device_matched_tokens += P
+        self.stats.connector_matched_tokens += N
+        upto = req.prompt_len if cfg.kv_manager == "v1" else P + N + self._chunk(req)
+        self.kv.extend(req.pages, upto, P + N, hashes, P // cfg.tokens_per_block)
+        if drv is not None:
+            if cfg.kv_manager == "v1":
+                drv.sched("update_state_after_alloc", req, list(req.pages[0]))
+            else:
+                drv.sched("update_state_after_alloc_by_layer_group", req, [list(p) for p in req.pages])
+            if is_async:
+                req.state = "loading"
+                new_loading.append(req.request_id)
+        return True
+
+    def _report(self, req: Request, it: int) -> Any:
+        cfg = self.config
+        lag = 1 if cfg.overlap and req.sampled_iter == it - 1 else 0
+        visible = req.tokens[: len(req.tokens) - lag]
+        new_tokens = visible[req.rep_tokens :]
+        req.rep_tokens = len(visible)
+        deltas = [list(p[req.rep_pages[g] :]) for g, p in enumerate(req.pages)]
+        req.rep_pages = [len(p) for p in req.pages]
+        if cfg.kv_manager == "v1":
+            flat, grouped = deltas[0], []
+            hashes = [int.from_bytes(h[:8], "big") for h in self._extend_hashes(req, len(visible))]
+        else:
+            flat, grouped = (deltas[0] if len(deltas) == 1 else []), deltas
+            hashes = []
+        if req.state == "generation":
+            cp, nst = len(req.tokens) - 1, 1
+        else:
+            cp, nst = req.context_current_position - (req.external_load or 0), self._chunk(req)
+        req.reported = True
+        return _request_data(
+            request_id=req.request_id, new_tokens=new_tokens, new_block_ids=flat,
+            computed_position=cp, num_scheduled_tokens=nst, block_hashes=hashes,
+            priorities=None, cache_salt=req.cache_salt, new_block_ids_by_layer_group=grouped,
+        )
+
+    def _span(self, req: Request) -> tuple[int, int]:
+        if req.state == "generation":
+            return len(req.tokens) - 1, 1
+        return req.context_current_position, self._chunk(req)
+
+    def _forward(self, batch: list[Request]) -> bool:
+        drv, model = self.driver, self.model
+        stream = drv.stream if drv is not None else None
+        spans = {r.request_id: self._span(r) for r in batch}
+        try:
+            hidden = {
+                r.request_id: model.embed_tokens(r.tokens[s : s + n])
+                for r in batch for s, n in [spans[r.request_id]]
+            }
+            for i in range(self.config.num_layers):
+                if drv is not None:
+                    drv.each_worker("wait_for_layer_load", i, stream)
+                for r in batch:
+                    s, _ = spans[r.request_id]
+                    hidden[r.request_id] = model.layer(i, hidden[r.request_id], s, RequestKv(self.kv, r.pages))
+                if drv is not None:
+                    drv.each_worker("save_kv_layer", i, stream)
+            if drv is not None:
+                drv.forward_callables()
+                drv.each_worker("wait_for_save", stream)
+        except Exception as e:  # _handle_errors: fail the batch, keep serving
+            msg = f"{type(e).__name__}: {e}"
+            for r in batch:
+                self._fail(r, msg)
+            return False
+        self._hidden = hidden
+        self._spans = spans
+        return True
+
+    def _after_forward(self, req: Request, it: int) -> None:
+        cfg, tpb = self.config, self.config.tokens_per_block
+        s, n = self._spans[req.request_id]
+        req.forwarded = True
+        end = s + n
+        self.stats.computed_tokens += n
+        if cfg.capture_pages:
+            self._snapshot(req, s, end, self.results[req.request_id].computed_pages, complete=True)
+        sample = False
+        if req.state == "context":
+            req.context_current_position = end
+            if end >= req.prompt_len:
+                req.state = "generation"
+                sample = True
+        else:
+            sample = True
+        if sample:
+            tok = self.model.sample(self._hidden[req.request_id][-1])
+            req.tokens.append(tok)
+            req.generated.append(tok)
+            req.sampled_iter = it
+            self.results[req.request_id].tokens.append(tok)
+        hashes = self._extend_hashes(req, end)
+        self.kv.register(req.pages, hashes, s // tpb, end // tpb)
+        self.kv.reclaim(req.pages, end)
+        if len(req.generated) >= req.max_new_tokens:
+            req.state = "finishing"
+            req.finished_iter = it
+            self.results[req.request_id].finished = True
+
+    def _snapshot(self, req: Request, lo: int, hi: int, into: dict[tuple[int, int], bytes],
+                  complete: bool = False) -> None:
+        tpb = self.config.tokens_per_block
+        first = lo // tpb
+        last = hi // tpb if complete else -(-hi // tpb)
+        for gid, pages in enumerate(req.pages):
+            for b in range(first, min(last, len(pages))):
+                if complete and not (lo < (b + 1) * tpb <= hi):
+                    continue
+                if pages[b] >= 0:
+                    into[(gid, b)] = self.kv.page_bytes(gid, pages[b])
+
+    def _terminate(self, req: Request) -> None:
+        keep = False
+        drv = self.driver
+        if drv is not None:
+            if self.config.kv_manager == "v1":
+                keep = bool(drv.sched("request_finished", req, list(req.pages[0])))
+            else:
+                keep = bool(drv.sched("request_finished_by_layer_group", req, [list(p) for p in req.pages]))
+        self.stats.requests_finished += 1
+        if keep:
+            req.state = "saving"
+            self._new_saving.append(req.request_id)
+        else:
+            self.kv.free(req.pages)
+            self._drop(req)
+
+    def _fail(self, req: Request, msg: str) -> None:
+        res = self.results[req.request_id]
+        res.error, res.finished = msg, True
+        self.stats.requests_failed += 1
+        keep = False
+        if self.driver is not None and req.queried:
+            try:
+                if self.config.kv_manager == "v1":
+                    keep = bool(self.driver.sched("request_finished", req, list(req.pages[0])))
+                else:
+                    keep = bool(self.driver.sched(
+                        "request_finished_by_layer_group", req, [list(p) for p in req.pages]))
+            except Exception:
+                keep = False
+        if keep:
+            req.state = "saving"
+            self._new_saving.append(req.request_id)
+            return
+        self.kv.free(req.pages)
+        self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        req.state = "done"
+        if req in self._active:
+            self._active.remove(req)

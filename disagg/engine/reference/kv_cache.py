@@ -1,0 +1,260 @@
+"""Paged KV cache: one page pool per layer group (one group per distinct attention window,
+in first-appearance order, like TensorRT-LLM's V2 manager), per simulated TP rank.
+
+Pool tensor of group ``g`` on rank ``r``: ``[num_blocks, len(layer_ids), 2,
+tokens_per_block * kv_heads_per_rank * head_dim]`` in the KV dtype. In V1 mode the single
+group's tensor is exactly what ``register_kv_caches`` receives; in V2 mode each tensor is
+described by one ``KvCacheRegion`` (buffers ``(layer, "key"), (layer, "value")`` per layer,
+ascending) inside a ``KvCacheLayout``.
+
+Block reuse: a full block's content hash (chained over the prefix and the cache salt) maps
+to a page per group. Freed hashed pages stay cached until evicted (LRU) by an allocation.
+Sliding-window pages are reclaimed once the window has passed their block; the request's
+page list keeps ``-1`` in their place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import layout as _layout_mod
+from .config import EngineConfig
+
+BAD = -1
+
+
+def block_hashes(tokens: list[int], tpb: int, salt: str | None) -> list[bytes]:
+    """Chained hashes of every full block of ``tokens``."""
+    out: list[bytes] = []
+    prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
+    for b in range(len(tokens) // tpb):
+        h = hashlib.sha256(prev)
+        h.update(torch.tensor(tokens[b * tpb : (b + 1) * tpb], dtype=torch.int64).numpy().tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+@dataclass
+class GroupState:
+    window: int | None
+    layer_ids: tuple[int, ...]
+    pools: list[torch.Tensor]  # one per rank
+    free: list[int] = field(default_factory=list)
+    cached: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # free, hashed (LRU)
+    live: dict[bytes, int] = field(default_factory=dict)  # in use, hashed
+    refcnt: list[int] = field(default_factory=list)
+    slot_hash: list[bytes | None] = field(default_factory=list)
+
+    def available(self) -> int:
+        return len(self.free) + len(self.cached)
+
+
+class KvCacheManager:
+    """Page pools plus allocation, reuse and reclamation."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.tpb = cfg.tokens_per_block
+        width = cfg.tokens_per_block * cfg.kv_heads_per_rank * cfg.head_dim
+        self.groups: list[GroupState] = []
+        self.layer_group: dict[int, int] = {}
+        self.layer_index: dict[int, int] = {}
+        for gid, (window, layer_ids) in enumerate(cfg.layer_groups):
+            pools = [
+                torch.zeros(cfg.num_blocks, len(layer_ids), 2, width, dtype=cfg.torch_dtype,
+                            device=cfg.device)
+                for _ in range(cfg.tp)
+            ]
+            g = GroupState(window, layer_ids, pools, free=list(range(cfg.num_blocks - 1, -1, -1)),
+                           refcnt=[0] * cfg.num_blocks, slot_hash=[None] * cfg.num_blocks)
+            self.groups.append(g)
+            for li, layer in enumerate(layer_ids):
+                self.layer_group[layer] = gid
+                self.layer_index[layer] = li
+
+    # ----- registration views -------------------------------------------------------
+    def v1_tensor(self, rank: int) -> torch.Tensor:
+        """The V1 ``register_kv_caches`` tensor of ``rank`` (single group only)."""
+        if len(self.groups) != 1:
+            raise NotImplementedError(
+                f"the V1 KV cache manager describes one pool, but this model has "
+                f"{len(self.groups)} attention windows (VSWA): use kv_manager='v2'"
+            )
+        return self.groups[0].pools[rank]
+
+    def layout(self, rank: int) -> _layout_mod.KvCacheLayout:
+        """The V2 ``register_kv_cache_layout`` description of ``rank``'s pools."""
+        from .. import KvCacheBufferRef, KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion
+
+        groups = []
+        for gid, g in enumerate(self.groups):
+            t = g.pools[rank]
+            page = t[0].numel() * t.element_size()
+            bufs = tuple(
+                KvCacheBufferRef(layer_id=layer, role=role)
+                for layer in g.layer_ids
+                for role in ("key", "value")
+            )
+            kw = {"device": str(t.device)} if "device" in getattr(
+                KvCacheRegion, "__dataclass_fields__", {}
+            ) else {}
+            region = KvCacheRegion(t.data_ptr(), page, page, t.shape[0], bufs, **kw)
+            groups.append(KvCacheLayerGroupLayout(gid, tuple(g.layer_ids), g.window, (region,)))
+        return KvCacheLayout(self.tpb, tuple(groups), dtype=self.cfg.torch_dtype)
+
+    # ----- reuse ----------------------------------------------------------------------
+    def match_prefix(self, hashes: list[bytes], prompt_len: int) -> int:
+        """Device-matched prefix P in tokens: leading blocks cached in every group, capped
+        so at least one prompt token is left to compute (always block-aligned)."""
+        if not self.cfg.enable_block_reuse:
+            return 0
+        n = 0
+        for h in hashes:
+            if all(h in g.live or h in g.cached for g in self.groups):
+                n += 1
+            else:
+                break
+        return min(n, (prompt_len - 1) // self.tpb) * self.tpb
+
+    def needed_block(self, gid: int, ordinal: int, first_pos: int) -> bool:
+        """Whether block ``ordinal`` needs a page in group ``gid`` when computing starts at
+        position ``first_pos`` (the query at ``first_pos`` looks back ``window-1``)."""
+        w = self.groups[gid].window
+        return w is None or (ordinal + 1) * self.tpb - 1 >= first_pos - w + 1
+
+    def pages_to_take(self, gid: int, have: int, upto_tokens: int, first_pos: int) -> int:
+        nb = -(-upto_tokens // self.tpb)
+        return sum(1 for b in range(have, nb) if self.needed_block(gid, b, first_pos))
+
+    def extend(self, pages: list[list[int]], upto_tokens: int, first_pos: int,
+               hashes: list[bytes], reuse_blocks: int) -> None:
+        """Grow a request's per-group page lists to cover ``upto_tokens`` tokens. Blocks
+        below ``reuse_blocks`` take the cached page; dead sliding blocks get ``-1``."""
+        nb = -(-upto_tokens // self.tpb)
+        for gid, g in enumerate(self.groups):
+            lst = pages[gid]
+            for b in range(len(lst), nb):
+                if not self.needed_block(gid, b, first_pos):
+                    lst.append(BAD)
+                elif b < reuse_blocks:
+                    lst.append(self._take_cached(g, hashes[b]))
+                else:
+                    lst.append(self._alloc(g))
+
+    def _take_cached(self, g: GroupState, h: bytes) -> int:
+        if h in g.live:
+            slot = g.live[h]
+        else:
+            slot = g.cached.pop(h)
+            g.live[h] = slot
+        g.refcnt[slot] += 1
+        return slot
+
+    def _alloc(self, g: GroupState) -> int:
+        if g.free:
+            slot = g.free.pop()
+        elif g.cached:
+            h, slot = g.cached.popitem(last=False)
+            g.slot_hash[slot] = None
+        else:
+            raise OutOfPages("KV cache pool exhausted")
+        g.refcnt[slot] = 1
+        return slot
+
+    def _release(self, g: GroupState, slot: int) -> None:
+        g.refcnt[slot] -= 1
+        if g.refcnt[slot] > 0:
+            return
+        h = g.slot_hash[slot]
+        if h is not None and g.live.get(h) == slot:
+            del g.live[h]
+            g.cached[h] = slot
+        else:
+            g.slot_hash[slot] = None
+            g.free.append(slot)
+
+    def register(self, pages: list[list[int]], hashes: list[bytes], start: int, end: int) -> None:
+        """Publish full blocks ``[start, end)`` of a request for reuse."""
+        if not self.cfg.enable_block_reuse:
+            return
+        for gid, g in enumerate(self.groups):
+            for b in range(start, min(end, len(pages[gid]), len(hashes))):
+                slot, h = pages[gid][b], hashes[b]
+                if slot < 0 or g.slot_hash[slot] is not None or h in g.live or h in g.cached:
+                    continue
+                g.slot_hash[slot] = h
+                g.live[h] = slot
+
+    def reclaim(self, pages: list[list[int]], next_pos: int) -> None:
+        """Free sliding-window pages no query at or after ``next_pos`` can reach."""
+        for gid, g in enumerate(self.groups):
+            if g.window is None:
+                continue
+            lst = pages[gid]
+            for b, slot in enumerate(lst):
+                if slot >= 0 and not self.needed_block(gid, b, next_pos):
+                    self._release(g, slot)
+                    lst[b] = BAD
+
+    def free(self, pages: list[list[int]]) -> None:
+        for gid, g in enumerate(self.groups):
+            for slot in pages[gid]:
+                if slot >= 0:
+                    self._release(g, slot)
+            pages[gid] = []
+
+    # ----- byte access ----------------------------------------------------------------
+    def page_bytes(self, gid: int, slot: int) -> bytes:
+        """A group page's bytes, the ranks' slots concatenated in rank order."""
+        return b"".join(
+            p[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            for p in self.groups[gid].pools
+        )
+
+
+class RequestKv:
+    """``KvIO`` over one request's pages: each rank's pool holds its kv-head shard; the
+    model writes the split and reads the concatenation."""
+
+    def __init__(self, mgr: KvCacheManager, pages: list[list[int]]):
+        self.mgr, self.pages = mgr, pages
+        cfg = mgr.cfg
+        self.shape = (mgr.tpb, cfg.kv_heads_per_rank, cfg.head_dim)
+
+    def _index(self, layer: int, lo: int, hi: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
+        gid = self.mgr.layer_group[layer]
+        tpb = self.mgr.tpb
+        pos = torch.arange(lo, hi)
+        lst = self.pages[gid]
+        blocks = (pos // tpb).tolist()
+        slots = []
+        for b in blocks:
+            s = lst[b] if b < len(lst) else BAD
+            if s < 0:
+                raise RuntimeError(f"layer {layer}: position block {b} has no page")
+            slots.append(s)
+        dev = self.mgr.groups[gid].pools[0].device
+        views = [p.view(p.shape[0], p.shape[1], 2, *self.shape) for p in self.mgr.groups[gid].pools]
+        return views, torch.tensor(slots, device=dev), (pos % tpb).to(dev), self.mgr.layer_index[layer]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        views, slots, offs, li = self._index(layer, start, start + k.shape[0])
+        kh = self.shape[1]
+        for r, view in enumerate(views):
+            view[slots, li, 0, offs] = k[:, r * kh : (r + 1) * kh].to(view.dtype)
+            view[slots, li, 1, offs] = v[:, r * kh : (r + 1) * kh].to(view.dtype)
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views, slots, offs, li = self._index(layer, lo, hi)
+        k = torch.cat([view[slots, li, 0, offs] for view in views], dim=1)
+        v = torch.cat([view[slots, li, 1, offs] for view in views], dim=1)
+        return k, v

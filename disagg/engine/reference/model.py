@@ -1,0 +1,117 @@
+"""A seeded tiny llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP).
+
+The model owns no KV: each layer writes its new keys/values through a ``KvIO`` and reads
+the keys/values it attends to back through it, so whatever a connector writes into the
+pages is exactly what the model sees. Attention is computed per request in float32 over
+the gathered KV, so a token's output does not depend on how its prompt was chunked or
+whether its prefix was computed here or loaded (up to float rounding of the projections).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from .config import EngineConfig
+
+
+class KvIO(Protocol):
+    """Per-request page access for one layer (implemented by ``kv_cache.RequestKv``)."""
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` for positions ``[start, start+n)``."""
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values ``[hi-lo, kv_heads, head_dim]`` for positions ``[lo, hi)``."""
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class TinyLlama:
+    """Weights drawn from ``torch.Generator().manual_seed(seed)`` on CPU, then moved."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(cfg.seed)
+        dt, dev = cfg.torch_dtype, torch.device(cfg.device)
+
+        def w(*shape: int, scale: float | None = None) -> torch.Tensor:
+            s = scale if scale is not None else 1.0 / math.sqrt(shape[0])
+            return (torch.randn(*shape, generator=g) * s).to(device=dev, dtype=dt)
+
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.embed = w(cfg.vocab_size, h, scale=1.0)
+        self.layers = []
+        for _ in range(cfg.num_layers):
+            self.layers.append(
+                {
+                    "attn_norm": torch.ones(h, device=dev, dtype=dt),
+                    "wq": w(h, cfg.num_heads * hd),
+                    "wk": w(h, cfg.num_kv_heads * hd),
+                    "wv": w(h, cfg.num_kv_heads * hd),
+                    "wo": w(cfg.num_heads * hd, h),
+                    "mlp_norm": torch.ones(h, device=dev, dtype=dt),
+                    "w_gate": w(h, cfg.intermediate_size),
+                    "w_up": w(h, cfg.intermediate_size),
+                    "w_down": w(cfg.intermediate_size, h),
+                }
+            )
+        self.final_norm = torch.ones(h, device=dev, dtype=dt)
+        self.lm_head = w(h, cfg.vocab_size)
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        )
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # cos/sin from float64 positions: identical per position however the prompt is split.
+        ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        cos = ang.cos().to(torch.float32).to(x.device)[:, None, :]
+        sin = ang.sin().to(torch.float32).to(x.device)[:, None, :]
+        xf = x.float()
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+    def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.embed.device)
+        return self.embed[ids]
+
+    def layer(self, i: int, x: torch.Tensor, start: int, kv: KvIO) -> torch.Tensor:
+        """Run decoder layer ``i`` on hidden states ``x`` ``[n, hidden]`` at positions
+        ``[start, start+n)``: write this chunk's KV, attend over the window, return ``x``."""
+        cfg, p = self.cfg, self.layers[i]
+        n, hd = x.shape[0], cfg.head_dim
+        pos = torch.arange(start, start + n)
+        hn = _rms_norm(x, p["attn_norm"])
+        q = self._rope((hn @ p["wq"]).view(n, cfg.num_heads, hd), pos)
+        k = self._rope((hn @ p["wk"]).view(n, cfg.num_kv_heads, hd), pos)
+        v = (hn @ p["wv"]).view(n, cfg.num_kv_heads, hd)
+        kv.write(i, start, k, v)
+        window = cfg.layer_windows[i]
+        lo = 0 if window is None else max(0, start - window + 1)
+        keys, vals = kv.read(i, lo, start + n)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        kf = keys.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
+        vf = vals.float().repeat_interleave(rep, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) / math.sqrt(hd)
+        qpos = pos[:, None]
+        kpos = torch.arange(lo, start + n)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
+        attn = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).reshape(n, -1)
+        x = x + attn.to(x.dtype) @ p["wo"]
+        hn = _rms_norm(x, p["mlp_norm"])
+        mlp = torch.nn.functional.silu(hn @ p["w_gate"]) * (hn @ p["w_up"])
+        return x + mlp @ p["w_down"]
+
+    def sample(self, last_hidden: torch.Tensor) -> int:
+        """Greedy: argmax of the logits of one position."""
+        logits = _rms_norm(last_hidden[None], self.final_norm).float() @ self.lm_head.float()
+        return int(logits[0].argmax().item())

@@ -1,0 +1,240 @@
+"""The producer's engine adapter: TensorRT-LLM's scheduler/worker hooks over ``ProducerService``.
+
+Thin on purpose: the scheduler turns ``SchedulerOutput`` deltas into save plans (which
+completed blocks, under which content keys, from which page slots); the worker copies
+those pages into the block store layer by layer and commits them. Everything else
+(store, leases, control server, pushes) is engine-neutral and lives in ``service.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..connector_common import resolve_config
+from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from ..pages import PagePool
+from ..protocol.keys import block_keys
+from .service import ProducerService, service_for
+
+log = logging.getLogger("disagg.producer")
+
+
+@dataclass
+class SaveOp:
+    """Save ``keys`` (consecutive completed blocks of one request) from these page slots."""
+
+    request_id: int
+    keys: list[bytes]
+    slots: list[list[int]]  # [group][i]: the page slot of keys[i] in that group
+
+
+@dataclass
+class ProducerMeta:
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    cache_salt: str | None
+    tokens: list[int] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)  # per group, per block ordinal
+    keys: list[bytes] = field(default_factory=list)
+    planned: int = 0  # blocks [0, planned) were considered for saving
+
+
+class ProducerScheduler(KvCacheConnectorScheduler):
+    """Leader side of the producer: plans saves of every block that completes."""
+
+    def __init__(self, llm_args: Any):
+        super().__init__(llm_args)
+        self.config = resolve_config(llm_args, "producer")
+        self.service: ProducerService = service_for(self.config, llm_args)
+        self._requests: dict[int, _RequestState] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Once per request. A producer serves no loads: always ``(0, False)``."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Nothing to do: slots are taken from ``SchedulerOutput`` deltas, which also cover
+        later chunks (V2) and generated blocks."""
+
+    def update_state_after_alloc_by_layer_group(
+        self, request: Any, block_ids_by_layer_group: list[list[int]]
+    ) -> None:
+        """Same as the flat form, for any number of layer groups."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ProducerMeta:
+        """Once per iteration: plan saves of the blocks this pass completes, from new and
+        cached requests alike (chunked prefill, V2 deltas, generated blocks)."""
+        ns_fp = self.service.fingerprint
+        meta = ProducerMeta()
+        if ns_fp is None:  # no cache registered yet: nothing can be saved
+            return meta
+        tpb = ns_fp.tokens_per_block
+        groups = len(ns_fp.groups)
+        for rd in [*scheduler_output.new_requests, *scheduler_output.cached_requests]:
+            st = self._requests.get(rd.request_id)
+            if st is None:
+                st = _RequestState(
+                    getattr(rd, "cache_salt", None), slots=[[] for _ in range(groups)]
+                )
+                self._requests[rd.request_id] = st
+            st.tokens.extend(rd.new_tokens)
+            _extend_slots(st.slots, rd)
+            end = min(rd.computed_position + rd.num_scheduled_tokens, len(st.tokens))
+            full = end // tpb
+            if full <= st.planned:
+                continue
+            if len(st.keys) < full:
+                seed = self.service.namespace_seed(st.cache_salt)
+                prev = st.keys[-1] if st.keys else None
+                st.keys.extend(
+                    block_keys(
+                        seed, st.tokens[: full * tpb], tpb, start_block=len(st.keys), prev=prev
+                    )
+                )
+            op = _save_op(rd.request_id, st, st.planned, full)
+            st.planned = full
+            if op is not None:
+                meta.saves.append(op)
+                self.service.note_saving(rd.request_id, len(op.keys))
+        return meta
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Once at the end: ``True`` while this request's saves are in flight (its pages are
+        still being read); ``get_finished`` reports it once they landed."""
+        self._requests.pop(request.request_id, None)
+        return self.service.saves_in_flight(request.request_id)
+
+    def request_finished_by_layer_group(
+        self, request: Any, cache_block_ids_by_layer_group: list[list[int]]
+    ) -> bool:
+        """Same as the flat form, for any number of layer groups."""
+        return self.request_finished(request, [])
+
+
+def _extend_slots(slots: list[list[int]], rd: Any) -> None:
+    by_group = getattr(rd, "new_block_ids_by_layer_group", None) or []
+    if isinstance(by_group, dict):  # one TensorRT-LLM branch reports a dict
+        by_group = [by_group[k] for k in sorted(by_group)]
+    if by_group:
+        for g, ids in enumerate(by_group):
+            slots[g].extend(int(i) for i in ids)
+    elif rd.new_block_ids:
+        slots[0].extend(int(i) for i in rd.new_block_ids)
+
+
+def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp | None:
+    """Blocks [start, end) whose page exists in every group (all groups or none)."""
+    keep = [i for i in range(start, end) if all(i < len(g) and g[i] >= 0 for g in st.slots)]
+    if not keep:
+        return None
+    return SaveOp(
+        request_id,
+        [st.keys[i] for i in keep],
+        [[g[i] for i in keep] for g in st.slots],
+    )
+
+
+class ProducerWorker(KvCacheConnectorWorker):
+    """Worker side of the producer: copies planned pages into the block store."""
+
+    def __init__(self, llm_args: Any):
+        super().__init__(llm_args)
+        self.config = resolve_config(llm_args, "producer")
+        self.service: ProducerService = service_for(self.config, llm_args)
+        self._pass: _PassPlan | None = None
+        self._finished_saving: list[int] = []
+
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        """Bring-up, V1: the rank's single pool tensor."""
+        tpb = self._llm_args.kv_cache_config.tokens_per_block
+        self.service.attach(PagePool.from_v1_tensor(kv_cache_tensor, tpb))
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Bring-up, V2: any number of layer groups and regions."""
+        self.service.attach(PagePool(layout))
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        """Every iteration: reserve store rows for this pass's saves (dedup, evict, drop)."""
+        super().bind_connector_meta(metadata)
+        self._pass = None
+        if isinstance(metadata, ProducerMeta) and metadata.saves:
+            self._pass = _PassPlan.build(self.service, metadata.saves)
+
+    def start_load_kv(self, stream: Any) -> None:
+        """A producer loads nothing."""
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """A producer loads nothing."""
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Right after layer ``layer_idx`` is enqueued: copy its bytes of this pass's
+        completed blocks into their store rows (same stream, so ordered after the layer)."""
+        plan = self._pass
+        if plan is None or plan.rows.numel() == 0:
+            return
+        if not plan.staging:
+            self.service.store.mark_staging(plan.keys)
+            plan.staging = True
+        pool = self.service.pool
+        assert pool is not None
+        pool.copy_layer_out(layer_idx, plan.slots, plan.rows, self.service.store.slab)
+
+    def wait_for_save(self, stream: Any) -> None:
+        """After the forward: the pass's blocks are complete; commit (CPU) or commit once
+        the stream's event fires (CUDA), never blocking the engine."""
+        plan, self._pass = self._pass, None
+        if plan is None:
+            return
+        self.service.finish_pass(plan.keys, plan.request_counts, stream)
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Every iteration: report each handed-in request once its saves have landed."""
+        self.service.poll()
+        self._finished_saving.extend(finished_gen_req_ids)
+        done = [r for r in self._finished_saving if not self.service.saves_in_flight(r)]
+        if done:
+            self._finished_saving = [r for r in self._finished_saving if r not in set(done)]
+        return done, []
+
+
+@dataclass
+class _PassPlan:
+    keys: list[bytes]
+    rows: torch.Tensor
+    slots: list[torch.Tensor]
+    request_counts: dict[int, int]
+    staging: bool = False
+
+    @classmethod
+    def build(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:
+        keys = [k for op in saves for k in op.keys]
+        groups = len(saves[0].slots)
+        slots = np.array(
+            [[s for op in saves for s in op.slots[g]] for g in range(groups)], dtype=np.int64
+        ).reshape(groups, -1)
+        rows = service.store.plan(keys)
+        keep = rows >= 0
+        counts: dict[int, int] = {}
+        owner = np.repeat([op.request_id for op in saves], [len(op.keys) for op in saves])
+        for rid, n in zip(*np.unique(owner[keep], return_counts=True)):
+            counts[int(rid)] = int(n)
+        # saves that were deduplicated or dropped are not in flight
+        service.note_planned(saves, counts)
+        return cls(
+            keys=[k for k, ok in zip(keys, keep) if ok],
+            rows=torch.from_numpy(rows[keep]),
+            slots=[torch.from_numpy(slots[g][keep]) for g in range(groups)],
+            request_counts=counts,
+        )

@@ -1,0 +1,153 @@
+"""Leases: one consumer request's ownership of a run of stored blocks.
+
+Lease states and the named timeout that ends each one:
+
+    ACTIVE --release / LEASE_TTL unrenewed / OWNER_DEAD_AFTER without heartbeat--> freed
+
+A lease pins its blocks in the store (no eviction, no reuse of their rows) until freed.
+Deadlines are not ordered (renewals move them), so ``sweep`` looks at every lease.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..protocol.errors import ErrorCode, ProtocolError
+from .store import BlockStore, Entry
+
+DEFAULT_LEASE_TTL_S = 30.0
+DEFAULT_OWNER_DEAD_AFTER_S = 15.0
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    owner: str
+    request_id: str
+    keys: list[bytes]
+    entries: list[Entry]
+    ttl_s: float
+    deadline: float
+    pushes: int = 0
+
+
+@dataclass
+class LeaseStats:
+    granted: int = 0
+    released: int = 0
+    expired: int = 0
+    freed_dead_owner: int = 0
+    renewed: int = 0
+    owners_declared_dead: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class LeaseTable:
+    """Grants, renews and frees leases over a ``BlockStore``. Thread-safe."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        max_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        owner_dead_after_s: float = DEFAULT_OWNER_DEAD_AFTER_S,
+    ):
+        self.store = store
+        self.max_ttl_s = max_ttl_s
+        self.owner_dead_after_s = owner_dead_after_s
+        self._leases: dict[int, Lease] = {}
+        self._last_seen: dict[str, float] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.stats = LeaseStats()
+
+    def heartbeat(self, owner: str, now: float | None = None) -> None:
+        with self._lock:
+            self._last_seen[owner] = time.monotonic() if now is None else now
+
+    def grant(self, owner: str, request_id: str, keys: list[bytes], ttl_s: float) -> Lease | None:
+        """Pin the longest held prefix of ``keys``; None when not even one block is held."""
+        now = time.monotonic()
+        ttl = min(max(ttl_s, 0.1), self.max_ttl_s)
+        entries = self.store.pin(keys)
+        if not entries:
+            return None
+        with self._lock:
+            self._last_seen[owner] = now
+            lease = Lease(
+                next(self._ids), owner, request_id, keys[: len(entries)], entries, ttl, now + ttl
+            )
+            self._leases[lease.lease_id] = lease
+            self.stats.granted += 1
+            return lease
+
+    def get(self, owner: str, lease_id: int) -> Lease:
+        """The caller's lease; typed errors for an unknown or someone else's lease."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_LEASE, f"lease {lease_id} is unknown (expired or released)"
+                )
+            if lease.owner != owner:
+                raise ProtocolError(
+                    ErrorCode.FOREIGN_LEASE, f"lease {lease_id} belongs to another consumer"
+                )
+            return lease
+
+    def renew(self, owner: str, lease_ids: list[int]) -> list[int]:
+        """Extend the caller's leases by their TTL; returns the ids it does not hold."""
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            self._last_seen[owner] = now
+            for lid in lease_ids:
+                lease = self._leases.get(lid)
+                if lease is None or lease.owner != owner:
+                    unknown.append(lid)
+                    continue
+                lease.deadline = now + lease.ttl_s
+                self.stats.renewed += 1
+        return unknown
+
+    def release(self, owner: str, lease_id: int) -> None:
+        lease = self.get(owner, lease_id)
+        with self._lock:
+            if self._leases.pop(lease_id, None) is None:
+                return
+            self.stats.released += 1
+        self.store.unpin(lease.keys, lease.entries)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Free expired leases and every lease of owners silent past OWNER_DEAD_AFTER."""
+        now = time.monotonic() if now is None else now
+        freed: list[Lease] = []
+        with self._lock:
+            dead = {
+                o for o, seen in self._last_seen.items() if now - seen > self.owner_dead_after_s
+            }
+            for o in dead:
+                del self._last_seen[o]
+            self.stats.owners_declared_dead += len(dead)
+            for lid, lease in list(self._leases.items()):
+                if lease.owner in dead:
+                    self.stats.freed_dead_owner += 1
+                elif lease.deadline < now:
+                    self.stats.expired += 1
+                else:
+                    continue
+                freed.append(self._leases.pop(lid))
+        for lease in freed:
+            self.store.unpin(lease.keys, lease.entries)
+        return len(freed)
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def owners(self) -> list[str]:
+        with self._lock:
+            return sorted({lease.owner for lease in self._leases.values()})

@@ -1,0 +1,330 @@
+"""The producer's engine-neutral core: block store, leases, control server, pushes.
+
+One service per producer instance and process; the scheduler and the worker of that
+instance share it (they are built concurrently, so ``service_for`` is locked). Threads:
+
+- the control server answers peers (handshake, lookup, claim, renew, release, push);
+- a push pool waits (bounded) for leased blocks to be STORED and streams them through the
+  data plane, so neither the engine nor the control thread ever waits on a transfer;
+- a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import DisaggConfig
+from ..identity import fingerprint_of, model_id_of, namespace_of, tp_of
+from ..pages import PagePool
+from ..protocol import messages as m
+from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.fingerprint import Fingerprint, check_compatible
+from ..protocol.version import PROTOCOL_VERSION
+from ..transport.control import ControlServer
+from ..transport.events import EventPublisher
+from ..transport.factory import make_data_plane
+from .leases import LeaseTable
+from .store import BlockStore
+
+log = logging.getLogger("disagg.producer")
+
+_services: dict[str, ProducerService] = {}
+_services_lock = threading.Lock()
+
+
+def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
+    """The process's service for this instance id, created on first use."""
+    with _services_lock:
+        svc = _services.get(config.instance_id)
+        if svc is None or svc.closed:
+            svc = ProducerService(config, llm_args)
+            _services[config.instance_id] = svc
+        return svc
+
+
+class ProducerService:
+    def __init__(self, config: DisaggConfig, llm_args: Any):
+        self.config = config
+        self.pcfg = config.producer
+        self.model_id = model_id_of(llm_args, config.model_id)
+        self.tp_size, self.tp_rank = tp_of(llm_args)
+        if self.tp_size != 1:
+            raise NotImplementedError(
+                f"disagg producer: tensor_parallel_size={self.tp_size} is not supported yet; "
+                "run prefill instances with TP=1"
+            )
+        self.pool: PagePool | None = None
+        self.store: BlockStore = None  # type: ignore[assignment]  # set by attach()
+        self.leases: LeaseTable = None  # type: ignore[assignment]
+        self.fingerprint: Fingerprint | None = None
+        self._seeds: dict[str | None, bytes] = {}
+        self._in_flight: Counter[int] = Counter()
+        self._in_flight_lock = threading.Lock()
+        self._cuda_pending: list[tuple[Any, list[bytes], dict[int, int]]] = []
+        self._peers: dict[bytes, str] = {}  # control identity -> owner that said Hello
+        self.metrics: Counter[str] = Counter()
+        self.server: ControlServer | None = None
+        self.events: EventPublisher | None = None
+        self.data = None
+        self._pushes = ThreadPoolExecutor(2, thread_name_prefix="disagg-push")
+        self._stop = threading.Event()
+        self.closed = False
+
+    # -- bring-up ---------------------------------------------------------------------
+    def attach(self, pool: PagePool) -> None:
+        """Called by the worker's registration: size the store and start serving."""
+        if self.pool is not None:
+            raise RuntimeError("disagg producer: KV caches were registered twice")
+        self.pool = pool
+        self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
+        if self.pcfg.events:
+            self.events = EventPublisher(self.pcfg.events, producer=self.config.instance_id)
+        self.store = BlockStore(
+            pool.block_bytes,
+            self.pcfg.store_size,
+            device=self.pcfg.store_device,
+            save_timeout_s=self.pcfg.save_timeout_s,
+            on_stored=self._published("stored"),
+            on_removed=self._published("removed"),
+        )
+        self.leases = LeaseTable(
+            self.store,
+            max_ttl_s=self.pcfg.lease_ttl_s,
+            owner_dead_after_s=self.pcfg.owner_dead_after_s,
+        )
+        self.data = make_data_plane(self.config.transport)
+        self.server = ControlServer(self.pcfg.control, self._handle)
+        self.server.start()
+        threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True).start()
+        log.info(
+            "producer %s serving on %s: store %d blocks of %d B",
+            self.config.instance_id,
+            self.server.endpoint,
+            self.store.capacity,
+            pool.block_bytes,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        assert self.server is not None
+        return self.server.endpoint
+
+    def namespace_seed(self, cache_salt: str | None) -> bytes:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            assert self.fingerprint is not None
+            seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
+        return seed
+
+    def _published(self, what: str):
+        def publish(keys: list[bytes]) -> None:
+            self.metrics[f"blocks_{what}"] += len(keys)
+            if self.events is not None:
+                (self.events.publish_stored if what == "stored" else self.events.publish_removed)(
+                    keys
+                )
+
+        return publish
+
+    # -- save bookkeeping (engine thread) -----------------------------------------------
+    def note_saving(self, request_id: int, n: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight[request_id] += n
+
+    def note_planned(self, saves: list[Any], kept: dict[int, int]) -> None:
+        """Saves the store deduplicated or dropped are not in flight."""
+        planned: Counter[int] = Counter()
+        for op in saves:
+            planned[op.request_id] += len(op.keys)
+        with self._in_flight_lock:
+            for rid, n in planned.items():
+                self._in_flight[rid] -= n - kept.get(rid, 0)
+                if self._in_flight[rid] <= 0:
+                    del self._in_flight[rid]
+
+    def saves_in_flight(self, request_id: int) -> bool:
+        with self._in_flight_lock:
+            return self._in_flight.get(request_id, 0) > 0
+
+    def finish_pass(self, keys: list[bytes], counts: dict[int, int], stream: Any) -> None:
+        """End of a forward pass: commit now (host pools), or when the stream's event fires."""
+        if self.pool is not None and self.pool.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._cuda_pending.append((event, keys, counts))
+            return
+        self._commit(keys, counts)
+
+    def _commit(self, keys: list[bytes], counts: dict[int, int]) -> None:
+        self.store.commit(keys)
+        with self._in_flight_lock:
+            for rid, n in counts.items():
+                self._in_flight[rid] -= n
+                if self._in_flight[rid] <= 0:
+                    del self._in_flight[rid]
+
+    def poll(self) -> None:
+        """Engine thread, every iteration: commit saves whose copies have completed."""
+        while self._cuda_pending and self._cuda_pending[0][0].query():
+            _, keys, counts = self._cuda_pending.pop(0)
+            self._commit(keys, counts)
+
+    # -- control plane (server thread) --------------------------------------------------
+    def _handle(self, identity: bytes, msg: Any) -> Any:
+        self.metrics[f"control_{type(msg).__name__}"] += 1
+        if isinstance(msg, m.Hello):
+            return self._hello(identity, msg)
+        owner = self._peers.get(identity)
+        if owner is None:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "say Hello before any other request")
+        if getattr(msg, "owner", owner) != owner:
+            raise ProtocolError(
+                ErrorCode.UNAUTHENTICATED,
+                f"this connection said Hello as {owner!r}, not {msg.owner!r}",
+            )
+        if isinstance(msg, m.Heartbeat):
+            self.leases.heartbeat(owner)
+            return m.Ok(v=PROTOCOL_VERSION)
+        if isinstance(msg, m.Lookup):
+            return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
+        if isinstance(msg, m.Claim):
+            lease = self.leases.grant(owner, msg.request_id, list(msg.keys), msg.ttl_s)
+            self.metrics["claims_hit" if lease else "claims_miss"] += 1
+            if lease is None:
+                return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=0.0)
+            return m.ClaimOk(
+                v=PROTOCOL_VERSION,
+                lease_id=lease.lease_id,
+                num_blocks=len(lease.keys),
+                ttl_s=lease.ttl_s,
+            )
+        if isinstance(msg, m.Renew):
+            return m.RenewOk(v=PROTOCOL_VERSION, unknown=self.leases.renew(owner, msg.lease_ids))
+        if isinstance(msg, m.Release):
+            self.leases.release(owner, msg.lease_id)
+            return m.Ok(v=PROTOCOL_VERSION)
+        if isinstance(msg, m.Push):
+            return self._push(owner, msg)
+        if isinstance(msg, m.SnapshotRequest):
+            keys = self.store.keys()
+            seq = self.events.seq if self.events is not None else 0
+            return m.SnapshotOk(v=PROTOCOL_VERSION, seq=seq, keys=keys)
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_KIND, f"a producer does not serve {type(msg).__name__}"
+        )
+
+    def _hello(self, identity: bytes, msg: Any) -> Any:
+        if self.fingerprint is None:
+            raise ProtocolError(
+                ErrorCode.NOT_READY, "the producer has not registered its KV cache yet"
+            )
+        try:
+            check_compatible(self.fingerprint, msg.fingerprint)
+        except ProtocolError:
+            self.metrics["handshake_refused"] += 1
+            raise
+        self._peers[identity] = msg.instance_id
+        self.leases.heartbeat(msg.instance_id)
+        return m.HelloOk(
+            v=PROTOCOL_VERSION,
+            instance_id=self.config.instance_id,
+            fingerprint=self.fingerprint,
+            data_endpoint="",
+            transport=self.config.transport,
+        )
+
+    def _push(self, owner: str, msg: Any) -> Any:
+        lease = self.leases.get(owner, msg.lease_id)
+        groups = len(self.pool.groups) if self.pool else 0
+        end = msg.first_block + msg.num_blocks
+        if end > len(lease.keys):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_RANGE,
+                f"push of blocks [{msg.first_block}, {end}) is larger than lease "
+                f"{lease.lease_id}, which holds {len(lease.keys)} block(s)",
+            )
+        if len(msg.dst_slots) != groups or any(len(s) != msg.num_blocks for s in msg.dst_slots):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"dst_slots must be {groups} list(s) of {msg.num_blocks} slot(s), one per group",
+            )
+        lease.pushes += 1
+        self._pushes.submit(self._run_push, lease, msg)
+        return m.PushOk(v=PROTOCOL_VERSION, transfer_id=msg.transfer_id)
+
+    def _run_push(self, lease: Any, msg: Any) -> None:
+        """Push pool: wait (bounded) for the blocks to be STORED, then stream them."""
+        assert self.pool is not None and self.data is not None
+        deadline = time.monotonic() + self.pcfg.push_timeout_s
+        entries = lease.entries[msg.first_block : msg.first_block + msg.num_blocks]
+        try:
+            rows = self.store.wait_stored(entries, deadline)
+            pages = []
+            for g, geo in enumerate(self.pool.groups):
+                dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
+                keep = dst >= 0  # -1: the consumer has no page there (outside its window)
+                if not keep.any():
+                    continue
+                pages.append((g, self._rows(rows[keep], g, geo.page_bytes), dst[keep].tolist()))
+            handle = self.data.post_push(
+                msg.data_endpoint,
+                msg.transfer_id,
+                lease.lease_id,
+                msg.token,
+                pages,
+                deadline_s=max(0.001, deadline - time.monotonic()),
+            )
+            state = self.data.wait_push(handle, max(0.001, deadline - time.monotonic()))
+            if not state.done:
+                raise RuntimeError(state.error or "push deadline passed")
+            self.metrics["pushes_done"] += 1
+            self.metrics["pages_pushed"] += sum(len(p[2]) for p in pages)
+            self.metrics["bytes_pushed"] += state.nbytes
+        except Exception as exc:  # the consumer's transfer fails (deadline or report)
+            self.metrics["pushes_failed"] += 1
+            log.warning("push %d for lease %d failed: %s", msg.transfer_id, lease.lease_id, exc)
+            report = getattr(self.data, "post_failure", None)
+            if report is not None:
+                report(msg.data_endpoint, msg.transfer_id, msg.token, str(exc))
+
+    def _rows(self, rows: np.ndarray, group: int, page_bytes: int) -> torch.Tensor:
+        """Source pages of one group: a view when the rows are one run (zero copy), else
+        one batched gather."""
+        off = self.pool.page_offsets[group] if self.pool else 0
+        cols = self.store.slab[:, off : off + page_bytes]
+        r0 = int(rows[0])
+        if np.array_equal(rows, np.arange(r0, r0 + len(rows))):
+            return cols[r0 : r0 + len(rows)]
+        return cols.index_select(0, torch.from_numpy(rows))
+
+    # -- timeouts -----------------------------------------------------------------------
+    def _sweep_loop(self) -> None:
+        period = min(0.5, self.pcfg.lease_ttl_s / 4)
+        while not self._stop.wait(period):
+            try:
+                self.metrics["leases_expired"] += self.leases.sweep()
+                self.metrics["saves_timed_out"] += self.store.sweep_stale_saves()
+            except Exception:  # the sweeper must outlive any one bad pass
+                log.exception("sweep failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.closed = True
+        if self.server is not None:
+            self.server.close()
+        if self.events is not None:
+            self.events.close()
+        if self.data is not None:
+            self.data.close()
+        self._pushes.shutdown(wait=False, cancel_futures=True)
+        with _services_lock:
+            if _services.get(self.config.instance_id) is self:
+                del _services[self.config.instance_id]

@@ -1,0 +1,297 @@
+"""Every control and data-plane header message, and their MessagePack encoding.
+
+Messages are frozen msgspec Structs in one tagged union (``kind`` names the type), each
+with a protocol version ``v`` (defaulted to ours when constructing). ``decode`` validates
+types and ranges natively while decoding and returns a fully built message or raises
+ProtocolError; it never returns a partial message. Unknown *fields* are ignored (so a
+later minor addition does not break older peers); unknown *kinds* are refused.
+Range constraints (``Meta``) are enforced by ``decode`` only, i.e. on every received
+frame; ``__post_init__`` checks cross-field rules on both construction and decode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from .errors import ErrorCode, ProtocolError
+from .fingerprint import Fingerprint
+from .keys import KEY_BYTES
+from .version import MAX_CONTROL_FRAME, MAX_GROUPS, MAX_KEYS, MAX_STR, PROTOCOL_VERSION
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # ids: non-negative int64
+Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Slot = Annotated[int, msgspec.Meta(ge=-1)]  # -1: skip this group's page of the block
+Ttl = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+Token = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of all messages; ``v`` is on the wire in every one."""
+
+    v: int = PROTOCOL_VERSION
+
+
+# --- handshake -------------------------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    instance_id: Str
+    role: Str
+    fingerprint: Fingerprint
+    data_endpoint: Str = ""
+    transport: Str = "zmq"
+
+
+class HelloOk(Message, tag="hello_ok"):
+    instance_id: Str
+    fingerprint: Fingerprint
+    data_endpoint: Str = ""
+    transport: Str = "zmq"
+
+
+# --- generic replies -------------------------------------------------------------------
+
+
+class Ok(Message, tag="ok"):
+    pass
+
+
+class Error(Message, tag="error"):
+    code: int
+    message: Annotated[str, msgspec.Meta(max_length=65536)] = ""
+
+
+# --- index and leases ------------------------------------------------------------------
+
+
+class Lookup(Message, tag="lookup"):
+    """How many leading ``keys`` does the producer hold (in every layer group)?"""
+
+    owner: Str
+    keys: Keys
+
+
+class LookupOk(Message, tag="lookup_ok"):
+    num_blocks: NonNeg
+
+
+class Claim(Message, tag="claim"):
+    """Pin the longest held prefix of ``keys`` for ``request_id`` for ``ttl_s``."""
+
+    owner: Str
+    request_id: Str
+    keys: Keys
+    ttl_s: Ttl = 30.0
+
+
+class ClaimOk(Message, tag="claim_ok"):
+    lease_id: U64
+    num_blocks: NonNeg
+    ttl_s: Ttl
+
+
+class Renew(Message, tag="renew"):
+    owner: Str
+    lease_ids: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class RenewOk(Message, tag="renew_ok"):
+    unknown: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)] = []
+
+
+class Release(Message, tag="release"):
+    owner: Str
+    lease_id: U64
+
+
+class Push(Message, tag="push"):
+    """Push blocks ``[first_block, first_block + num_blocks)`` of the lease to
+    ``data_endpoint``; ``dst_slots[g][i]`` is group g's slot for block first_block+i."""
+
+    owner: Str
+    lease_id: U64
+    transfer_id: U64
+    data_endpoint: Str
+    first_block: NonNeg
+    num_blocks: NonNeg
+    dst_slots: Annotated[
+        list[Annotated[list[Slot], msgspec.Meta(max_length=MAX_KEYS)]],
+        msgspec.Meta(max_length=MAX_GROUPS),
+    ]
+    token: Token = b""
+
+    def __post_init__(self) -> None:
+        for g, slots in enumerate(self.dst_slots):
+            if len(slots) != self.num_blocks:
+                raise ValueError(
+                    f"dst_slots[{g}] has {len(slots)} slots but num_blocks is {self.num_blocks}"
+                )
+
+
+class PushOk(Message, tag="push_ok"):
+    transfer_id: U64
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    owner: Str
+
+
+# --- events ----------------------------------------------------------------------------
+
+
+class Stored(Message, tag="stored"):
+    producer: Str
+    seq: Pos
+    keys: Keys
+
+
+class Removed(Message, tag="removed"):
+    producer: Str
+    seq: Pos
+    keys: Keys
+
+
+class SnapshotRequest(Message, tag="snapshot"):
+    pass
+
+
+class SnapshotOk(Message, tag="snapshot_ok"):
+    """Every key held at event sequence ``seq`` (events with seq <= this are included)."""
+
+    producer: Str
+    seq: NonNeg
+    keys: Keys
+
+
+# --- data plane headers ----------------------------------------------------------------
+
+
+class PageBatch(Message, tag="pages"):
+    """Header of one data message; the payload frames that follow hold, run after run,
+    ``count * page_bytes`` bytes per run in slot order. A run never shares a frame with
+    another run, and frames are at most 1 MiB."""
+
+    transfer_id: U64
+    lease_id: U64
+    token: Token
+    group: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+    runs: Annotated[
+        list[tuple[NonNeg, Pos]], msgspec.Meta(min_length=1, max_length=MAX_KEYS)
+    ]  # (dst_start_slot, count)
+    page_bytes: Pos
+    last: bool = False
+
+
+class TransferDone(Message, tag="done"):
+    """Last message of a transfer. ``checksum`` is xxh3-64 of all payload bytes in send
+    order, or 0 when the sender did not compute one."""
+
+    transfer_id: U64
+    token: Token = b""
+    ok: bool = True
+    message: Annotated[str, msgspec.Meta(max_length=65536)] = ""
+    checksum: NonNeg = 0  # uint64
+
+
+AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
+    Hello,
+    HelloOk,
+    Ok,
+    Error,
+    Lookup,
+    LookupOk,
+    Claim,
+    ClaimOk,
+    Renew,
+    RenewOk,
+    Release,
+    Push,
+    PushOk,
+    Heartbeat,
+    Stored,
+    Removed,
+    SnapshotRequest,
+    SnapshotOk,
+    PageBatch,
+    TransferDone,
+]
+
+ALL_MESSAGES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
+KINDS = {cls.__struct_config__.tag: cls for cls in ALL_MESSAGES}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+class _Head(msgspec.Struct):
+    """Just enough of a frame to say why a full decode failed."""
+
+    kind: Any = None
+    v: Any = None
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def encode(msg: Message) -> bytes:
+    """MessagePack bytes of ``msg`` (a map with ``kind`` first)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview, max_bytes: int = MAX_CONTROL_FRAME) -> Message:
+    """Decode one frame into a message, or raise ProtocolError with code TOO_LARGE,
+    BAD_FRAME, BAD_VERSION, UNKNOWN_KIND or BAD_FIELD and a message naming the problem."""
+    if len(data) > max_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes exceeds the limit of {max_bytes}"
+        )
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise _classify(data, str(e)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable frame: {e}") from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {msg.v} is not ours ({PROTOCOL_VERSION}); upgrade the older peer",
+        )
+    return msg
+
+
+def _classify(data: bytes | memoryview, detail: str) -> ProtocolError:
+    """A validation failure: decide whether the version, the kind or a field is to blame."""
+    try:
+        head = _head_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return ProtocolError(ErrorCode.BAD_FRAME, f"frame is not a message map: {detail}")
+    if head.v is not None and head.v != PROTOCOL_VERSION:
+        return ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {head.v!r} is not ours ({PROTOCOL_VERSION}); upgrade the older peer",
+        )
+    if head.kind is None:
+        return ProtocolError(ErrorCode.BAD_FRAME, f"frame has no `kind`: {detail}")
+    if head.kind not in KINDS:
+        return ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {head.kind!r}")
+    return ProtocolError(ErrorCode.BAD_FIELD, f"bad {head.kind!r} message: {detail}")
+
+
+def error_reply(exc: BaseException) -> Error:
+    """The Error message answering ``exc`` (INTERNAL for anything not a ProtocolError)."""
+    if isinstance(exc, ProtocolError):
+        return Error(code=int(exc.code), message=exc.message)
+    return Error(code=int(ErrorCode.INTERNAL), message=f"{type(exc).__name__}: {exc}")
+
+
+def raise_if_error(msg: Message) -> Message:
+    """Return ``msg`` unless it is an Error, which is raised as ProtocolError."""
+    if isinstance(msg, Error):
+        raise ProtocolError(msg.code, msg.message)
+    return msg

@@ -1,0 +1,230 @@
+"""Control RPC over ZMQ: a ROUTER server with a handler thread, and a DEALER client.
+
+Wire: the client sends two frames ``[correlation_id (8 bytes), message]``; the server
+replies ``[correlation_id, reply]`` (ROUTER adds/strips the identity frame). A client
+discards replies whose correlation id is not the one it waits for, so a late reply to a
+timed-out call can never be taken for the answer to the next one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from ..protocol import messages as m
+from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.version import MAX_CONTROL_FRAME
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, m.Message], "m.Message | None"]
+_POLL_MS = 50  # how often the server thread checks for close()
+
+
+class ControlServer:
+    """Serve ``handler(identity, msg) -> reply`` on a ROUTER socket in one thread.
+
+    The handler runs on the server thread, one request at a time; it returns the reply
+    message (None means ``Ok``). A ProtocolError it raises becomes an Error reply with that
+    code; any other exception becomes INTERNAL. Malformed frames get an Error reply (when
+    there is anyone to reply to) and are counted in ``stats`` by code name; the server
+    keeps serving. ``curve`` = (server secret key, allowed client public keys) is reserved
+    for CURVE authentication (TODO: ZAP authenticator); passing it now raises.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        handler: Handler,
+        *,
+        context: zmq.Context | None = None,
+        max_frame: int = MAX_CONTROL_FRAME,
+        curve: tuple[bytes, Sequence[bytes]] | None = None,
+    ) -> None:
+        if curve is not None:
+            # TODO(security): sock.curve_server = True, curve_secretkey, and a
+            # zmq.auth ThreadAuthenticator configured with the allowed client keys.
+            raise NotImplementedError("CURVE authentication is not implemented yet")
+        self._bind = bind
+        self._handler = handler
+        self._ctx = context or zmq.Context.instance()
+        self.max_frame = max_frame
+        self.stats: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket | None = None
+        self.endpoint = ""
+
+    def start(self) -> ControlServer:
+        """Bind (so ``endpoint`` is known on return) and start serving."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # libzmq drops (and disconnects) anything far above the limit before allocating it;
+        # frames just above it still get a TOO_LARGE reply from decode().
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 1024)
+        sock.bind(self._bind)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="disagg-control", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> ControlServer:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart(copy=True)
+                reply = self._serve(frames)
+                if reply is not None:
+                    try:
+                        sock.send_multipart(reply, zmq.NOBLOCK)
+                    except zmq.Again:  # peer gone or flooding us: drop the reply
+                        self.stats["reply_dropped"] += 1
+        finally:
+            sock.close(linger=0)
+
+    def _serve(self, frames: list[bytes]) -> list[bytes] | None:
+        """Answer one ROUTER message; returns the frames to send back (or None)."""
+        if len(frames) < 2:  # an identity alone: nothing to reply to
+            self.stats[ErrorCode.BAD_FRAME.name] += 1
+            return None
+        ident = frames[0]
+        if len(frames) != 3:
+            corr = frames[1] if len(frames) > 3 else b""
+            err = ProtocolError(
+                ErrorCode.BAD_FRAME,
+                f"expected [correlation id, message], got {len(frames) - 1} frames",
+            )
+            return self._error(ident, corr, err)
+        corr, body = frames[1], frames[2]
+        try:
+            msg = m.decode(body, self.max_frame)
+        except ProtocolError as e:
+            return self._error(ident, corr, e)
+        try:
+            reply = self._handler(ident, msg)
+            if reply is None:
+                reply = m.Ok()
+            out = m.encode(reply)
+        except Exception as e:  # the server must outlive any handler bug
+            if not isinstance(e, ProtocolError):
+                log.exception("control handler failed on %s", type(msg).__name__)
+            return self._error(ident, corr, e)
+        self.stats["ok"] += 1
+        return [ident, corr, out]
+
+    def _error(self, ident: bytes, corr: bytes, exc: BaseException) -> list[bytes]:
+        reply = m.error_reply(exc)
+        self.stats[ErrorCode.from_wire(reply.code).name] += 1
+        return [ident, corr, m.encode(reply)]
+
+
+class ControlClient:
+    """Blocking request/reply client. Thread-safe: calls are serialised by a lock.
+
+    ``call`` returns the reply message, or raises ProtocolError: TIMEOUT when no reply
+    came before the deadline (the socket is then recreated, dropping any queued request
+    and any late reply), the reply's code when the server answered Error, or a decode
+    error code when the reply itself was malformed.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        context: zmq.Context | None = None,
+        default_timeout_s: float = 2.0,
+        max_frame: int = MAX_CONTROL_FRAME,
+    ) -> None:
+        self.endpoint = endpoint
+        self.default_timeout_s = default_timeout_s
+        self.max_frame = max_frame
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._closed = False
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # Queue requests only on live connections, so a dead peer shows as a timeout
+            # instead of a request delivered much later.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 1024)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def call(self, msg: m.Message, timeout_s: float | None = None) -> m.Message:
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        body = m.encode(msg)
+        with self._lock:
+            if self._closed:
+                raise ProtocolError(ErrorCode.PEER_GONE, "control client is closed")
+            sock = self._socket()
+            corr = next(self._ids).to_bytes(8, "little")
+            try:
+                if not sock.poll(self._ms_left(deadline), zmq.POLLOUT):
+                    raise self._timeout(msg, timeout, "not connected")
+                sock.send_multipart([corr, body], zmq.NOBLOCK)
+                while True:
+                    if not sock.poll(self._ms_left(deadline), zmq.POLLIN):
+                        raise self._timeout(msg, timeout, "no reply")
+                    frames = sock.recv_multipart()
+                    if len(frames) == 2 and frames[0] == corr:
+                        break  # anything else is a stale reply or garbage: skip it
+            except (ProtocolError, zmq.ZMQError):
+                self._reset()
+                raise
+        reply = m.decode(frames[1], self.max_frame)
+        return m.raise_if_error(reply)
+
+    @staticmethod
+    def _ms_left(deadline: float) -> int:
+        return max(0, int((deadline - time.monotonic()) * 1000))
+
+    def _timeout(self, msg: m.Message, timeout: float, why: str) -> ProtocolError:
+        return ProtocolError(
+            ErrorCode.TIMEOUT,
+            f"{type(msg).__name__} to {self.endpoint} timed out after {timeout:.3g}s ({why})",
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._reset()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

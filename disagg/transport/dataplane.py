@@ -1,0 +1,204 @@
+"""The data plane: move batches of KV pages into registered page slots of a peer.
+
+Receiver (consumer) side::
+
+    plane.register_regions(group_regions)   # per layer group, its regions' uint8 views
+    plane.expect(tid, lease_id, token, total_pages_by_group, deadline_s)
+    ... tell the producer (control Push) to send to plane.endpoint ...
+    plane.poll(tid).state in (PENDING, RECEIVING, DONE, FAILED)
+
+Sender (producer) side::
+
+    h = plane.post_push(endpoint, tid, lease_id, token, [(group, rows, dst_slots), ...])
+    plane.poll_push(h).state
+
+Contracts every implementation keeps:
+- A *group page* is the concatenation, in region order, of one slot's bytes of each of
+  the group's regions; ``page_bytes`` of a group is the sum of its regions' sizes.
+- The receiver writes only into registered regions, only slots ``0 <= slot < num_slots``
+  (``-1`` is never a slot), only for an expected transfer whose lease id and token match,
+  and checks a whole batch's slots before writing any of its bytes. Frames that fail
+  these checks are dropped and counted in ``stats``.
+- A receiver transfer ends DONE only when every expected page arrived and the sender's
+  TransferDone agreed (and, where computed, the checksum matched); otherwise FAILED with
+  ``error`` saying why (deadline, peer report, bad slot, short payload, checksum).
+  After ``abort`` returns, no byte of that transfer is written any more.
+- Sender-side DONE means the source rows are no longer referenced (the caller may reuse
+  them); delivery is confirmed only by the receiver's state. The source rows must not
+  change until ``poll_push`` reports DONE or FAILED.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Frames carry at most this many payload bytes: larger zmq frames are slower (deps.md §4).
+FRAME_BYTES = 1 << 20
+
+
+class TransferState(enum.Enum):
+    """PENDING -> RECEIVING -> DONE | FAILED (PENDING -> FAILED on deadline/abort)."""
+
+    PENDING = "pending"
+    RECEIVING = "receiving"  # on the sender side: sending
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """A snapshot of one transfer: ``state``, ``error`` (set when FAILED), and progress."""
+
+    state: TransferState
+    error: str | None = None
+    pages: int = 0
+    nbytes: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.state is TransferState.DONE
+
+    @property
+    def failed(self) -> bool:
+        return self.state is TransferState.FAILED
+
+    @property
+    def final(self) -> bool:
+        return self.state.final
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One region of a layer group: a uint8 ``[num_slots, size]`` view whose rows are
+    contiguous (``stride(1) == 1``); the row stride may exceed ``size``. Build it from
+    ``KvCacheRegion.as_tensor()`` (or any such view of a pool)."""
+
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        t = self.tensor
+        if t.dtype != torch.uint8 or t.dim() != 2:
+            raise ValueError(f"region must be a 2-D uint8 tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError("region rows must be contiguous (stride(1) == 1)")
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def size(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def contiguous(self) -> bool:
+        """Rows back to back, so a run of slots is one contiguous byte range."""
+        return self.tensor.is_contiguous()
+
+
+# (layer group, source rows uint8 [n, page_bytes], destination slot per row (-1: skip))
+PageSource = tuple[int, torch.Tensor, Sequence[int]]
+
+
+class DataPlane(abc.ABC):
+    """Both sides of page transfer. Implementations: ZmqDataPlane (zmq_plane.py)."""
+
+    # --- receiver ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def register_regions(
+        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
+    ) -> None:
+        """Declare where pages may land: ``group_regions[g]`` lists group g's regions in
+        page order. Call before any ``expect``; re-registering replaces the set."""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Where senders push to (pass it in the control Push message)."""
+
+    @abc.abstractmethod
+    def expect(
+        self,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        total_pages_by_group: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        """Accept transfer ``transfer_id``: ``total_pages_by_group[g]`` pages (slots
+        other than -1) of group g, within ``deadline_s`` seconds from now."""
+
+    @abc.abstractmethod
+    def poll(self, transfer_id: int) -> TransferStatus:
+        """Current status of an expected transfer (KeyError if never expected or long
+        forgotten)."""
+
+    @abc.abstractmethod
+    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
+        """Fail the transfer unless already final; no byte of it is written afterwards."""
+
+    # --- sender ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def post_push(
+        self,
+        endpoint: str,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        pages: Sequence[PageSource],
+        deadline_s: float = 30.0,
+    ) -> Any:
+        """Start sending ``pages`` to a receiver; returns a handle for ``poll_push``.
+        Raises ValueError at once for malformed input (shapes, slots < -1)."""
+
+    @abc.abstractmethod
+    def poll_push(self, handle: Any) -> TransferStatus:
+        """Sender-side status of a push (see the module docstring for what DONE means)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads and close sockets; pending transfers end FAILED."""
+
+    # --- conveniences ------------------------------------------------------------------
+    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
+        """Poll until final or ``timeout_s`` passes; returns the last status."""
+        return _wait(lambda: self.poll(transfer_id), timeout_s)
+
+    def wait_push(self, handle: Any, timeout_s: float) -> TransferStatus:
+        return _wait(lambda: self.poll_push(handle), timeout_s)
+
+    def __enter__(self) -> DataPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait(poll: Any, timeout_s: float) -> TransferStatus:
+    end = time.monotonic() + timeout_s
+    delay = 0.0002
+    while True:
+        st = poll()
+        if st.final or time.monotonic() >= end:
+            return st
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def __getattr__(name: str) -> Any:  # dataplane.ZmqDataPlane without an import cycle
+    if name == "ZmqDataPlane":
+        from .zmq_plane import ZmqDataPlane
+
+        return ZmqDataPlane
+    raise AttributeError(name)

@@ -1,0 +1,32 @@
+"""Pick a data plane by the config's ``transport`` name."""
+
+from __future__ import annotations
+
+from .dataplane import DataPlane
+
+
+def make_data_plane(
+    transport: str, *, bind: str = "tcp://127.0.0.1:0", advertise_host: str | None = None
+) -> DataPlane:
+    """``zmq`` (always available) or ``ucx`` (needs ``pip install disagg[ucx]``).
+
+    ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told."""
+    advertise = None
+    if advertise_host and bind.startswith("tcp://"):
+        port = bind.rsplit(":", 1)[1]
+        if port != "0":
+            advertise = f"tcp://{advertise_host}:{port}"
+    if transport == "zmq":
+        from .zmq_plane import ZmqDataPlane
+
+        return ZmqDataPlane(bind, advertise=advertise)
+    if transport == "ucx":
+        try:
+            from .ucx_plane import UcxDataPlane
+        except ImportError as exc:
+            raise RuntimeError(
+                f"transport: 'ucx' needs the ucxx package ({exc}); install it with "
+                "`pip install disagg[ucx]` or set transport: zmq"
+            ) from exc
+        return UcxDataPlane(bind, advertise=advertise)
+    raise ValueError(f"transport: unknown data plane {transport!r}; use 'zmq' or 'ucx'")

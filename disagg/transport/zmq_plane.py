@@ -1,0 +1,551 @@
+"""ZMQ implementation of the DataPlane (the fallback when UCX is not available).
+
+Wire: each data message is one multipart zmq message ``[PageBatch header, payload...]``
+on a PUSH -> PULL connection; the payload holds each run's ``count * page_bytes`` bytes
+split into frames of at most FRAME_BYTES, and a frame never spans two runs, so a run
+bound for a contiguous region is received with ``recv_into`` straight into the page
+slots. Other runs land in a scratch buffer and are scattered with one ``index_copy_``
+per region per message. A transfer ends with a ``TransferDone`` message.
+
+Threads: one receiver thread owns the PULL socket; one sender thread owns all PUSH
+sockets (cached per endpoint). Sender sockets use IMMEDIATE so a dead or absent peer
+shows up as "cannot send" and the push fails at its deadline.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+import zmq
+
+from ..protocol import messages as m
+from ..protocol.errors import ProtocolError
+from .dataplane import FRAME_BYTES, DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
+
+MSG_BYTES = 8 << 20  # payload per zmq message: bounds what libzmq buffers per message
+_HWM = 64  # messages queued per socket (each <= MSG_BYTES)
+_POLL_MS = 20
+_KEEP_FINISHED = 4096  # final receiver states kept for poll()
+
+
+@dataclass
+class _Group:
+    regions: list[RegionSpec]
+    page_bytes: int
+    num_slots: int
+    direct: np.ndarray | None  # [num_slots, page_bytes] view when runs can land in place
+
+
+@dataclass
+class _Rx:
+    transfer_id: int
+    lease_id: int
+    token: bytes
+    expected: list[int]
+    deadline: float
+    received: list[int] = field(default_factory=list)
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    nbytes: int = 0
+    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
+
+
+@dataclass
+class PushHandle:
+    """Sender-side handle returned by ``post_push``."""
+
+    transfer_id: int
+    endpoint: str
+    deadline: float
+    plan: list[tuple[bytes, list[memoryview]]]  # (header, payload frames) per message
+    pages: int
+    token: bytes
+    keep: list[object]  # source arrays: alive until sent
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    tracker: zmq.MessageTracker | None = None
+    nbytes: int = 0
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, self.pages, self.nbytes)
+
+
+class ZmqDataPlane(DataPlane):
+    """Both DataPlane sides over ZMQ. ``bind`` is the receiver endpoint
+    (``tcp://host:0`` picks a port, ``ipc://path``); ``advertise`` replaces the bound
+    address in ``endpoint`` when peers must use another name (e.g. bound on 0.0.0.0).
+    ``checksum``: hash payloads with xxh3-64 and verify at the receiver."""
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        advertise: str | None = None,
+        context: zmq.Context | None = None,
+        checksum: bool = True,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self.checksum = checksum
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()  # receiver state; held while writing a message
+        self._groups: list[_Group] = []
+        self._rx: OrderedDict[int, _Rx] = OrderedDict()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._stop = threading.Event()
+
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, _HWM)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MSG_BYTES + FRAME_BYTES)  # per frame
+        self._pull.bind(bind)
+        self._endpoint = advertise or self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        self._tx_jobs: queue.Queue[PushHandle | None] = queue.Queue()
+        self._tx_socks: dict[str, zmq.Socket] = {}
+        self._inflight: list[PushHandle] = []
+        self._rx_thread = threading.Thread(target=self._rx_run, name="disagg-dp-rx", daemon=True)
+        self._tx_thread = threading.Thread(target=self._tx_run, name="disagg-dp-tx", daemon=True)
+        self._rx_thread.start()
+        self._tx_thread.start()
+
+    # ================================ receiver ==========================================
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register_regions(
+        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
+    ) -> None:
+        groups = []
+        for g, regions in enumerate(group_regions):
+            specs = [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in regions]
+            if not specs:
+                raise ValueError(f"layer group {g} has no regions")
+            if any(s.tensor.device.type != "cpu" for s in specs):
+                raise ValueError("ZmqDataPlane receives into host memory only")
+            direct = None
+            if len(specs) == 1 and specs[0].contiguous:
+                direct = specs[0].tensor.numpy()  # shares memory: recv_into writes in place
+            groups.append(
+                _Group(
+                    regions=specs,
+                    page_bytes=sum(s.size for s in specs),
+                    num_slots=min(s.num_slots for s in specs),
+                    direct=direct,
+                )
+            )
+        with self._lock:
+            self._groups = groups
+
+    def expect(
+        self,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        total_pages_by_group: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        expected = [int(n) for n in total_pages_by_group]
+        with self._lock:
+            if len(expected) > len(self._groups):
+                raise ValueError(
+                    f"{len(expected)} groups expected but {len(self._groups)} registered"
+                )
+            if any(n < 0 for n in expected):
+                raise ValueError(f"negative page count in {expected}")
+            if transfer_id in self._rx and not self._rx[transfer_id].state.final:
+                raise ValueError(f"transfer {transfer_id} is already expected")
+            self._rx.pop(transfer_id, None)
+            self._rx[transfer_id] = _Rx(
+                transfer_id,
+                lease_id,
+                bytes(token),
+                expected,
+                time.monotonic() + deadline_s,
+                received=[0] * len(expected),
+            )
+            self._prune()
+
+    def poll(self, transfer_id: int) -> TransferStatus:
+        rx = self._rx[transfer_id]  # KeyError for an unknown transfer
+        if not rx.state.final and time.monotonic() > rx.deadline:
+            with self._lock:
+                self._expire(rx, time.monotonic())
+        return rx.status()
+
+    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
+        with self._lock:  # waits for a message being written to finish
+            rx = self._rx.get(transfer_id)
+            if rx is not None:
+                self._fail(rx, reason)
+
+    def _fail(self, rx: _Rx, why: str) -> None:
+        if not rx.state.final:
+            rx.state, rx.error = TransferState.FAILED, why
+            self.stats["failed"] += 1
+
+    def _expire(self, rx: _Rx, now: float) -> None:
+        if not rx.state.final and now > rx.deadline:
+            self._fail(
+                rx,
+                f"transfer {rx.transfer_id} missed its deadline with "
+                f"{sum(rx.received)} of {sum(rx.expected)} pages received",
+            )
+
+    def _prune(self) -> None:
+        excess = len(self._rx) - _KEEP_FINISHED
+        if excess > 0:
+            for tid in [t for t, r in self._rx.items() if r.state.final][:excess]:
+                del self._rx[tid]
+
+    def _rx_run(self) -> None:
+        sock = self._pull
+        last_sweep = 0.0
+        try:
+            while not self._stop.is_set():
+                if sock.poll(_POLL_MS, zmq.POLLIN):
+                    try:
+                        self._rx_message(sock)
+                    except Exception:  # never let one message kill the receiver
+                        log.exception("data plane receiver error")
+                        self.stats["internal_error"] += 1
+                        self._drain(sock)
+                now = time.monotonic()
+                if now - last_sweep > 0.01:
+                    last_sweep = now
+                    with self._lock:
+                        for rx in self._rx.values():
+                            self._expire(rx, now)
+        finally:
+            sock.close(linger=0)
+            with self._lock:
+                for rx in self._rx.values():
+                    self._fail(rx, "data plane closed")
+
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> None:
+        while sock.get(zmq.RCVMORE):
+            sock.recv_into(bytearray())
+
+    def _rx_message(self, sock: zmq.Socket) -> None:
+        head = sock.recv()
+        try:
+            msg = m.decode(head)
+        except ProtocolError as e:
+            self.stats["rejected_" + e.code.name] += 1
+            self._drain(sock)
+            return
+        with self._lock:
+            rx = self._rx.get(getattr(msg, "transfer_id", -1))
+            if not isinstance(msg, m.PageBatch | m.TransferDone):
+                self.stats["rejected_kind"] += 1
+            elif rx is None or not hmac.compare_digest(rx.token, msg.token):
+                self.stats["rejected_unknown"] += 1
+            elif rx.state.final:
+                self.stats["rejected_late"] += 1
+            elif isinstance(msg, m.TransferDone):
+                self._finish(rx, msg)
+            elif msg.lease_id != rx.lease_id:
+                self.stats["rejected_unknown"] += 1
+            else:
+                error = self._check(rx, msg)
+                if error is None:
+                    rx.state = TransferState.RECEIVING
+                    error = self._receive(sock, rx, msg)
+                if error is not None:
+                    self.stats["rejected_batch"] += 1
+                    self._fail(rx, error)
+            self._drain(sock)
+
+    def _check(self, rx: _Rx, h: m.PageBatch) -> str | None:
+        """Every slot of the batch in bounds, before a byte is written."""
+        if h.group >= len(rx.expected):
+            return f"batch for layer group {h.group}, but only {len(rx.expected)} expected"
+        grp = self._groups[h.group]
+        if h.page_bytes != grp.page_bytes:
+            return f"group {h.group} pages are {grp.page_bytes} bytes, batch says {h.page_bytes}"
+        runs = np.asarray(h.runs, dtype=np.int64).reshape(-1, 2)
+        ends = runs[:, 0] + runs[:, 1]
+        if (runs[:, 0] < 0).any() or (runs[:, 1] < 1).any() or (ends > grp.num_slots).any():
+            return f"batch for group {h.group} addresses slots outside [0, {grp.num_slots})"
+        count = int(runs[:, 1].sum())
+        if rx.received[h.group] + count > rx.expected[h.group]:
+            return (
+                f"group {h.group} would receive {rx.received[h.group] + count} pages, "
+                f"{rx.expected[h.group]} expected"
+            )
+        return None
+
+    def _receive(self, sock: zmq.Socket, rx: _Rx, h: m.PageBatch) -> str | None:
+        grp = self._groups[h.group]
+        pb = h.page_bytes
+        total = sum(c for _, c in h.runs)
+        scatter_idx: list[torch.Tensor] = []
+        scratch_mv = None
+        if grp.direct is None:
+            if self._scratch.numel() < total * pb:
+                self._scratch = torch.empty(total * pb, dtype=torch.uint8)
+            scratch_mv = memoryview(self._scratch.numpy())
+        soff = 0
+        more = sock.get(zmq.RCVMORE)
+        for start, count in h.runs:
+            nbytes = count * pb
+            if grp.direct is not None:
+                buf = memoryview(grp.direct[start : start + count].reshape(-1))
+            else:
+                assert scratch_mv is not None
+                buf = scratch_mv[soff : soff + nbytes]
+                soff += nbytes
+                scatter_idx.append(torch.arange(start, start + count))
+            off = 0
+            while off < nbytes:
+                if not more:
+                    return f"batch for group {h.group} ended {nbytes - off} bytes short"
+                n = sock.recv_into(buf[off:])
+                more = sock.get(zmq.RCVMORE)
+                if n > nbytes - off:
+                    return f"a payload frame of {n} bytes overruns its run"
+                if self.checksum:
+                    rx.hasher.update(buf[off : off + n])
+                off += n
+        if more:
+            return "batch has more payload frames than its runs"
+        if scatter_idx:
+            idx = torch.cat(scatter_idx)
+            src = self._scratch[: total * pb].view(total, pb)
+            col = 0
+            for region in grp.regions:
+                region.tensor.index_copy_(0, idx, src[:, col : col + region.size])
+                col += region.size
+        rx.received[h.group] += total
+        rx.nbytes += total * pb
+        self.stats["pages"] += total
+        return None
+
+    def _finish(self, rx: _Rx, done: m.TransferDone) -> None:
+        if not done.ok:
+            self._fail(rx, f"sender failed the transfer: {done.message}")
+        elif rx.received != rx.expected:
+            self._fail(rx, f"sender finished with {rx.received} of {rx.expected} pages per group")
+        elif self.checksum and done.checksum and rx.hasher.intdigest() != done.checksum:
+            self._fail(rx, "payload checksum mismatch")
+        else:
+            rx.state = TransferState.DONE
+            self.stats["done"] += 1
+
+    # ================================= sender ===========================================
+    def post_push(
+        self,
+        endpoint: str,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        pages: Sequence[PageSource],
+        deadline_s: float = 30.0,
+    ) -> PushHandle:
+        plan: list[tuple[bytes, list[memoryview]]] = []
+        keep: list[object] = []
+        npages = 0
+        for group, rows, dst_slots in pages:
+            msgs, n, arr = _plan_group(transfer_id, lease_id, bytes(token), group, rows, dst_slots)
+            plan.extend(msgs)
+            keep.append(arr)
+            npages += n
+        handle = PushHandle(
+            transfer_id, endpoint, time.monotonic() + deadline_s, plan, npages, bytes(token), keep
+        )
+        if self._stop.is_set():
+            handle.state, handle.error = TransferState.FAILED, "data plane closed"
+        else:
+            self._tx_jobs.put(handle)
+        return handle
+
+    def poll_push(self, handle: PushHandle) -> TransferStatus:
+        return handle.status()
+
+    def _tx_socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._tx_socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that isn't there
+            sock.setsockopt(zmq.SNDHWM, _HWM)
+            sock.connect(endpoint)
+            self._tx_socks[endpoint] = sock
+        return sock
+
+    def _tx_drop_socket(self, endpoint: str) -> None:
+        sock = self._tx_socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)  # drops anything still queued for this peer
+
+    def _tx_run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    h = self._tx_jobs.get(timeout=_POLL_MS / 1000)
+                except queue.Empty:
+                    h = None
+                if h is not None:
+                    self._tx_send(h)
+                self._tx_reap()
+        finally:
+            for h in self._inflight:
+                if not h.state.final:
+                    h.state, h.error = TransferState.FAILED, "data plane closed"
+            while not self._tx_jobs.empty():
+                h = self._tx_jobs.get_nowait()
+                if h is not None:
+                    h.state, h.error = TransferState.FAILED, "data plane closed"
+            for ep in list(self._tx_socks):
+                self._tx_drop_socket(ep)
+
+    def _tx_send(self, h: PushHandle) -> None:
+        sock = self._tx_socket(h.endpoint)
+        hasher = xxhash.xxh3_64() if self.checksum else None
+        h.state = TransferState.RECEIVING
+        try:
+            for header, frames in h.plan:
+                if not self._wait_writable(sock, h):
+                    return
+                if hasher is not None:
+                    for f in frames:
+                        hasher.update(f)
+                sock.send(header, zmq.SNDMORE)
+                for i, f in enumerate(frames):
+                    sock.send(f, zmq.SNDMORE if i + 1 < len(frames) else 0, copy=False)
+                    h.nbytes += len(f)
+            done = m.TransferDone(
+                transfer_id=h.transfer_id,
+                token=h.token,
+                checksum=hasher.intdigest() if hasher is not None else 0,
+            )
+            if not self._wait_writable(sock, h):
+                return
+            # The done message is last on the wire: once libzmq releases it, it has
+            # released every payload frame before it too.
+            h.tracker = sock.send(m.encode(done), copy=False, track=True)
+            self._inflight.append(h)
+        except zmq.ZMQError as e:
+            self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+
+    def _wait_writable(self, sock: zmq.Socket, h: PushHandle) -> bool:
+        while not self._stop.is_set():
+            left = h.deadline - time.monotonic()
+            if left <= 0:
+                self._tx_fail(h, f"peer {h.endpoint} did not take the data before the deadline")
+                return False
+            if sock.poll(min(int(left * 1000) + 1, 100), zmq.POLLOUT):
+                return True
+        self._tx_fail(h, "data plane closed")
+        return False
+
+    def _tx_fail(self, h: PushHandle, why: str) -> None:
+        h.state, h.error = TransferState.FAILED, why
+        h.plan, h.keep = [], []
+        self.stats["push_failed"] += 1
+        self._tx_drop_socket(h.endpoint)
+
+    def _tx_reap(self) -> None:
+        now = time.monotonic()
+        still = []
+        for h in self._inflight:
+            if h.tracker is not None and h.tracker.done:
+                h.state = TransferState.DONE
+                h.plan, h.keep = [], []
+                self.stats["push_done"] += 1
+            elif now > h.deadline:
+                self._tx_fail(h, f"peer {h.endpoint} did not drain the data before the deadline")
+            else:
+                still.append(h)
+        self._inflight = still
+
+    # ================================= common ===========================================
+    def close(self) -> None:
+        self._stop.set()
+        self._tx_jobs.put(None)
+        for t in (self._rx_thread, self._tx_thread):
+            t.join(5.0)
+
+
+def _plan_group(
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    rows: torch.Tensor,
+    dst_slots: Sequence[int],
+) -> tuple[list[tuple[bytes, list[memoryview]]], int, np.ndarray]:
+    """Split one group's pages into messages: coalesce rows whose destination slots (and
+    source rows) are adjacent into runs, vectorised; loop only over runs and frames."""
+    slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
+        raise ValueError(
+            f"group {group}: rows must be uint8 [len(dst_slots)={slots.shape[0]}, page_bytes], "
+            f"got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if (slots < -1).any():
+        raise ValueError(f"group {group}: destination slots must be >= -1")
+    if rows.device.type != "cpu":
+        rows = rows.cpu()  # the zmq path moves host memory only
+    arr = rows.contiguous().numpy()
+    pb = int(arr.shape[1])
+    if pb < 1:
+        raise ValueError(f"group {group}: page_bytes must be >= 1")
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
+        return [], 0, arr
+    dst = slots[idx]
+    brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    counts = np.diff(np.concatenate((starts, [idx.size])))
+    src_rows, dst_starts = idx[starts], dst[starts]
+
+    per_msg = max(1, MSG_BYTES // pb)  # pages per message
+    flat = arr.reshape(-1)
+    msgs: list[tuple[bytes, list[memoryview]]] = []
+    runs: list[tuple[int, int]] = []
+    frames: list[memoryview] = []
+    in_msg = 0
+
+    def flush() -> None:
+        nonlocal runs, frames, in_msg
+        header = m.PageBatch(
+            transfer_id=transfer_id,
+            lease_id=lease_id,
+            token=token,
+            group=group,
+            runs=runs,
+            page_bytes=pb,
+        )
+        msgs.append((m.encode(header), frames))
+        runs, frames, in_msg = [], [], 0
+
+    for src, dst0, cnt in zip(src_rows.tolist(), dst_starts.tolist(), counts.tolist(), strict=True):
+        while cnt:
+            take = min(cnt, per_msg - in_msg)
+            mv = memoryview(flat[src * pb : (src + take) * pb])
+            frames.extend(mv[o : o + FRAME_BYTES] for o in range(0, len(mv), FRAME_BYTES))
+            runs.append((dst0, take))
+            in_msg += take
+            src, dst0, cnt = src + take, dst0 + take, cnt - take
+            if in_msg >= per_msg:
+                flush()
+    if runs:
+        flush()
+    return msgs, int(idx.size), arr

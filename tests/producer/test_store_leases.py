@@ -1,0 +1,107 @@
+"""Block store and lease table: states, eviction, pins, named timeouts."""
+
+import time
+
+import pytest
+import torch
+
+from disagg.producer.leases import LeaseTable
+from disagg.producer.store import BlockState, BlockStore
+from disagg.protocol.errors import ErrorCode, ProtocolError
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def fill(store: BlockStore, keys: list[bytes], value: int) -> None:
+    rows = store.plan(keys)
+    store.slab[torch.from_numpy(rows[rows >= 0])] = value
+    store.commit(keys)
+
+
+def test_plan_commit_dedup_and_checksums():
+    stored = []
+    s = BlockStore(64, 64 * 4, on_stored=stored.extend)
+    rows = s.plan([key(1), key(2)])
+    assert sorted(rows.tolist()) == [0, 1]
+    assert s.state_of(key(1)) is BlockState.PLANNED
+    s.mark_staging([key(1)])
+    assert s.state_of(key(1)) is BlockState.STAGING
+    s.slab[rows] = 7
+    s.commit([key(1), key(2)])
+    assert stored == [key(1), key(2)] and s.state_of(key(2)) is BlockState.STORED
+    assert s.plan([key(1)]).tolist() == [-1] and s.stats.saves_deduplicated == 1
+    assert s.verify() == 0
+    s.slab[int(rows[0]), 3] ^= 0xFF  # a flipped byte is found
+    assert s.verify() == 1
+
+
+def test_full_store_evicts_lru_unpinned_and_drops_when_all_pinned():
+    removed = []
+    s = BlockStore(8, 8 * 2, on_removed=removed.extend)
+    fill(s, [key(1), key(2)], 1)
+    leases = LeaseTable(s)
+    lease = leases.grant("c", "r", [key(1)], 5)
+    assert lease is not None and len(lease.keys) == 1
+    fill(s, [key(3)], 3)  # key(2) is the only unpinned block: evicted
+    assert removed == [key(2)] and s.state_of(key(1)) is BlockState.STORED
+    assert s.plan([key(4)]).tolist() == [1]  # key(3) is now the LRU unpinned block
+    assert removed == [key(2), key(3)]
+    # key(1) is pinned and key(4) is still being saved: nothing can make room
+    assert s.plan([key(5)]).tolist() == [-1] and s.stats.saves_dropped_full == 1
+
+
+def test_claim_longest_prefix_covers_planned_blocks():
+    s = BlockStore(8, 8 * 8)
+    fill(s, [key(1)], 1)
+    s.plan([key(2)])  # still PLANNED: a claim may cover it, a push waits for it
+    leases = LeaseTable(s)
+    lease = leases.grant("c", "r", [key(1), key(2), key(3)], 5)
+    assert lease is not None and lease.keys == [key(1), key(2)]
+    with pytest.raises(TimeoutError):
+        s.wait_stored(lease.entries, time.monotonic() + 0.05)
+    s.commit([key(2)])
+    assert len(s.wait_stored(lease.entries, time.monotonic() + 1)) == 2
+
+
+def test_abort_of_leased_block_is_reported_and_row_not_reused_until_unpin():
+    s = BlockStore(8, 8 * 1)
+    s.plan([key(1)])
+    leases = LeaseTable(s)
+    lease = leases.grant("c", "r", [key(1)], 5)
+    s.abort([key(1)])
+    with pytest.raises(KeyError):
+        s.wait_stored(lease.entries, time.monotonic() + 1)
+    assert s.plan([key(2)]).tolist() == [-1]  # the row is still named by the lease
+    leases.release("c", lease.lease_id)
+    assert s.plan([key(2)]).tolist() == [0]
+
+
+def test_lease_errors_renew_expiry_and_dead_owner():
+    s = BlockStore(8, 8 * 8)
+    fill(s, [key(1), key(2)], 1)
+    t = LeaseTable(s, max_ttl_s=10, owner_dead_after_s=5)
+    a = t.grant("a", "r1", [key(1)], 3.0)
+    b = t.grant("b", "r2", [key(2)], 1.0)
+    assert a and b
+    with pytest.raises(ProtocolError) as e:
+        t.release("b", a.lease_id)
+    assert e.value.code is ErrorCode.FOREIGN_LEASE
+    with pytest.raises(ProtocolError) as e:
+        t.release("a", 999)
+    assert e.value.code is ErrorCode.UNKNOWN_LEASE
+    assert t.renew("a", [a.lease_id, b.lease_id, 77]) == [b.lease_id, 77]
+    now = time.monotonic()
+    t.heartbeat("a", now + 1.5)
+    assert t.sweep(now + 1.5) == 1 and t.stats.expired == 1  # b's TTL passed
+    assert s.pinned_blocks() == 1
+    assert t.sweep(now + 7) == 1 and t.stats.freed_dead_owner == 1  # a went silent
+    assert s.pinned_blocks() == 0 and t.active() == 0
+
+
+def test_stale_saves_time_out():
+    s = BlockStore(8, 8 * 2, save_timeout_s=0.01)
+    s.plan([key(1)])
+    assert s.sweep_stale_saves(time.monotonic() + 1) == 1
+    assert s.state_of(key(1)) is None and s.used_blocks() == 0

@@ -1,0 +1,73 @@
+import time
+
+import numpy as np
+import pytest
+
+from disagg.protocol import Namespace, block_keys, page_key
+
+NS = Namespace("llama-x", "bf16", 16, (4096, 2048))
+
+
+def test_deterministic_and_full_blocks_only():
+    toks = list(range(100))
+    a = block_keys(NS, toks)
+    assert len(a) == 6 and all(len(k) == 16 for k in a)
+    assert a == block_keys(NS, np.array(toks, dtype=np.int32))
+    assert a == block_keys(NS.seed(), toks, 16)
+    assert len(set(a)) == 6
+    assert block_keys(NS, toks[:15]) == []
+
+
+def test_chaining():
+    toks = np.arange(160)
+    base = block_keys(NS, toks)
+    changed = toks.copy()
+    changed[37] += 1  # block 2
+    other = block_keys(NS, changed)
+    assert other[:2] == base[:2]
+    assert all(x != y for x, y in zip(other[2:], base[2:], strict=True))
+
+
+def test_incremental_equals_whole():
+    toks = np.arange(160)
+    whole = block_keys(NS, toks)
+    tail = block_keys(NS, toks, start_block=4, prev=whole[3])
+    assert tail == whole[4:]
+    with pytest.raises(ValueError):
+        block_keys(NS, toks, start_block=4)
+
+
+def test_namespace_separation():
+    toks = list(range(64))
+    base = block_keys(NS, toks)
+    variants = [
+        Namespace("llama-x", "bf16", 16, (4096, 2048), cache_salt="s"),
+        Namespace("llama-x", "bf16", 16, (4096, 2048), lora_id=3),
+        Namespace("llama-x", "fp8", 16, (4096, 2048)),
+        Namespace("llama-x", "bf16", 16, (4096, 1024)),
+        Namespace("llama-x", "bf16", 16, (4096, 2048), tp_size=2, tp_rank=1),
+        Namespace("llama-y", "bf16", 16, (4096, 2048)),
+    ]
+    seen = {base[0]}
+    for ns in variants:
+        k = block_keys(ns, toks)[0]
+        assert k not in seen
+        seen.add(k)
+    assert Namespace("llama-x", "bf16", 16, [4096, 2048]).seed() == NS.seed()
+
+
+def test_page_key():
+    k = block_keys(NS, range(16))[0]
+    assert page_key(k, 0) != page_key(k, 1)
+    assert len(page_key(k, 1)) == 16 and page_key(k, 1) == page_key(k, 1)
+    with pytest.raises(ValueError):
+        page_key(b"x", 0)
+
+
+def test_fast():
+    toks = np.random.default_rng(0).integers(0, 128000, 131072)
+    block_keys(NS, toks)
+    t = time.perf_counter()
+    keys = block_keys(NS, toks)
+    assert len(keys) == 8192
+    assert time.perf_counter() - t < 0.05  # a few ms normally; generous for noisy CI
