@@ -17,8 +17,6 @@ import sys
 import time
 from typing import Any
 
-REF_SHAPE = dict(num_layers=4, tokens_per_block=32, num_blocks=1024)
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -38,7 +36,9 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str) -> Any:
     from .engine.reference import ConnectorSpec, Engine, EngineConfig, parse_windows
 
     cfg = EngineConfig(
-        **REF_SHAPE,
+        num_layers=4,
+        tokens_per_block=32,
+        num_blocks=1024,
         kv_manager=args.kv_manager,
         windows=parse_windows(args.windows),
         seed=args.seed,

@@ -49,6 +49,7 @@ class PagePool:
     """Byte views of an engine's page pools, one list of region tensors per layer group."""
 
     def __init__(self, layout: KvCacheLayout):
+        self.keepalive: object = None
         self.layout = layout
         self.tokens_per_block = layout.tokens_per_block
         self.dtype = layout.dtype
@@ -100,7 +101,7 @@ class PagePool:
 
         group = KvCacheLayerGroupLayout(0, tuple(range(num_layers)), None, (region,))
         pool = cls(KvCacheLayout(tokens_per_block, (group,), dtype=kv.dtype))
-        pool._keepalive = kv  # the region aliases kv's memory
+        pool.keepalive = kv  # the region aliases kv's memory
         return pool
 
     def _spans_of(self, layer: int) -> list[tuple[int, list[Span]]]:

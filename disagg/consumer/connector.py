@@ -41,7 +41,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = self.config.consumer.load_mode == "async"
+        self.is_async = self.service.ccfg.load_mode == "async"
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -146,7 +146,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = self.config.consumer.load_mode == "async"
+        self.is_async = self.service.ccfg.load_mode == "async"
         self._loading: set[int] = set()  # ids handed in through get_finished
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []

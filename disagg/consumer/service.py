@@ -26,7 +26,7 @@ from ..protocol.errors import ProtocolError
 from ..protocol.fingerprint import Fingerprint
 from ..protocol.version import PROTOCOL_VERSION
 from ..transport.control import ControlClient
-from ..transport.dataplane import TransferState
+from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
 
 log = logging.getLogger("disagg.consumer")
@@ -42,10 +42,10 @@ _services_lock = threading.Lock()
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
     with _services_lock:
-        svc = _services.get(config.instance_id)
+        svc = _services.get(str(config.instance_id))
         if svc is None or svc.closed:
             svc = ConsumerService(config, llm_args)
-            _services[config.instance_id] = svc
+            _services[svc.owner] = svc
         return svc
 
 
@@ -108,8 +108,10 @@ class Load:
 
 class ConsumerService:
     def __init__(self, config: DisaggConfig, llm_args: Any):
+        assert config.consumer is not None and config.instance_id is not None  # validated
         self.config = config
         self.ccfg = config.consumer
+        self.owner: str = config.instance_id
         self.model_id = model_id_of(llm_args, config.model_id)
         self.tp_size, self.tp_rank = tp_of(llm_args)
         if self.tp_size != 1:
@@ -118,12 +120,11 @@ class ConsumerService:
                 "run decode instances with TP=1"
             )
         self.links = [
-            ProducerLink(ep, config.instance_id, self.ccfg.claim_timeout_s)
-            for ep in self.ccfg.producers
+            ProducerLink(ep, self.owner, self.ccfg.claim_timeout_s) for ep in self.ccfg.producers
         ]
         self.pool: PagePool | None = None
         self.fingerprint: Fingerprint | None = None
-        self.data = None
+        self.data: DataPlane | None = None
         self._seeds: dict[str | None, bytes] = {}
         self.loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
@@ -180,7 +181,7 @@ class ConsumerService:
                     link,
                     m.Claim(
                         v=V,
-                        owner=self.config.instance_id,
+                        owner=self.owner,
                         request_id=str(request_id),
                         keys=keys,
                         ttl_s=self.ccfg.lease_ttl_s,
@@ -198,7 +199,7 @@ class ConsumerService:
 
     def _rank_by_lookup(self, links: list[ProducerLink], keys: list[bytes]) -> list[ProducerLink]:
         """Ask every producer in parallel how much it holds; best first, misses dropped."""
-        msg = m.Lookup(v=V, owner=self.config.instance_id, keys=keys)
+        msg = m.Lookup(v=V, owner=self.owner, keys=keys)
         futs = {self._lookups.submit(self._call, lk, msg): lk for lk in links}
         done, _ = wait(futs, timeout=self.ccfg.claim_timeout_s)
         held = []
@@ -235,7 +236,7 @@ class ConsumerService:
                 load.claimed.link,
                 m.Push(
                     v=V,
-                    owner=self.config.instance_id,
+                    owner=self.owner,
                     lease_id=load.claimed.lease_id,
                     transfer_id=load.transfer_id,
                     token=load.token,
@@ -297,7 +298,7 @@ class ConsumerService:
                 held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
             for link, ids in held.items():
                 try:
-                    self._call(link, m.Renew(v=V, owner=self.config.instance_id, lease_ids=ids))
+                    self._call(link, m.Renew(v=V, owner=self.owner, lease_ids=ids))
                 except ProtocolError as exc:
                     log.info("renewing leases on %s failed: %s", link.endpoint, exc)
 
@@ -306,7 +307,7 @@ class ConsumerService:
             todo, self._releases = self._releases, []
         for link, lease_id in todo:
             try:
-                self._call(link, m.Release(v=V, owner=self.config.instance_id, lease_id=lease_id))
+                self._call(link, m.Release(v=V, owner=self.owner, lease_id=lease_id))
                 self.metrics["leases_released"] += 1
             except ProtocolError as exc:  # the producer's TTL frees it anyway
                 self.metrics["release_failed"] += 1
@@ -323,5 +324,5 @@ class ConsumerService:
             self.data.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         with _services_lock:
-            if _services.get(self.config.instance_id) is self:
-                del _services[self.config.instance_id]
+            if _services.get(self.owner) is self:
+                del _services[self.owner]

@@ -29,6 +29,7 @@ from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import Fingerprint, check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..transport.control import ControlServer
+from ..transport.dataplane import DataPlane
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from .leases import LeaseTable
@@ -43,17 +44,19 @@ _services_lock = threading.Lock()
 def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
     """The process's service for this instance id, created on first use."""
     with _services_lock:
-        svc = _services.get(config.instance_id)
+        svc = _services.get(str(config.instance_id))
         if svc is None or svc.closed:
             svc = ProducerService(config, llm_args)
-            _services[config.instance_id] = svc
+            _services[svc.name] = svc
         return svc
 
 
 class ProducerService:
     def __init__(self, config: DisaggConfig, llm_args: Any):
+        assert config.producer is not None and config.instance_id is not None  # validated
         self.config = config
         self.pcfg = config.producer
+        self.name: str = config.instance_id
         self.model_id = model_id_of(llm_args, config.model_id)
         self.tp_size, self.tp_rank = tp_of(llm_args)
         if self.tp_size != 1:
@@ -73,7 +76,7 @@ class ProducerService:
         self.metrics: Counter[str] = Counter()
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
-        self.data = None
+        self.data: DataPlane | None = None
         self._pushes = ThreadPoolExecutor(2, thread_name_prefix="disagg-push")
         self._stop = threading.Event()
         self.closed = False
@@ -86,7 +89,7 @@ class ProducerService:
         self.pool = pool
         self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
         if self.pcfg.events:
-            self.events = EventPublisher(self.pcfg.events, producer=self.config.instance_id)
+            self.events = EventPublisher(self.pcfg.events, producer=self.name)
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
@@ -98,7 +101,7 @@ class ProducerService:
         self.leases = LeaseTable(
             self.store,
             max_ttl_s=self.pcfg.lease_ttl_s,
-            owner_dead_after_s=self.pcfg.owner_dead_after_s,
+            owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
         )
         self.data = make_data_plane(self.config.transport)
         self.server = ControlServer(self.pcfg.control, self._handle)
@@ -106,7 +109,7 @@ class ProducerService:
         threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True).start()
         log.info(
             "producer %s serving on %s: store %d blocks of %d B",
-            self.config.instance_id,
+            self.name,
             self.server.endpoint,
             self.store.capacity,
             pool.block_bytes,
@@ -199,7 +202,7 @@ class ProducerService:
             lease = self.leases.grant(owner, msg.request_id, list(msg.keys), msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1
             if lease is None:
-                return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=0.0)
+                return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=msg.ttl_s)
             return m.ClaimOk(
                 v=PROTOCOL_VERSION,
                 lease_id=lease.lease_id,
@@ -216,7 +219,7 @@ class ProducerService:
         if isinstance(msg, m.SnapshotRequest):
             keys = self.store.keys()
             seq = self.events.seq if self.events is not None else 0
-            return m.SnapshotOk(v=PROTOCOL_VERSION, seq=seq, keys=keys)
+            return m.SnapshotOk(v=PROTOCOL_VERSION, producer=self.name, seq=seq, keys=keys)
         raise ProtocolError(
             ErrorCode.UNKNOWN_KIND, f"a producer does not serve {type(msg).__name__}"
         )
@@ -235,7 +238,7 @@ class ProducerService:
         self.leases.heartbeat(msg.instance_id)
         return m.HelloOk(
             v=PROTOCOL_VERSION,
-            instance_id=self.config.instance_id,
+            instance_id=self.name,
             fingerprint=self.fingerprint,
             data_endpoint="",
             transport=self.config.transport,
@@ -326,5 +329,5 @@ class ProducerService:
             self.data.close()
         self._pushes.shutdown(wait=False, cancel_futures=True)
         with _services_lock:
-            if _services.get(self.config.instance_id) is self:
-                del _services[self.config.instance_id]
+            if _services.get(self.name) is self:
+                del _services[self.name]

@@ -273,4 +273,4 @@ class BlockStore:
 
 
 def _checksum(row: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(row.cpu().numpy()))
+    return xxhash.xxh3_64_intdigest(row.cpu().contiguous().numpy().data)

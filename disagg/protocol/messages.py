@@ -40,7 +40,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 # --- handshake -------------------------------------------------------------------------
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, frozen=True, tag="hello"):
     instance_id: Str
     role: Str
     fingerprint: Fingerprint
@@ -48,7 +48,7 @@ class Hello(Message, tag="hello"):
     transport: Str = "zmq"
 
 
-class HelloOk(Message, tag="hello_ok"):
+class HelloOk(Message, frozen=True, tag="hello_ok"):
     instance_id: Str
     fingerprint: Fingerprint
     data_endpoint: Str = ""
@@ -58,11 +58,11 @@ class HelloOk(Message, tag="hello_ok"):
 # --- generic replies -------------------------------------------------------------------
 
 
-class Ok(Message, tag="ok"):
+class Ok(Message, frozen=True, tag="ok"):
     pass
 
 
-class Error(Message, tag="error"):
+class Error(Message, frozen=True, tag="error"):
     code: int
     message: Annotated[str, msgspec.Meta(max_length=65536)] = ""
 
@@ -70,18 +70,18 @@ class Error(Message, tag="error"):
 # --- index and leases ------------------------------------------------------------------
 
 
-class Lookup(Message, tag="lookup"):
+class Lookup(Message, frozen=True, tag="lookup"):
     """How many leading ``keys`` does the producer hold (in every layer group)?"""
 
     owner: Str
     keys: Keys
 
 
-class LookupOk(Message, tag="lookup_ok"):
+class LookupOk(Message, frozen=True, tag="lookup_ok"):
     num_blocks: NonNeg
 
 
-class Claim(Message, tag="claim"):
+class Claim(Message, frozen=True, tag="claim"):
     """Pin the longest held prefix of ``keys`` for ``request_id`` for ``ttl_s``."""
 
     owner: Str
@@ -90,27 +90,27 @@ class Claim(Message, tag="claim"):
     ttl_s: Ttl = 30.0
 
 
-class ClaimOk(Message, tag="claim_ok"):
+class ClaimOk(Message, frozen=True, tag="claim_ok"):
     lease_id: U64
     num_blocks: NonNeg
     ttl_s: Ttl
 
 
-class Renew(Message, tag="renew"):
+class Renew(Message, frozen=True, tag="renew"):
     owner: Str
     lease_ids: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)]
 
 
-class RenewOk(Message, tag="renew_ok"):
+class RenewOk(Message, frozen=True, tag="renew_ok"):
     unknown: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)] = []
 
 
-class Release(Message, tag="release"):
+class Release(Message, frozen=True, tag="release"):
     owner: Str
     lease_id: U64
 
 
-class Push(Message, tag="push"):
+class Push(Message, frozen=True, tag="push"):
     """Push blocks ``[first_block, first_block + num_blocks)`` of the lease to
     ``data_endpoint``; ``dst_slots[g][i]`` is group g's slot for block first_block+i."""
 
@@ -134,34 +134,34 @@ class Push(Message, tag="push"):
                 )
 
 
-class PushOk(Message, tag="push_ok"):
+class PushOk(Message, frozen=True, tag="push_ok"):
     transfer_id: U64
 
 
-class Heartbeat(Message, tag="heartbeat"):
+class Heartbeat(Message, frozen=True, tag="heartbeat"):
     owner: Str
 
 
 # --- events ----------------------------------------------------------------------------
 
 
-class Stored(Message, tag="stored"):
+class Stored(Message, frozen=True, tag="stored"):
     producer: Str
     seq: Pos
     keys: Keys
 
 
-class Removed(Message, tag="removed"):
+class Removed(Message, frozen=True, tag="removed"):
     producer: Str
     seq: Pos
     keys: Keys
 
 
-class SnapshotRequest(Message, tag="snapshot"):
+class SnapshotRequest(Message, frozen=True, tag="snapshot"):
     pass
 
 
-class SnapshotOk(Message, tag="snapshot_ok"):
+class SnapshotOk(Message, frozen=True, tag="snapshot_ok"):
     """Every key held at event sequence ``seq`` (events with seq <= this are included)."""
 
     producer: Str
@@ -172,7 +172,7 @@ class SnapshotOk(Message, tag="snapshot_ok"):
 # --- data plane headers ----------------------------------------------------------------
 
 
-class PageBatch(Message, tag="pages"):
+class PageBatch(Message, frozen=True, tag="pages"):
     """Header of one data message; the payload frames that follow hold, run after run,
     ``count * page_bytes`` bytes per run in slot order. A run never shares a frame with
     another run, and frames are at most 1 MiB."""
@@ -188,11 +188,12 @@ class PageBatch(Message, tag="pages"):
     last: bool = False
 
 
-class TransferDone(Message, tag="done"):
+class TransferDone(Message, frozen=True, tag="done"):
     """Last message of a transfer. ``checksum`` is xxh3-64 of all payload bytes in send
     order, or 0 when the sender did not compute one."""
 
     transfer_id: U64
+    lease_id: U64 = 0
     token: Token = b""
     ok: bool = True
     message: Annotated[str, msgspec.Meta(max_length=65536)] = ""

@@ -74,6 +74,7 @@ class PushHandle:
     deadline: float
     plan: list[tuple[bytes, list[memoryview]]]  # (header, payload frames) per message
     pages: int
+    lease_id: int
     token: bytes
     keep: list[object]  # source arrays: alive until sent
     state: TransferState = TransferState.PENDING
@@ -226,7 +227,7 @@ class ZmqDataPlane(DataPlane):
                         self.stats["internal_error"] += 1
                         self._drain(sock)
                 now = time.monotonic()
-                if now - last_sweep > 0.01:
+                if now - last_sweep > 0.05:  # poll() also checks its own deadline
                     last_sweep = now
                     with self._lock:
                         for rx in self._rx.values():
@@ -258,10 +259,10 @@ class ZmqDataPlane(DataPlane):
                 self.stats["rejected_unknown"] += 1
             elif rx.state.final:
                 self.stats["rejected_late"] += 1
-            elif isinstance(msg, m.TransferDone):
-                self._finish(rx, msg)
             elif msg.lease_id != rx.lease_id:
                 self.stats["rejected_unknown"] += 1
+            elif isinstance(msg, m.TransferDone):
+                self._finish(rx, msg)
             else:
                 error = self._check(rx, msg)
                 if error is None:
@@ -300,13 +301,13 @@ class ZmqDataPlane(DataPlane):
         if grp.direct is None:
             if self._scratch.numel() < total * pb:
                 self._scratch = torch.empty(total * pb, dtype=torch.uint8)
-            scratch_mv = memoryview(self._scratch.numpy())
+            scratch_mv = memoryview(self._scratch.numpy())  # type: ignore[arg-type]
         soff = 0
         more = sock.get(zmq.RCVMORE)
         for start, count in h.runs:
             nbytes = count * pb
             if grp.direct is not None:
-                buf = memoryview(grp.direct[start : start + count].reshape(-1))
+                buf = memoryview(grp.direct[start : start + count].reshape(-1))  # type: ignore[arg-type]
             else:
                 assert scratch_mv is not None
                 buf = scratch_mv[soff : soff + nbytes]
@@ -367,7 +368,14 @@ class ZmqDataPlane(DataPlane):
             keep.append(arr)
             npages += n
         handle = PushHandle(
-            transfer_id, endpoint, time.monotonic() + deadline_s, plan, npages, bytes(token), keep
+            transfer_id,
+            endpoint,
+            time.monotonic() + deadline_s,
+            plan,
+            npages,
+            lease_id,
+            bytes(token),
+            keep,
         )
         if self._stop.is_set():
             handle.state, handle.error = TransferState.FAILED, "data plane closed"
@@ -385,6 +393,9 @@ class ZmqDataPlane(DataPlane):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that isn't there
             sock.setsockopt(zmq.SNDHWM, _HWM)
+            # pyzmq copies small "zero-copy" frames and reports them sent at once; with no
+            # threshold every tracker really means "libzmq has written and released it".
+            sock.copy_threshold = 0
             sock.connect(endpoint)
             self._tx_socks[endpoint] = sock
         return sock
@@ -432,6 +443,7 @@ class ZmqDataPlane(DataPlane):
                     h.nbytes += len(f)
             done = m.TransferDone(
                 transfer_id=h.transfer_id,
+                lease_id=h.lease_id,
                 token=h.token,
                 checksum=hasher.intdigest() if hasher is not None else 0,
             )
@@ -539,7 +551,7 @@ def _plan_group(
     for src, dst0, cnt in zip(src_rows.tolist(), dst_starts.tolist(), counts.tolist(), strict=True):
         while cnt:
             take = min(cnt, per_msg - in_msg)
-            mv = memoryview(flat[src * pb : (src + take) * pb])
+            mv = memoryview(flat[src * pb : (src + take) * pb])  # type: ignore[arg-type]
             frames.extend(mv[o : o + FRAME_BYTES] for o in range(0, len(mv), FRAME_BYTES))
             runs.append((dst0, take))
             in_msg += take

@@ -91,7 +91,9 @@ class _SchedulerBase:
         self.async_ids: list[int] = []
 
     # keys -------------------------------------------------------------------------------
-    def _keys(self, tokens: list[int], salt: str | None, nblocks: int, prev: list[str]) -> list[str]:
+    def _keys(
+        self, tokens: list[int], salt: str | None, nblocks: int, prev: list[str]
+    ) -> list[str]:
         keys = list(prev)
         h = keys[-1] if keys else hashlib.sha256(f"{self.seed}|salt={salt}".encode()).hexdigest()
         for b in range(len(keys), nblocks):
@@ -105,11 +107,15 @@ class _SchedulerBase:
 
     def _held(self, key: str) -> bool:
         return all(
-            self._path(key, g, r).exists() for g in range(self.num_groups) for r in range(self.world)
+            self._path(key, g, r).exists()
+            for g in range(self.num_groups)
+            for r in range(self.world)
         )
 
     # engine-facing ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Whole blocks beyond the device match held for every group/rank, stopping one
         token short of the prompt. A non-block-aligned device match is declined."""
         rid = request.request_id
@@ -139,7 +145,9 @@ class _SchedulerBase:
         self.async_plan += self._load_plan(first, keys, pages)
         self.async_ids.append(rid)
 
-    def _load_plan(self, first: int, keys: list[str], pages: list[list[int]]) -> list[tuple[str, int, int]]:
+    def _load_plan(
+        self, first: int, keys: list[str], pages: list[list[int]]
+    ) -> list[tuple[str, int, int]]:
         plan = []
         for g, lst in enumerate(pages):
             valid = dict(valid_page_slots(lst))
@@ -219,10 +227,14 @@ class FsGroupedConnectorScheduler(_SchedulerBase, KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self._init(llm_args)
 
-    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+    def update_state_after_alloc_by_layer_group(
+        self, request: Any, block_ids_by_layer_group: list[list[int]]
+    ) -> None:
         self._after_alloc(request, [list(x) for x in block_ids_by_layer_group])
 
-    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+    def request_finished_by_layer_group(
+        self, request: Any, cache_block_ids_by_layer_group: list[list[int]]
+    ) -> bool:
         return self._finished(request)
 
 
@@ -246,7 +258,9 @@ class _WorkerBase:
             dst = self.pages[g](slot)
             data = self._path(key, g).read_bytes()
             if len(data) != dst.numel():
-                raise RuntimeError(f"page file {key} g{g} has {len(data)} bytes, page {dst.numel()}")
+                raise RuntimeError(
+                    f"page file {key} g{g} has {len(data)} bytes, page {dst.numel()}"
+                )
             dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dst.device))
         self.loaded.update(meta.loaded_requests)
 
@@ -269,7 +283,9 @@ class _WorkerBase:
             tmp.write_bytes(self.pages[g](slot).cpu().numpy().tobytes())
             os.replace(tmp, path)  # atomic: a reader never sees a partial page
 
-    def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
         self.handed_loading.update(started_loading_req_ids)
         done = sorted(self.handed_loading & self.loaded)
         self.handed_loading -= set(done)
@@ -307,6 +323,8 @@ class FsGroupedConnectorWorker(_WorkerBase, KvCacheConnectorWorker):
     def register_kv_cache_layout(self, layout: Any) -> None:
         for group in layout.groups:
             if len(group.regions) != 1:
-                raise NotImplementedError(f"layer group {group.layer_group_id} has {len(group.regions)} regions")
+                raise NotImplementedError(
+                    f"layer group {group.layer_group_id} has {len(group.regions)} regions"
+                )
             region = group.regions[0]
             self.pages[group.layer_group_id] = region.slot_tensor

@@ -61,19 +61,39 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give all three --connector-* options or none", file=sys.stderr)
         return 2
     cfg = EngineConfig(
-        vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
-        num_kv_heads=a.kv_heads, head_dim=a.head_dim, windows=parse_windows(a.windows),
-        tokens_per_block=a.tokens_per_block, kv_manager=a.kv_manager, chunk_size=a.chunk_size,
-        tp=a.tp, overlap=a.overlap, num_blocks=a.num_blocks, max_seq_len=a.max_seq_len,
-        device=a.device, seed=a.seed, dtype=a.dtype, enable_block_reuse=not a.no_block_reuse,
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        windows=parse_windows(a.windows),
+        tokens_per_block=a.tokens_per_block,
+        kv_manager=a.kv_manager,
+        chunk_size=a.chunk_size,
+        tp=a.tp,
+        overlap=a.overlap,
+        num_blocks=a.num_blocks,
+        max_seq_len=a.max_seq_len,
+        device=a.device,
+        seed=a.seed,
+        dtype=a.dtype,
+        enable_block_reuse=not a.no_block_reuse,
         capture_pages=a.dump_pages is not None,
     )
-    spec = ConnectorSpec(names[0], names[1], names[2], json.loads(a.connector_extra)) if all(names) else None
+    spec = (
+        ConnectorSpec(names[0], names[1], names[2], json.loads(a.connector_extra))
+        if all(names)
+        else None
+    )
     if a.prompt:
         prompts = [[int(t) for t in a.prompt.split(",") if t.strip()]] * a.num_prompts
     else:
         rng = random.Random(a.seed)
-        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.num_prompts)]
+        prompts = [
+            [rng.randrange(cfg.vocab_size) for _ in range(a.prompt_len)]
+            for _ in range(a.num_prompts)
+        ]
     t0 = time.perf_counter()
     eng = Engine(cfg, spec)
     ids = [eng.add_request(p, a.max_tokens, a.cache_salt) for p in prompts]
@@ -86,20 +106,37 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         def conv(d: dict[tuple[int, int], bytes]) -> dict[str, torch.Tensor]:
-            return {f"{g}:{o}": torch.frombuffer(bytearray(b), dtype=torch.uint8) for (g, o), b in d.items()}
+            return {
+                f"{g}:{o}": torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                for (g, o), b in d.items()
+            }
 
-        torch.save([{"loaded": conv(eng.results[i].loaded_pages), "computed": conv(eng.results[i].computed_pages)}
-                    for i in ids], a.dump_pages)
-    out = {"outputs": outputs, "errors": errors, "elapsed_s": round(elapsed, 4),
-           "per_request_connector_matched": [eng.results[i].connector_matched_tokens for i in ids],
-           **eng.stats.as_dict()}
+        torch.save(
+            [
+                {
+                    "loaded": conv(eng.results[i].loaded_pages),
+                    "computed": conv(eng.results[i].computed_pages),
+                }
+                for i in ids
+            ],
+            a.dump_pages,
+        )
+    out = {
+        "outputs": outputs,
+        "errors": errors,
+        "elapsed_s": round(elapsed, 4),
+        "per_request_connector_matched": [eng.results[i].connector_matched_tokens for i in ids],
+        **eng.stats.as_dict(),
+    }
     if a.json:
         print(json.dumps(out))
     else:
         for i, (o, e) in enumerate(zip(outputs, errors, strict=True)):
             print(f"prompt {i}: {'ERROR ' + e if e else o}")
-        print(f"connector_matched_tokens={out['connector_matched_tokens']} "
-              f"device_matched_tokens={out['device_matched_tokens']} elapsed={elapsed:.3f}s")
+        print(
+            f"connector_matched_tokens={out['connector_matched_tokens']} "
+            f"device_matched_tokens={out['device_matched_tokens']} elapsed={elapsed:.3f}s"
+        )
     return 1 if any(errors) else 0
 
 

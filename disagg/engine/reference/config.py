@@ -65,20 +65,40 @@ class EngineConfig:
             if not cond:
                 raise ValueError(f"EngineConfig: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "tokens_per_block", "tp", "num_blocks",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "tokens_per_block",
+            "tp",
+            "num_blocks",
+            "max_seq_len",
+        ):
             need(int(getattr(self, name)) > 0, f"{name} must be > 0")
-        need(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
-        need(self.num_kv_heads % self.tp == 0, f"num_kv_heads {self.num_kv_heads} not divisible by tp {self.tp}")
+        need(
+            self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        )
+        need(
+            self.num_kv_heads % self.tp == 0,
+            f"num_kv_heads {self.num_kv_heads} not divisible by tp {self.tp}",
+        )
         need(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
-        need(self.kv_manager in ("v1", "v2"), f"kv_manager must be 'v1' or 'v2', not {self.kv_manager!r}")
+        need(
+            self.kv_manager in ("v1", "v2"),
+            f"kv_manager must be 'v1' or 'v2', not {self.kv_manager!r}",
+        )
         need(self.chunk_size is None or self.chunk_size > 0, "chunk_size must be > 0 or None")
         need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
         need(len(self.windows) > 0, "windows must not be empty")
         for w in self.windows:
             need(w is None or int(w) > 0, f"window {w!r} must be a positive token count or None")
-        need(self.device == "cpu" or self.device.startswith("cuda"), "device must be cpu or cuda[:N]")
+        need(
+            self.device == "cpu" or self.device.startswith("cuda"), "device must be cpu or cuda[:N]"
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,6 +160,8 @@ class LlmArgs(_Obj):
     """What a connector's ``llm_args`` exposes (the subset of ``TorchLlmArgs`` connectors
     read, contract §13), plus ``disagg`` (the spec's ``extra`` dict) and ``rank`` (our
     stand-in for ``mpi_rank()``: each worker gets a copy carrying its own rank)."""
+
+    rank: int = 0
 
 
 def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:

@@ -45,8 +45,14 @@ def current_stream(device: str) -> Any:
 class Driver:
     """Owns the scheduler (rank 0) and one worker per rank."""
 
-    def __init__(self, cfg: EngineConfig, spec: ConnectorSpec, llm_args: LlmArgs,
-                 kv: KvCacheManager, calls: Counter[str]):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        spec: ConnectorSpec,
+        llm_args: LlmArgs,
+        kv: KvCacheManager,
+        calls: Counter[str],
+    ):
         self.cfg, self.spec, self.kv, self.calls = cfg, spec, kv, calls
         self.stream = current_stream(cfg.device)
         module = importlib.import_module(spec.module)
@@ -56,7 +62,9 @@ class Driver:
         # scheduler on rank 0 only. Any exception aborts bring-up.
         with ThreadPoolExecutor(max_workers=2) as pool:
             sched_f = pool.submit(sched_cls, llm_args_for_rank(llm_args, 0))
-            worker_fs = [pool.submit(worker_cls, llm_args_for_rank(llm_args, r)) for r in range(cfg.tp)]
+            worker_fs = [
+                pool.submit(worker_cls, llm_args_for_rank(llm_args, r)) for r in range(cfg.tp)
+            ]
             self.workers = [f.result() for f in worker_fs]
             self.scheduler = sched_f.result()
         self.callables: list[Callable[..., Any] | None] = []
@@ -130,7 +138,10 @@ class Driver:
             self.pending[r].update(loading)
             self._count("get_finished", rank0=r == 0)
             done_save, done_load = w.get_finished(list(saving), list(loading))
-            for ids, local in ((done_save, self.local_saving[r]), (done_load, self.local_loading[r])):
+            for ids, local in (
+                (done_save, self.local_saving[r]),
+                (done_load, self.local_loading[r]),
+            ):
                 for rid in ids:
                     if rid not in self.pending[r]:
                         raise KeyError(

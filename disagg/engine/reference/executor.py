@@ -159,7 +159,9 @@ class Engine:
         """One group page's bytes (every rank's shard, rank order)."""
         return self.kv.page_bytes(group, slot)
 
-    def add_request(self, prompt_tokens: list[int], max_tokens: int, cache_salt: str | None = None) -> int:
+    def add_request(
+        self, prompt_tokens: list[int], max_tokens: int, cache_salt: str | None = None
+    ) -> int:
         cfg = self.config
         if not prompt_tokens:
             raise ValueError("prompt must not be empty")
@@ -170,7 +172,9 @@ class Engine:
         if len(prompt_tokens) + max_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt + max_tokens exceeds max_seq_len {cfg.max_seq_len}")
         rid = next(self._ids)
-        req = Request(rid, [int(t) for t in prompt_tokens], max_tokens, cache_salt, len(self.kv.groups))
+        req = Request(
+            rid, [int(t) for t in prompt_tokens], max_tokens, cache_salt, len(self.kv.groups)
+        )
         self.requests[rid] = req
         self.results[rid] = RequestResult()
         self._waiting.append(req)
@@ -179,8 +183,9 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
-                 cache_salt: str | None = None) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int | list[int], cache_salt: str | None = None
+    ) -> list[list[int]]:
         """Run prompts to completion; raises ``RuntimeError`` naming a failed request."""
         mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         ids = [self.add_request(p, m, cache_salt) for p, m in zip(prompts, mts, strict=True)]
@@ -194,7 +199,9 @@ class Engine:
     # ----- one iteration --------------------------------------------------------------
     def step(self) -> None:
         if self._fatal is not None:
-            raise RuntimeError(f"engine is dead after a fatal error: {self._fatal}") from self._fatal
+            raise RuntimeError(
+                f"engine is dead after a fatal error: {self._fatal}"
+            ) from self._fatal
         try:
             self._step()
         except BaseException as e:
@@ -206,7 +213,7 @@ class Engine:
         self._iteration += 1
         it = self._iteration
         self.stats.iterations += 1
-        self._new_saving: list[int] = []
+        self._new_saving = []
         new_loading: list[int] = []
 
         # 1. schedule
@@ -252,16 +259,19 @@ class Engine:
             drv.bind_and_start(meta)
         for req in sched_ctx:
             req.external_load = None
-        if cfg.capture_pages:
-            for req in batch:
-                if not req.forwarded and req.N > 0:
-                    self._snapshot(req, req.P, req.P + req.N, self.results[req.request_id].loaded_pages)
-
         # 4. forward
         if batch:
             self.stats.forward_passes += 1
             if not self._forward(batch):
                 batch = []
+        # Loaded pages are snapshotted after the forward: a synchronous load lands inside
+        # wait_for_layer_load, and the forward never writes below P + N.
+        if cfg.capture_pages:
+            for req in batch:
+                if not req.forwarded and req.N > 0:
+                    self._snapshot(
+                        req, req.P, req.P + req.N, self.results[req.request_id].loaded_pages
+                    )
 
         # 5. sampling and bookkeeping
         for req in batch:
@@ -291,19 +301,23 @@ class Engine:
     def _lifetime_blocks(self, req: Request) -> int:
         return -(-(req.prompt_len + req.max_new_tokens) // self.config.tokens_per_block)
 
-    def _admission(self, req: Request) -> str | None | bool:
-        """False: admit; None: wait; str: fail with that message."""
+    def _admission(self, req: Request) -> str | None:
+        """``""``: admit; ``None``: wait (pools busy); a message: fail the request (it can
+        never fit). Admits only what the pools can hold for the request's whole lifetime,
+        counting what running requests may still grow into (GUARANTEED_NO_EVICT)."""
         need = self._lifetime_blocks(req)
         if need > self.config.num_blocks:
-            return (f"request needs {need} KV blocks per layer group; the pools hold "
-                    f"{self.config.num_blocks}")
+            return (
+                f"request needs {need} KV blocks per layer group; the pools hold "
+                f"{self.config.num_blocks}"
+            )
         for gid, g in enumerate(self.kv.groups):
             outstanding = sum(
                 max(0, self._lifetime_blocks(r) - len(r.pages[gid])) for r in self._active
             )
             if g.available() - outstanding < need:
                 return None
-        return False
+        return ""
 
     def _extend_hashes(self, req: Request, ntokens: int) -> list[bytes]:
         tpb = self.config.tokens_per_block
@@ -324,9 +338,12 @@ class Engine:
                 self._fail(req, "load_kv_async must be False when num_tokens is 0!")
                 return False
             if N < 0 or P + N >= req.prompt_len:
-                self._fail(req, f"There must be at least one uncomputed token in the prompt! "
-                                f"(device-matched {P} + connector-matched {N} >= prompt length "
-                                f"{req.prompt_len})")
+                self._fail(
+                    req,
+                    f"There must be at least one uncomputed token in the prompt! "
+                    f"(device-matched {P} + connector-matched {N} >= prompt length "
+                    f"{req.prompt_len})",
+                )
                 return False
         req.queried = True
         req.P, req.N = P, N
@@ -343,7 +360,9 @@ class Engine:
             if cfg.kv_manager == "v1":
                 drv.sched("update_state_after_alloc", req, list(req.pages[0]))
             else:
-                drv.sched("update_state_after_alloc_by_layer_group", req, [list(p) for p in req.pages])
+                drv.sched(
+                    "update_state_after_alloc_by_layer_group", req, [list(p) for p in req.pages]
+                )
             if is_async:
                 req.state = "loading"
                 new_loading.append(req.request_id)
@@ -369,9 +388,15 @@ class Engine:
             cp, nst = req.context_current_position - (req.external_load or 0), self._chunk(req)
         req.reported = True
         return _request_data(
-            request_id=req.request_id, new_tokens=new_tokens, new_block_ids=flat,
-            computed_position=cp, num_scheduled_tokens=nst, block_hashes=hashes,
-            priorities=None, cache_salt=req.cache_salt, new_block_ids_by_layer_group=grouped,
+            request_id=req.request_id,
+            new_tokens=new_tokens,
+            new_block_ids=flat,
+            computed_position=cp,
+            num_scheduled_tokens=nst,
+            block_hashes=hashes,
+            priorities=None,
+            cache_salt=req.cache_salt,
+            new_block_ids_by_layer_group=grouped,
         )
 
     def _span(self, req: Request) -> tuple[int, int]:
@@ -386,14 +411,17 @@ class Engine:
         try:
             hidden = {
                 r.request_id: model.embed_tokens(r.tokens[s : s + n])
-                for r in batch for s, n in [spans[r.request_id]]
+                for r in batch
+                for s, n in [spans[r.request_id]]
             }
             for i in range(self.config.num_layers):
                 if drv is not None:
                     drv.each_worker("wait_for_layer_load", i, stream)
                 for r in batch:
                     s, _ = spans[r.request_id]
-                    hidden[r.request_id] = model.layer(i, hidden[r.request_id], s, RequestKv(self.kv, r.pages))
+                    hidden[r.request_id] = model.layer(
+                        i, hidden[r.request_id], s, RequestKv(self.kv, r.pages)
+                    )
                 if drv is not None:
                     drv.each_worker("save_kv_layer", i, stream)
             if drv is not None:
@@ -438,8 +466,14 @@ class Engine:
             req.finished_iter = it
             self.results[req.request_id].finished = True
 
-    def _snapshot(self, req: Request, lo: int, hi: int, into: dict[tuple[int, int], bytes],
-                  complete: bool = False) -> None:
+    def _snapshot(
+        self,
+        req: Request,
+        lo: int,
+        hi: int,
+        into: dict[tuple[int, int], bytes],
+        complete: bool = False,
+    ) -> None:
         tpb = self.config.tokens_per_block
         first = lo // tpb
         last = hi // tpb if complete else -(-hi // tpb)
@@ -457,7 +491,9 @@ class Engine:
             if self.config.kv_manager == "v1":
                 keep = bool(drv.sched("request_finished", req, list(req.pages[0])))
             else:
-                keep = bool(drv.sched("request_finished_by_layer_group", req, [list(p) for p in req.pages]))
+                keep = bool(
+                    drv.sched("request_finished_by_layer_group", req, [list(p) for p in req.pages])
+                )
         self.stats.requests_finished += 1
         if keep:
             req.state = "saving"
@@ -476,8 +512,11 @@ class Engine:
                 if self.config.kv_manager == "v1":
                     keep = bool(self.driver.sched("request_finished", req, list(req.pages[0])))
                 else:
-                    keep = bool(self.driver.sched(
-                        "request_finished_by_layer_group", req, [list(p) for p in req.pages]))
+                    keep = bool(
+                        self.driver.sched(
+                            "request_finished_by_layer_group", req, [list(p) for p in req.pages]
+                        )
+                    )
             except Exception:
                 keep = False
         if keep:

@@ -70,12 +70,24 @@ class KvCacheManager:
         self.layer_index: dict[int, int] = {}
         for gid, (window, layer_ids) in enumerate(cfg.layer_groups):
             pools = [
-                torch.zeros(cfg.num_blocks, len(layer_ids), 2, width, dtype=cfg.torch_dtype,
-                            device=cfg.device)
+                torch.zeros(
+                    cfg.num_blocks,
+                    len(layer_ids),
+                    2,
+                    width,
+                    dtype=cfg.torch_dtype,
+                    device=cfg.device,
+                )
                 for _ in range(cfg.tp)
             ]
-            g = GroupState(window, layer_ids, pools, free=list(range(cfg.num_blocks - 1, -1, -1)),
-                           refcnt=[0] * cfg.num_blocks, slot_hash=[None] * cfg.num_blocks)
+            g = GroupState(
+                window,
+                layer_ids,
+                pools,
+                free=list(range(cfg.num_blocks - 1, -1, -1)),
+                refcnt=[0] * cfg.num_blocks,
+                slot_hash=[None] * cfg.num_blocks,
+            )
             self.groups.append(g)
             for li, layer in enumerate(layer_ids):
                 self.layer_group[layer] = gid
@@ -104,9 +116,11 @@ class KvCacheManager:
                 for layer in g.layer_ids
                 for role in ("key", "value")
             )
-            kw = {"device": str(t.device)} if "device" in getattr(
-                KvCacheRegion, "__dataclass_fields__", {}
-            ) else {}
+            kw = (
+                {"device": str(t.device)}
+                if "device" in getattr(KvCacheRegion, "__dataclass_fields__", {})
+                else {}
+            )
             region = KvCacheRegion(t.data_ptr(), page, page, t.shape[0], bufs, **kw)
             groups.append(KvCacheLayerGroupLayout(gid, tuple(g.layer_ids), g.window, (region,)))
         return KvCacheLayout(self.tpb, tuple(groups), dtype=self.cfg.torch_dtype)
@@ -135,8 +149,14 @@ class KvCacheManager:
         nb = -(-upto_tokens // self.tpb)
         return sum(1 for b in range(have, nb) if self.needed_block(gid, b, first_pos))
 
-    def extend(self, pages: list[list[int]], upto_tokens: int, first_pos: int,
-               hashes: list[bytes], reuse_blocks: int) -> None:
+    def extend(
+        self,
+        pages: list[list[int]],
+        upto_tokens: int,
+        first_pos: int,
+        hashes: list[bytes],
+        reuse_blocks: int,
+    ) -> None:
         """Grow a request's per-group page lists to cover ``upto_tokens`` tokens. Blocks
         below ``reuse_blocks`` take the cached page; dead sliding blocks get ``-1``."""
         nb = -(-upto_tokens // self.tpb)
@@ -230,7 +250,9 @@ class RequestKv:
         cfg = mgr.cfg
         self.shape = (mgr.tpb, cfg.kv_heads_per_rank, cfg.head_dim)
 
-    def _index(self, layer: int, lo: int, hi: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
+    def _index(
+        self, layer: int, lo: int, hi: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
         gid = self.mgr.layer_group[layer]
         tpb = self.mgr.tpb
         pos = torch.arange(lo, hi)
@@ -244,7 +266,12 @@ class RequestKv:
             slots.append(s)
         dev = self.mgr.groups[gid].pools[0].device
         views = [p.view(p.shape[0], p.shape[1], 2, *self.shape) for p in self.mgr.groups[gid].pools]
-        return views, torch.tensor(slots, device=dev), (pos % tpb).to(dev), self.mgr.layer_index[layer]
+        return (
+            views,
+            torch.tensor(slots, device=dev),
+            (pos % tpb).to(dev),
+            self.mgr.layer_index[layer],
+        )
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         views, slots, offs, li = self._index(layer, start, start + k.shape[0])

@@ -63,9 +63,7 @@ class TinyLlama:
             )
         self.final_norm = torch.ones(h, device=dev, dtype=dt)
         self.lm_head = w(h, cfg.vocab_size)
-        self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        )
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # cos/sin from float64 positions: identical per position however the prompt is split.

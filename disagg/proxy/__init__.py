@@ -1,0 +1,77 @@
+"""``disagg proxy``: an OpenAI-compatible proxy in front of producers and consumers.
+
+::
+
+    disagg proxy --producers http://127.0.0.1:8100 --consumers http://127.0.0.1:8200 --port 8000
+
+``--producer URL`` / ``--consumer URL`` may be repeated instead of (or besides) the
+comma-separated lists. ``--producer-events tcp://HOST:PORT`` adds event endpoints to
+subscribe to; by default each producer's own (from ``GET /disagg/info``) is used. See
+:mod:`disagg.proxy.app` for the request flow and :mod:`disagg.proxy.routing` for how a
+producer is picked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from urllib.parse import urlsplit
+
+EXIT_USAGE = 2
+
+
+def _urls(values: list[str], flag: str) -> list[str]:
+    out: list[str] = []
+    for v in values:
+        for u in v.split(","):
+            u = u.strip()
+            if not u:
+                continue
+            parts = urlsplit(u)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{flag}: {u!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100")
+            out.append(u)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disagg proxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--producers", "--producer", action="append", default=[], metavar="URL[,URL]")
+    p.add_argument("--consumers", "--consumer", action="append", default=[], metavar="URL[,URL]")
+    p.add_argument("--producer-events", action="append", default=[], metavar="tcp://HOST:PORT")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request upstream timeout (s)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        producers = _urls(args.producers, "--producers")
+        consumers = _urls(args.consumers, "--consumers")
+        events = [e.strip() for v in args.producer_events for e in v.split(",") if e.strip()]
+        for e in events:
+            if not e.startswith("tcp://"):
+                raise ValueError(f"--producer-events: {e!r} must look like tcp://host:port")
+    except ValueError as e:
+        print(f"disagg proxy: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if not producers or not consumers:
+        print(
+            "disagg proxy: give at least one --producers URL and one --consumers URL, e.g. "
+            "--producers http://127.0.0.1:8100 --consumers http://127.0.0.1:8200",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    from aiohttp import web
+
+    from ..serve import logs
+    from .app import ProxyState, build_app
+
+    logs.setup(args.log_level)
+    state = ProxyState(producers, consumers, events, args.timeout)
+    print(f"disagg proxy: on http://{args.host}:{args.port}", flush=True)
+    web.run_app(build_app(state), host=args.host, port=args.port, print=None, shutdown_timeout=5)
+    return 0

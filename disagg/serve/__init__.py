@@ -1,0 +1,169 @@
+"""``disagg serve``: one disagg instance (a producer or a consumer) behind an HTTP server.
+
+::
+
+    disagg serve --role producer --config deploy/producer.yaml --port 8100
+    disagg serve --role consumer --config deploy/consumer.yaml --port 8200
+    disagg serve --role producer --config p.yaml --engine trtllm --model MODEL
+
+``--engine reference`` (default) runs the reference engine (a seeded tiny llama) behind an
+OpenAI-compatible server (:mod:`disagg.serve.app`); producer and consumer must use the same
+engine shape flags and ``--seed`` (the weights come from the seed). ``--engine trtllm``
+writes the ``--extra_llm_api_options`` YAML and execs ``trtllm-serve``
+(:mod:`disagg.serve.trtllm`).
+
+Exit codes: 0 after a clean shutdown, 2 for a usage or configuration error (the message
+names the field and the fix), 3 when TensorRT-LLM is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from ..config import ROLES, ConfigError, DisaggConfig, load_config
+
+log = logging.getLogger("disagg.serve")
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disagg serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", required=True, help="producer (prefill) | consumer (decode)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="disagg config file (default: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG)",
+    )
+    p.add_argument("--engine", default="reference", help="reference (default) | trtllm")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--model", default=None, help="model name/path (trtllm; echoed by reference)")
+    p.add_argument("--device", default="cpu", help="reference engine device: cpu | cuda[:N]")
+    p.add_argument("--layers", type=int, default=4, help="reference: number of layers")
+    p.add_argument("--windows", default="full", help="reference: per-layer windows, e.g. 64,full")
+    p.add_argument("--kv-manager", default="v2", help="reference: v1 | v2")
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=1024, help="reference: KV pages per pool")
+    p.add_argument(
+        "--seed", type=int, default=0, help="reference: weights seed (same on both roles)"
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _usage(msg: str) -> int:
+    print(f"disagg serve: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def load_checked_config(path: str | None, role: str) -> DisaggConfig:
+    """Load and validate the config; the file's role must equal ``--role``."""
+    cfg = load_config(path)
+    if cfg.role != role:
+        raise ConfigError(
+            f"role: --role {role} but {cfg.source} says role: {cfg.role}; pass --role "
+            f"{cfg.role} or point --config at a {role} config",
+            "role",
+        )
+    return cfg
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The reference ``EngineConfig`` from the shape flags (``ValueError`` names the flag)."""
+    from ..engine.reference import EngineConfig, parse_windows
+
+    return EngineConfig(
+        num_layers=args.layers,
+        tokens_per_block=args.tokens_per_block,
+        num_blocks=args.num_blocks,
+        kv_manager=args.kv_manager,
+        windows=parse_windows(args.windows),
+        seed=args.seed,
+        device=args.device,
+    )
+
+
+def run_reference(args: argparse.Namespace, cfg: DisaggConfig) -> int:
+    from aiohttp import web
+
+    from ..engine.reference import ConnectorSpec, Engine
+    from .app import build_app
+    from .engine_loop import EngineLoop
+
+    try:
+        ecfg = engine_config(args)
+    except ValueError as e:
+        return _usage(f"engine shape: {e}")
+    role = cfg.role
+    spec = ConnectorSpec(
+        f"disagg.{role}",
+        f"{role.capitalize()}Scheduler",
+        f"{role.capitalize()}Worker",
+        extra={"config": cfg.source},
+    )
+    loop = EngineLoop(lambda: Engine(ecfg, connector=spec))
+    try:
+        loop.start()
+    except (ConfigError, ValueError) as e:
+        return _usage(f"config error: {e}")
+    except Exception as e:
+        log.exception("engine start-up failed")
+        print(f"disagg serve: the engine failed to start: {e}", file=sys.stderr)
+        return 1
+    app = build_app(loop, role, cfg.instance_id, args.model or "disagg-reference")
+
+    async def on_cleanup(_app: Any) -> None:
+        loop.stop()
+        _close_services(role)
+
+    app.on_cleanup.append(on_cleanup)
+    log.info(
+        "serving",
+        extra={"role": role, "instance_id": cfg.instance_id, "host": args.host, "port": args.port},
+    )
+    # print() too: tests and operators wait for this line.
+    print(f"disagg serve: {role} {cfg.instance_id} on http://{args.host}:{args.port}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=5)
+    return 0
+
+
+def _close_services(role: str) -> None:
+    if role == "producer":
+        from ..producer.service import _services as ps
+
+        services: list[Any] = list(ps.values())
+    else:
+        from ..consumer.service import _services as cs
+
+        services = list(cs.values())
+    for svc in services:
+        try:
+            svc.close()
+        except Exception:  # shutting down: log, keep closing the rest
+            log.exception("closing the %s service failed", role)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    from . import logs
+
+    logs.setup(args.log_level)
+    if args.role not in ROLES:
+        return _usage(f"--role: unknown role {args.role!r}; use producer or consumer")
+    if args.engine not in ("reference", "trtllm"):
+        return _usage(f"--engine: unknown engine {args.engine!r}; use reference or trtllm")
+    if extra and args.engine == "reference":
+        return _usage(f"unknown arguments {extra} (only --engine trtllm passes extras on)")
+    try:
+        cfg = load_checked_config(args.config, args.role)
+    except ConfigError as e:
+        return _usage(f"config error: {e}")
+    if args.engine == "trtllm":
+        from . import trtllm
+
+        return trtllm.run(args.role, str(cfg.source), args.model, args.host, args.port, extra)
+    return run_reference(args, cfg)

@@ -1,0 +1,362 @@
+"""The OpenAI-compatible HTTP server in front of the reference engine (aiohttp).
+
+Routes
+    ``POST /v1/completions``  body: ``prompt`` (a string, a list of token ids, or a list
+        holding one of those), ``max_tokens`` (default 16), ``stream`` (default false),
+        ``cache_salt`` (optional string), ``model`` (echoed). Text goes through
+        :mod:`disagg.serve.tokenizer`. The answer carries the ids in
+        ``choices[0].token_ids`` besides ``text``; streaming sends SSE ``data: {...}``
+        chunks (one per engine step that produced tokens), a last chunk with
+        ``finish_reason`` and ``usage``, then ``data: [DONE]``. Errors are OpenAI-style
+        ``{"error": {"message", "type", "code"}}`` with 400 (bad request) or 500/503.
+    ``GET /health``  200 ``{"status": "ok"}`` when the engine thread runs and the
+        connector service is healthy, else 503 with the reasons.
+    ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
+        request counters and a latency histogram.
+    ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
+        needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`).
+
+Every request gets an id (the ``X-Request-Id`` header, or a new one), echoed in the answer's
+header and in the structured log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from ..metrics import DisaggCollector
+from . import tokenizer
+from .engine_loop import EngineLoop, Job
+
+log = logging.getLogger("disagg.serve")
+
+LOOP_KEY = web.AppKey("engine_loop", EngineLoop)
+STATE_KEY = web.AppKey("state", dict)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def _error(message: str, status: int, type_: str = "invalid_request_error") -> web.Response:
+    return web.json_response(error_body(message, type_, status), status=status)
+
+
+def parse_completion(body: Any) -> tuple[list[int], int, bool, str | None, bool]:
+    """Validate a completions body -> (tokens, max_tokens, stream, cache_salt, was_text).
+    Raises :class:`BadRequest` naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI allows a batch; we serve a batch of one
+    was_text = isinstance(prompt, str)
+    if isinstance(prompt, str):
+        tokens = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        tokens = list(prompt)
+    else:
+        raise BadRequest("prompt: give a string, a list of token ids, or a list of one of those")
+    if not tokens:
+        raise BadRequest("prompt: must not be empty")
+    max_tokens = body.get("max_tokens", 16)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream: must be true or false, got {stream!r}")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest(f"cache_salt: must be a string, got {salt!r}")
+    return tokens, max_tokens, stream, salt, was_text
+
+
+def build_app(
+    engine_loop: EngineLoop,
+    role: str,
+    instance_id: str,
+    model_name: str = "disagg-reference",
+) -> web.Application:
+    """The aiohttp application; ``engine_loop`` must be started."""
+    app = web.Application()
+    app[LOOP_KEY] = engine_loop
+    registry = CollectorRegistry()
+    registry.register(DisaggCollector(engine_stats=lambda: engine_loop.stats))
+    requests_total = Counter(
+        "disagg_requests",
+        "Completion requests served, by outcome",
+        ["outcome"],
+        registry=registry,
+    )
+    latency = Histogram(
+        "disagg_request_seconds",
+        "Completion latency (enqueue to last token)",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        registry=registry,
+    )
+    ttft = Histogram(
+        "disagg_time_to_first_token_seconds",
+        "Enqueue to first token",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        registry=registry,
+    )
+    app[STATE_KEY] = {"role": role, "instance_id": instance_id, "model": model_name}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex[:16]}"
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            requests_total.labels("bad_request").inc()
+            return _error("the body is not valid JSON", 400)
+        try:
+            tokens, max_tokens, stream, salt, _ = parse_completion(body)
+        except BadRequest as e:
+            requests_total.labels("bad_request").inc()
+            log.info("bad request", extra={"request_id": rid, "error": str(e)})
+            return _error(str(e), 400)
+        model = body.get("model") or model_name
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
+
+        def post(*item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop closed under us (shutdown)
+                pass
+
+        job = Job(
+            request_id=rid,
+            prompt=tokens,
+            max_tokens=max_tokens,
+            cache_salt=salt,
+            on_tokens=lambda new: post("tokens", new, None),
+            on_done=lambda err, info: post("done", err, info),
+        )
+        try:
+            engine_loop.submit(job)
+        except RuntimeError as e:
+            requests_total.labels("unavailable").inc()
+            return _error(str(e), 503, "server_error")
+        log.info(
+            "completion",
+            extra={
+                "request_id": rid,
+                "prompt_tokens": len(tokens),
+                "max_tokens": max_tokens,
+                "stream": stream,
+                "cache_salt": salt is not None,
+            },
+        )
+        created = int(time.time())
+        out: list[int] = []
+        headers = {"X-Request-Id": rid}
+
+        def chunk(new: list[int], finish: str | None, usage: bool) -> dict[str, Any]:
+            d: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": tokenizer.decode(new),
+                        "token_ids": new,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                ],
+            }
+            if usage:
+                d["usage"] = {
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": len(out),
+                    "total_tokens": len(tokens) + len(out),
+                }
+            return d
+
+        resp: web.StreamResponse | None = None
+        while True:
+            kind, a, info = await events.get()
+            if kind == "tokens":
+                if not out:
+                    ttft.observe(time.monotonic() - job.t0)
+                out.extend(a)
+                if stream:
+                    if resp is None:
+                        resp = await _start_sse(request, headers)
+                    await resp.write(f"data: {json.dumps(chunk(a, None, False))}\n\n".encode())
+                continue
+            err: str | None = a
+            latency.observe(time.monotonic() - job.t0)
+            extra = {"request_id": rid, "completion_tokens": len(out), **(info or {})}
+            if err is not None:
+                client = bool((info or {}).get("client_error"))
+                requests_total.labels("bad_request" if client else "failed").inc()
+                log.warning("completion failed", extra={**extra, "error": err})
+                status = 400 if client else 500
+                if resp is None and not stream:
+                    return web.json_response(
+                        error_body(
+                            err, "invalid_request_error" if client else "server_error", status
+                        ),
+                        status=status,
+                        headers=headers,
+                    )
+                if resp is None:
+                    # Nothing sent yet: a plain error status lets a proxy retry elsewhere.
+                    return web.json_response(
+                        error_body(err, "server_error", status), status=status, headers=headers
+                    )
+                await resp.write(
+                    f"data: {json.dumps(error_body(err, 'server_error', status))}\n\n".encode()
+                )
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            requests_total.labels("ok").inc()
+            log.info("completion done", extra=extra)
+            if not stream:
+                body_out = chunk(out, "length", True)
+                body_out["disagg"] = info or {}
+                return web.json_response(body_out, headers=headers)
+            if resp is None:
+                resp = await _start_sse(request, headers)
+            await resp.write(f"data: {json.dumps(chunk([], 'length', True))}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+    async def health(request: web.Request) -> web.Response:
+        ok, details = health_of(engine_loop, role)
+        return web.json_response(
+            {"status": "ok" if ok else "unhealthy", "role": role, **details},
+            status=200 if ok else 503,
+        )
+
+    async def metrics(request: web.Request) -> web.Response:
+        data = generate_latest(registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def info(request: web.Request) -> web.Response:
+        svc = _service(role)
+        out: dict[str, Any] = {"role": role, "instance_id": instance_id, "model": model_name}
+        if svc is not None and role == "producer" and svc.store is not None:
+            events = svc.events.endpoint if svc.events is not None else None
+            out.update(
+                tokens_per_block=svc.pool.tokens_per_block if svc.pool is not None else None,
+                events=events,
+                control=svc.endpoint,
+                namespace_seed=svc.namespace_seed(None).hex(),
+            )
+        return web.json_response(out)
+
+    async def seed(request: web.Request) -> web.Response:
+        svc = _service(role)
+        if role != "producer" or svc is None or svc.fingerprint is None:
+            return _error("only an attached producer has a namespace", 404)
+        salt = request.query.get("cache_salt")
+        return web.json_response({"namespace_seed": svc.namespace_seed(salt).hex()})
+
+    async def snapshot(request: web.Request) -> web.Response:
+        svc = _service(role)
+        if role != "producer" or svc is None or svc.store is None:
+            return _error("only an attached producer has a store", 404)
+        # seq first, then keys: every event <= seq is in the keys; later events re-apply
+        # idempotently (set semantics), so nothing is lost.
+        seq = svc.events.seq if svc.events is not None else 0
+        keys = [k.hex() for k in svc.store.keys()]
+        return web.json_response({"producer": instance_id, "seq": seq, "keys": keys})
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", _models(model_name))
+    app.router.add_get("/disagg/info", info)
+    app.router.add_get("/disagg/seed", seed)
+    app.router.add_get("/disagg/snapshot", snapshot)
+    return app
+
+
+def _models(model_name: str) -> Any:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": model_name, "object": "model", "owned_by": "disagg"}],
+            }
+        )
+
+    return models
+
+
+async def _start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp
+
+
+def _service(role: str) -> Any:
+    """This process's service of ``role`` (the first; ``disagg serve`` runs one)."""
+    if role == "producer":
+        from ..producer.service import _services as ps
+
+        return next(iter(ps.values()), None)
+    from ..consumer.service import _services as cs
+
+    return next(iter(cs.values()), None)
+
+
+def health_of(engine_loop: EngineLoop, role: str) -> tuple[bool, dict[str, Any]]:
+    """(healthy, details). Unhealthy when the engine thread is dead, the connector service
+    is missing or closed, a producer's control server stopped, or the service's own
+    ``health()`` (if it has one) says so."""
+    reasons: list[str] = []
+    if not engine_loop.alive:
+        reasons.append(f"engine loop not running: {engine_loop.fatal or 'stopped'}")
+    svc = _service(role)
+    details: dict[str, Any] = {"in_flight": engine_loop.in_flight}
+    if svc is None:
+        reasons.append(f"no {role} connector service in this process")
+    else:
+        if getattr(svc, "closed", False):
+            reasons.append(f"{role} service is closed")
+        if getattr(svc, "pool", None) is None:
+            reasons.append(f"{role} service has no KV cache registered")
+        if role == "producer":
+            server = getattr(svc, "server", None)
+            thread = getattr(server, "_thread", None)
+            if server is None or (thread is not None and not thread.is_alive()):
+                reasons.append("producer control server is not running")
+        own = getattr(svc, "health", None)
+        if callable(own):
+            verdict = own()
+            ok, why = verdict if isinstance(verdict, tuple) else (bool(verdict), "unhealthy")
+            if not ok:
+                reasons.append(f"connector: {why}")
+    if reasons:
+        details["reasons"] = reasons
+    return not reasons, details

@@ -1,0 +1,871 @@
+"""UCX implementation of the DataPlane, on ``ucxx`` (``pip install disagg[ucx]``).
+
+Why tagged messages and not RMA: ucxx's Python bindings expose no memory handles, rkeys
+or put/get (deps.md §3), so one-sided writes would need a native shim. Tagged messages
+received *straight into the destination rows* move the bytes the same number of times
+(once) and keep every write under the receiver's control: the receiver decides, per
+message, where it lands, after checking it.
+
+Wire (all tagged messages on one UCX worker per plane):
+
+- Headers travel under tag ``_HDR_TAG``: 4-byte little-endian length + a msgpack
+  ``PageBatch`` or ``TransferDone`` (protocol/messages.py, unchanged).
+- Each PageBatch's payload is cut into *segments* by ``segments()``, a function of the
+  header alone, so both sides agree without saying more: a run of at least
+  ``DIRECT_MIN`` bytes is its own segment (split at ``SEG_BYTES``), smaller runs are
+  packed together up to ``SEG_BYTES``. Segment ``k`` of a transfer goes under tag
+  ``_data_tag(transfer_id, k)``.
+- The receiver *probes* a segment's message (``tag_probe(remove=True)``) before posting
+  its receive, so it knows the sender's length first: a receive is only ever posted for
+  a message that has already arrived and has exactly the announced size. A run segment
+  for a single contiguous region lands zero-copy in the page rows; other segments land
+  in a reusable scratch buffer and are scattered with one ``index_copy_`` per region.
+- A transfer ends with a TransferDone header; the receiver reports DONE once every
+  segment it announced has completed and the page counts agree.
+
+Endpoints (``endpoint`` property, carried unchanged by the control Push message):
+
+- ``ucx+tcp://host:port``: a UCX listener (TCP; endpoint error handling on, so a dead
+  peer fails the requests in flight).
+- ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
+  handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
+  peer that dies mid-transfer is then noticed by the deadline only.
+
+Threads: one progress thread owns the worker and makes every UCX call; the caller's
+threads only queue work and read state, so ``poll`` never blocks on the network. When
+no data request is in flight the thread sleeps in ``poll()`` on the worker's event fd
+and a wake-up pipe.
+
+Safety (same contract as ZmqDataPlane): every slot of a batch is bounds-checked before
+any receive is posted; only expected transfers with matching lease id and token are
+accepted; ``abort`` fails the transfer, stops new receives for it, and waits for the
+receives already matched to finish, so no byte of it is written afterwards.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import select
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+
+from ..protocol import messages as m
+from ..protocol.errors import ProtocolError
+from .dataplane import DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+
+# ucxx reads these at import / context creation; its own defaults collapse TCP
+# rendezvous to ~0.5 GB/s (deps.md pitfall 1). Caller-set values win.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+
+try:
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+except Exception as exc:  # pragma: no cover - exercised only without ucxx
+    raise ImportError(
+        f"the UCX data plane needs ucxx (`pip install disagg[ucx]`, i.e. ucxx-cu12): {exc}"
+    ) from exc
+
+log = logging.getLogger(__name__)
+
+SEG_BYTES = 16 << 20  # largest payload message: few large messages beat many small
+DIRECT_MIN = 256 << 10  # runs at least this big go zero-copy into the rows
+RUNS_PER_BATCH = 2048  # keeps headers ~<32 KiB
+BATCH_BYTES = 256 << 20
+_SCRATCH_BUFS = 4  # scratch segments in flight at once (each SEG_BYTES)
+_HDR_TAG = 1
+_HDR_MAX = 1 << 20
+_KEEP_FINISHED = 4096
+_IDLE_WAIT_S = 0.05
+_ABORT_WAIT_S = 5.0
+
+
+def _data_tag(transfer_id: int, seq: int) -> int:
+    """Unique per (transfer, segment): top bit set, 43 bits of id, 20 bits of sequence."""
+    return (1 << 63) | ((transfer_id & ((1 << 43) - 1)) << 20) | (seq & 0xFFFFF)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One payload message: ``runs`` of (dst_start, count), ``first`` = index of its
+    first page within the batch; ``direct`` when it is a single big run."""
+
+    runs: tuple[tuple[int, int], ...]
+    first: int
+    pages: int
+    direct: bool
+
+
+def segments(runs: Sequence[tuple[int, int]], page_bytes: int) -> list[Segment]:
+    """Cut a batch's runs into payload messages (both sides call this on the header)."""
+    out: list[Segment] = []
+    per_seg = max(1, SEG_BYTES // page_bytes)
+    packed: list[tuple[int, int]] = []
+    packed_first = packed_pages = 0
+    page = 0
+
+    def flush() -> None:
+        nonlocal packed, packed_pages
+        if packed:
+            out.append(Segment(tuple(packed), packed_first, packed_pages, False))
+        packed, packed_pages = [], 0
+
+    for start, count in runs:
+        if count * page_bytes >= DIRECT_MIN:
+            flush()
+            done = 0
+            while done < count:
+                take = min(per_seg, count - done)
+                out.append(Segment(((start + done, take),), page + done, take, True))
+                done += take
+        else:
+            if packed_pages + count > per_seg:
+                flush()
+            if not packed:
+                packed_first = page
+            packed.append((start, count))
+            packed_pages += count
+        page += count
+    flush()
+    return out
+
+
+def _frame(msg: m.Message) -> np.ndarray:
+    body = m.encode(msg)
+    return np.frombuffer(struct.pack("<I", len(body)) + body, dtype=np.uint8)
+
+
+# ================================== receiver state =====================================
+@dataclass
+class _Group:
+    regions: list[RegionSpec]
+    page_bytes: int
+    num_slots: int
+    direct: np.ndarray | None  # [num_slots, page_bytes] numpy view (one contiguous region)
+
+
+@dataclass
+class _Rx:
+    transfer_id: int
+    lease_id: int
+    token: bytes
+    expected: list[int]
+    deadline: float
+    announced: list[int] = field(default_factory=list)  # pages in accepted headers
+    received: list[int] = field(default_factory=list)  # pages landed
+    seq: int = 0  # next segment sequence number
+    inflight: int = 0  # receives posted into region / scratch, not yet complete
+    queued: int = 0  # segments announced, receive not yet posted
+    done_msg: m.TransferDone | None = None
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    nbytes: int = 0
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
+
+
+@dataclass
+class _PendingSeg:
+    """A segment announced by an accepted header, waiting for its message to arrive."""
+
+    rx: _Rx
+    group: int
+    tag: int
+    seg: Segment
+    nbytes: int
+
+
+# =================================== sender state ======================================
+@dataclass
+class PushHandle:
+    """Sender-side handle returned by ``post_push``."""
+
+    transfer_id: int
+    endpoint: str
+    deadline: float
+    plan: list[tuple[np.ndarray, int]]  # (buffer, tag) in send order
+    pages: int
+    keep: list[object]
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    nbytes: int = 0
+    requests: list[Any] = field(default_factory=list)
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, self.pages, self.nbytes)
+
+
+class UcxDataPlane(DataPlane):
+    """Both DataPlane sides over UCX (see the module docstring).
+
+    ``bind``: ``tcp://host:port`` (port 0 picks one) for the listener of the ``tcp``
+    channel; ``advertise``: the address peers should use instead (``tcp://host[:port]``
+    or a full ``ucx+...`` endpoint); ``channel``: ``tcp`` (listener), ``shm`` (worker
+    address; shared memory between processes of one host), or ``auto`` (worker address;
+    UCX picks shared memory locally and TCP otherwise)."""
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        advertise: str | None = None,
+        channel: str = "tcp",
+    ) -> None:
+        if channel not in ("tcp", "shm", "auto"):
+            raise ValueError(f"channel must be tcp, shm or auto, not {channel!r}")
+        self.channel = channel
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()  # receiver state
+        self._cond = threading.Condition(self._lock)
+        self._groups: list[_Group] = []
+        self._rx: OrderedDict[int, _Rx] = OrderedDict()
+        self._pending: deque[_PendingSeg] = deque()
+        self._stop = threading.Event()
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._endpoint = ""
+        self._bind = urlsplit(bind)
+        self._advertise = advertise
+        self._thread = threading.Thread(target=self._run, name="disagg-ucx", daemon=True)
+        self._thread.start()
+        self._ready.wait(30.0)
+        if self._init_error is not None:
+            raise RuntimeError(f"UCX data plane failed to start: {self._init_error}")
+        if not self._ready.is_set():
+            raise RuntimeError("UCX data plane did not start within 30 s")
+
+    # ================================ receiver ==========================================
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register_regions(
+        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
+    ) -> None:
+        groups = []
+        for g, regions in enumerate(group_regions):
+            specs = [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in regions]
+            if not specs:
+                raise ValueError(f"layer group {g} has no regions")
+            if any(s.tensor.device.type != "cpu" for s in specs):
+                raise ValueError("UcxDataPlane receives into host memory only (for now)")
+            direct = None
+            if len(specs) == 1 and specs[0].contiguous:
+                direct = specs[0].tensor.numpy()  # shares memory: receives land in place
+            groups.append(
+                _Group(specs, sum(s.size for s in specs), min(s.num_slots for s in specs), direct)
+            )
+        with self._lock:
+            self._groups = groups
+
+    def expect(
+        self,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        total_pages_by_group: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        expected = [int(n) for n in total_pages_by_group]
+        with self._lock:
+            if len(expected) > len(self._groups):
+                raise ValueError(
+                    f"{len(expected)} groups expected but {len(self._groups)} registered"
+                )
+            if any(n < 0 for n in expected):
+                raise ValueError(f"negative page count in {expected}")
+            old = self._rx.get(transfer_id)
+            if old is not None and not old.state.final:
+                raise ValueError(f"transfer {transfer_id} is already expected")
+            self._rx.pop(transfer_id, None)
+            self._rx[transfer_id] = _Rx(
+                transfer_id,
+                lease_id,
+                bytes(token),
+                expected,
+                time.monotonic() + deadline_s,
+                announced=[0] * len(expected),
+                received=[0] * len(expected),
+            )
+            while len(self._rx) > _KEEP_FINISHED:
+                tid, rx = next(iter(self._rx.items()))
+                if not rx.state.final:
+                    break
+                del self._rx[tid]
+
+    def poll(self, transfer_id: int) -> TransferStatus:
+        rx = self._rx[transfer_id]  # KeyError for an unknown transfer
+        if not rx.state.final and time.monotonic() > rx.deadline:
+            with self._lock:
+                self._expire(rx, time.monotonic())
+        return rx.status()
+
+    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
+        with self._cond:
+            rx = self._rx.get(transfer_id)
+            if rx is None:
+                return
+            self._fail(rx, reason)
+            # Receives already matched may still be writing: wait for them. No new
+            # receive is posted into the regions for a final transfer.
+            end = time.monotonic() + _ABORT_WAIT_S
+            while rx.inflight and time.monotonic() < end:
+                self._cond.wait(0.05)
+            if rx.inflight:
+                log.warning(
+                    "transfer %d: %d receives still in flight after abort", transfer_id, rx.inflight
+                )
+
+    def _fail(self, rx: _Rx, why: str) -> None:
+        if not rx.state.final:
+            rx.state, rx.error = TransferState.FAILED, why
+            self.stats["failed"] += 1
+
+    def _expire(self, rx: _Rx, now: float) -> None:
+        if not rx.state.final and now > rx.deadline:
+            self._fail(
+                rx,
+                f"transfer {rx.transfer_id} missed its deadline with "
+                f"{sum(rx.received)} of {sum(rx.expected)} pages received",
+            )
+
+    # ================================= sender ===========================================
+    def post_push(
+        self,
+        endpoint: str,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        pages: Sequence[PageSource],
+        deadline_s: float = 30.0,
+    ) -> PushHandle:
+        if not endpoint.startswith(("ucx+tcp://", "ucx+shm://", "ucx+addr://")):
+            raise ValueError(f"not a UCX data endpoint: {endpoint!r}")
+        plan: list[tuple[np.ndarray, int]] = []
+        keep: list[object] = []
+        npages = 0
+        seq = 0
+        for group, rows, dst_slots in pages:
+            msgs, n, seq = _plan_group(
+                transfer_id, lease_id, bytes(token), group, rows, dst_slots, seq, keep
+            )
+            plan.extend(msgs)
+            npages += n
+        done = m.TransferDone(transfer_id=transfer_id, lease_id=lease_id, token=bytes(token))
+        plan.append((_frame(done), _HDR_TAG))
+        handle = PushHandle(
+            transfer_id, endpoint, time.monotonic() + deadline_s, plan, npages, keep
+        )
+        if self._stop.is_set():
+            handle.state, handle.error = TransferState.FAILED, "data plane closed"
+        else:
+            self._submit(lambda: self._tx_start(handle))
+        return handle
+
+    def poll_push(self, handle: PushHandle) -> TransferStatus:
+        return handle.status()
+
+    # ================================= common ===========================================
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(10.0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._jobs.append(job)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # ============================ progress thread =======================================
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:  # reported to the constructor
+            self._init_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except Exception:
+            log.exception("UCX data plane progress thread died")
+        finally:
+            self._teardown()
+
+    def _setup(self) -> None:
+        self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string
+        self._accepted: list[Any] = []  # endpoints the listener made (kept alive)
+        self._tx_active: list[PushHandle] = []
+        self._rx_reqs: list[tuple[Any, _PendingSeg, np.ndarray | None]] = []
+        self._discards: list[Any] = []
+        self._scratch_free = [np.empty(SEG_BYTES, dtype=np.uint8) for _ in range(_SCRATCH_BUFS)]
+        for b in self._scratch_free:
+            b.fill(0)  # prefault once, not per transfer
+        self._listener = None
+        if self.channel == "tcp":
+            host = self._bind.hostname or "127.0.0.1"
+            self._listener = ucx_api.UCXListener.create(
+                worker=self._worker, port=self._bind.port or 0, cb_func=self._on_connect
+            )
+            port = self._listener.port
+            adv = self._advertise
+            if adv and adv.startswith("ucx+"):
+                self._endpoint = adv
+            else:
+                if adv:
+                    a = urlsplit(adv)
+                    host, port = a.hostname or host, a.port or port
+                if host in ("0.0.0.0", "*", ""):
+                    host = "127.0.0.1"
+                self._endpoint = f"ucx+tcp://{host}:{port}"
+        else:
+            addr = self._worker.address.tobytes()
+            scheme = "ucx+shm" if self.channel == "shm" else "ucx+addr"
+            self._endpoint = f"{scheme}://{addr.hex()}"
+
+    def _on_connect(self, conn_request: Any) -> None:
+        assert self._listener is not None
+        ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        self._accepted.append(ep)
+
+    def _teardown(self) -> None:
+        with self._cond:
+            for rx in self._rx.values():
+                self._fail(rx, "data plane closed")
+            self._cond.notify_all()
+        for h in self._tx_active:
+            self._tx_fail(h, "data plane closed")
+        while self._jobs:
+            self._jobs.popleft()  # queued pushes: their handles fail below via _stop
+        for ep in list(self._eps.values()) + self._accepted:
+            try:
+                ep.close()
+            except Exception:
+                pass
+        self._eps.clear()
+        self._accepted.clear()
+        self._listener = None
+
+    def _loop(self) -> None:
+        worker = self._worker
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        poller.register(worker.epoll_file_descriptor, select.POLLIN)
+        last_sweep = 0.0
+        while not self._stop.is_set():
+            while self._jobs:
+                self._jobs.popleft()()
+            worker.progress()
+            self._rx_headers()
+            self._rx_segments()
+            self._rx_reap()
+            self._tx_reap()
+            now = time.monotonic()
+            if now - last_sweep > 0.01:
+                last_sweep = now
+                with self._lock:
+                    for rx in self._rx.values():
+                        self._expire(rx, now)
+            if self._rx_reqs or self._tx_active or self._jobs:
+                continue  # data in flight: keep progressing
+            if worker.arm():  # no events pending: sleep until UCX or a caller wakes us
+                # announced segments not arrived yet: wake soon to probe again
+                poller.poll(1 if self._pending else _IDLE_WAIT_S * 1000)
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        # pushes queued after the loop ended
+        while self._jobs:
+            self._jobs.popleft()()
+
+    # ---------------------------------- receive -----------------------------------------
+    def _rx_headers(self) -> None:
+        worker = self._worker
+        while True:
+            probe = worker.tag_probe(ucx_api.UCXXTag(_HDR_TAG), remove=True)
+            if not probe.matched:
+                return
+            n = int(probe.length)
+            buf = np.empty(max(n, 1), dtype=np.uint8)
+            req = worker.tag_recv_with_handle(Array(buf), probe)
+            while not req.completed:
+                worker.progress()
+            try:
+                req.check_error()
+            except Exception as exc:
+                self.stats["rejected_header"] += 1
+                log.debug("header receive failed: %s", exc)
+                continue
+            if n < 4 or n > _HDR_MAX or struct.unpack_from("<I", buf)[0] != n - 4:
+                self.stats["rejected_BAD_FRAME"] += 1
+                continue
+            try:
+                msg = m.decode(buf[4:n].tobytes())
+            except ProtocolError as e:
+                self.stats["rejected_" + e.code.name] += 1
+                continue
+            self._rx_header(msg)
+
+    def _rx_header(self, msg: m.Message) -> None:
+        with self._cond:
+            rx = self._rx.get(getattr(msg, "transfer_id", -1))
+            if not isinstance(msg, m.PageBatch | m.TransferDone):
+                self.stats["rejected_kind"] += 1
+                return
+            if rx is None or not hmac.compare_digest(rx.token, msg.token):
+                self.stats["rejected_unknown"] += 1
+                return
+            if msg.lease_id != rx.lease_id:
+                self.stats["rejected_unknown"] += 1
+                return
+            if isinstance(msg, m.TransferDone):
+                if not msg.ok:
+                    self._fail(rx, f"sender failed the transfer: {msg.message}")
+                rx.done_msg = msg
+                self._maybe_finish(rx)
+                return
+            segs = segments(msg.runs, msg.page_bytes)
+            seq0 = rx.seq
+            rx.seq += len(segs)  # keep numbering in step with the sender even if refused
+            if rx.state.final:
+                self.stats["rejected_late"] += 1
+                error: str | None = "late"
+            else:
+                error = self._check(rx, msg)
+                if error is not None:
+                    self.stats["rejected_batch"] += 1
+                    self._fail(rx, error)
+            if error is None:
+                rx.state = TransferState.RECEIVING
+                rx.announced[msg.group] += sum(c for _, c in msg.runs)
+            rx.queued += len(segs)
+            for i, seg in enumerate(segs):
+                self._pending.append(
+                    _PendingSeg(
+                        rx,
+                        msg.group,
+                        _data_tag(rx.transfer_id, seq0 + i),
+                        seg,
+                        seg.pages * msg.page_bytes,
+                    )
+                )
+
+    def _check(self, rx: _Rx, h: m.PageBatch) -> str | None:
+        """Every slot of the batch in bounds, before a receive is posted."""
+        if h.group >= len(rx.expected) or h.group >= len(self._groups):
+            return f"batch for layer group {h.group}, but only {len(rx.expected)} expected"
+        grp = self._groups[h.group]
+        if h.page_bytes != grp.page_bytes:
+            return f"group {h.group} pages are {grp.page_bytes} bytes, batch says {h.page_bytes}"
+        runs = np.asarray(h.runs, dtype=np.int64).reshape(-1, 2)
+        ends = runs[:, 0] + runs[:, 1]
+        if (runs[:, 0] < 0).any() or (runs[:, 1] < 1).any() or (ends > grp.num_slots).any():
+            return f"batch for group {h.group} addresses slots outside [0, {grp.num_slots})"
+        count = int(runs[:, 1].sum())
+        if rx.announced[h.group] + count > rx.expected[h.group]:
+            return (
+                f"group {h.group} would receive {rx.announced[h.group] + count} pages, "
+                f"{rx.expected[h.group]} expected"
+            )
+        return None
+
+    def _rx_segments(self) -> None:
+        """Post receives for announced segments whose messages have arrived."""
+        worker = self._worker
+        still: deque[_PendingSeg] = deque()
+        while self._pending:
+            p = self._pending.popleft()
+            probe = worker.tag_probe(ucx_api.UCXXTag(p.tag), remove=False)
+            if not probe.matched:
+                # a refused transfer's segments are still taken (and discarded) until
+                # its deadline, so the sender's rendezvous sends complete
+                if not p.rx.state.final or time.monotonic() < p.rx.deadline:
+                    still.append(p)
+                else:
+                    self._drop_pending(p)
+                continue
+            with self._lock:
+                live = not p.rx.state.final
+                direct = (
+                    p.seg.direct and self._groups[p.group].direct is not None if live else False
+                )
+                if live and int(probe.length) != p.nbytes:
+                    self._fail(
+                        p.rx,
+                        f"segment of {probe.length} bytes where the batch announced {p.nbytes}",
+                    )
+                    live = False
+                if live and not direct and not self._scratch_free:
+                    still.append(p)  # wait for a scratch buffer
+                    continue
+                probe = worker.tag_probe(ucx_api.UCXXTag(p.tag), remove=True)
+                p.rx.queued -= 1
+                if not live:
+                    self._discard(probe)
+                    self._cond.notify_all()
+                    continue
+                scratch = None
+                if direct:
+                    grp_direct = self._groups[p.group].direct
+                    assert grp_direct is not None
+                    start, count = p.seg.runs[0]
+                    dst = grp_direct[start : start + count].reshape(-1)
+                else:
+                    scratch = self._scratch_free.pop()
+                    dst = scratch[: p.nbytes]
+                req = worker.tag_recv_with_handle(Array(dst), probe)
+                p.rx.inflight += 1
+            self._rx_reqs.append((req, p, scratch))
+        self._pending = still
+
+    def _drop_pending(self, p: _PendingSeg) -> None:
+        with self._cond:
+            p.rx.queued -= 1
+            self._cond.notify_all()
+
+    def _discard(self, probe: Any) -> None:
+        """Receive a refused message somewhere harmless so it does not pile up."""
+        buf = np.empty(max(int(probe.length), 1), dtype=np.uint8)
+        self._discards.append((self._worker.tag_recv_with_handle(Array(buf), probe), buf))
+        self.stats["discarded"] += 1
+
+    def _rx_reap(self) -> None:
+        if self._discards:
+            self._discards = [d for d in self._discards if not d[0].completed]
+        if not self._rx_reqs:
+            return
+        still = []
+        for req, p, scratch in self._rx_reqs:
+            if not req.completed:
+                still.append((req, p, scratch))
+                continue
+            try:
+                req.check_error()
+                err = None
+            except Exception as exc:
+                err = f"receive failed: {type(exc).__name__}: {exc}"
+            with self._cond:
+                rx = p.rx
+                if err is not None:
+                    self._fail(rx, err)
+                elif not rx.state.final:
+                    if scratch is not None:
+                        self._scatter(p, scratch)
+                    rx.received[p.group] += p.seg.pages
+                    rx.nbytes += p.nbytes
+                    self.stats["pages"] += p.seg.pages
+                rx.inflight -= 1
+                if scratch is not None:
+                    self._scratch_free.append(scratch)
+                self._maybe_finish(rx)
+                self._cond.notify_all()
+        self._rx_reqs = still
+
+    def _scatter(self, p: _PendingSeg, scratch: np.ndarray) -> None:
+        grp = self._groups[p.group]
+        pb = grp.page_bytes
+        idx = torch.cat([torch.arange(s, s + c) for s, c in p.seg.runs])
+        src = torch.from_numpy(scratch[: p.nbytes]).view(p.seg.pages, pb)
+        col = 0
+        for region in grp.regions:
+            region.tensor.index_copy_(0, idx, src[:, col : col + region.size])
+            col += region.size
+
+    def _maybe_finish(self, rx: _Rx) -> None:
+        if rx.state.final or rx.done_msg is None or rx.inflight or rx.queued:
+            return
+        if rx.received != rx.expected:
+            self._fail(rx, f"sender finished with {rx.received} of {rx.expected} pages per group")
+        else:
+            rx.state = TransferState.DONE
+            self.stats["done"] += 1
+
+    # ----------------------------------- send -------------------------------------------
+    def _connect(self, endpoint: str) -> Any:
+        ep = self._eps.get(endpoint)
+        if ep is not None and ep.alive:
+            return ep
+        u = urlsplit(endpoint)
+        if u.scheme == "ucx+tcp":
+            ep = ucx_api.UCXEndpoint.create(self._worker, u.hostname or "127.0.0.1", u.port, True)
+        else:
+            addr = ucx_api.UCXAddress.create_from_buffer(
+                bytes.fromhex(u.netloc or u.path.lstrip("/"))
+            )
+            ep = ucx_api.UCXEndpoint.create_from_worker_address(self._worker, addr, False)
+        self._eps[endpoint] = ep
+        return ep
+
+    def _tx_start(self, h: PushHandle) -> None:
+        if self._stop.is_set():
+            h.state, h.error = TransferState.FAILED, "data plane closed"
+            return
+        h.state = TransferState.RECEIVING
+        try:
+            ep = self._connect(h.endpoint)
+            for buf, tag in h.plan:
+                h.requests.append(ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)))
+                if tag != _HDR_TAG:
+                    h.nbytes += buf.nbytes
+        except Exception as exc:
+            self._tx_fail(h, f"send to {h.endpoint} failed: {type(exc).__name__}: {exc}")
+            return
+        self._tx_active.append(h)
+
+    def _tx_fail(self, h: PushHandle, why: str) -> None:
+        if h.state.final:
+            return
+        h.state, h.error = TransferState.FAILED, why
+        self.stats["push_failed"] += 1
+        ep = self._eps.pop(h.endpoint, None)
+        if ep is not None:
+            try:
+                ep.close()  # cancels what is still queued for this peer
+            except Exception:
+                pass
+        # Only now may the caller reuse the rows: requests were cancelled with the ep.
+        h.plan, h.keep, h.requests = [], [], []
+
+    def _tx_reap(self) -> None:
+        if not self._tx_active:
+            return
+        now = time.monotonic()
+        still = []
+        for h in self._tx_active:
+            err = None
+            pending = []
+            for r in h.requests:
+                if r.completed:
+                    try:
+                        r.check_error()
+                    except Exception as exc:
+                        err = f"send to {h.endpoint} failed: {type(exc).__name__}: {exc}"
+                        break
+                else:
+                    pending.append(r)
+            if err is not None:
+                self._tx_fail(h, err)
+            elif not pending:
+                h.state = TransferState.DONE
+                h.plan, h.keep, h.requests = [], [], []
+                self.stats["push_done"] += 1
+            elif now > h.deadline:
+                self._tx_fail(h, f"peer {h.endpoint} did not take the data before the deadline")
+            else:
+                h.requests = pending
+                still.append(h)
+        self._tx_active = still
+
+
+def _plan_group(
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    rows: torch.Tensor,
+    dst_slots: Sequence[int],
+    seq: int,
+    keep: list[object],
+) -> tuple[list[tuple[np.ndarray, int]], int, int]:
+    """One group's messages: runs coalesced (vectorised) where destination slots and
+    source rows are both adjacent, cut into batches and segments; a segment whose source
+    rows are not one range is gathered once. Returns (messages, pages, next seq)."""
+    slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
+        raise ValueError(
+            f"group {group}: rows must be uint8 [len(dst_slots)={slots.shape[0]}, page_bytes], "
+            f"got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if (slots < -1).any():
+        raise ValueError(f"group {group}: destination slots must be >= -1")
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
+    arr = rows.contiguous().numpy()
+    keep.append(arr)
+    pb = int(arr.shape[1])
+    if pb < 1:
+        raise ValueError(f"group {group}: page_bytes must be >= 1")
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
+        return [], 0, seq
+    dst = slots[idx]
+    brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    counts = np.diff(np.concatenate((starts, [idx.size])))
+    src_rows = idx[starts].tolist()
+    runs_all = list(zip(dst[starts].tolist(), counts.tolist(), strict=True))
+
+    per_batch = max(1, BATCH_BYTES // pb)
+    msgs: list[tuple[np.ndarray, int]] = []
+    i = 0
+    while i < len(runs_all):
+        # a batch: up to RUNS_PER_BATCH runs and about BATCH_BYTES (a big run splits)
+        runs: list[tuple[int, int]] = []
+        srcs: list[int] = []
+        pages = 0
+        while i < len(runs_all) and len(runs) < RUNS_PER_BATCH and pages < per_batch:
+            d, c = runs_all[i]
+            take = min(c, per_batch - pages)
+            runs.append((d, take))
+            srcs.append(src_rows[i])
+            pages += take
+            if take < c:
+                runs_all[i] = (d + take, c - take)
+                src_rows[i] += take
+            else:
+                i += 1
+        header = m.PageBatch(
+            transfer_id=transfer_id,
+            lease_id=lease_id,
+            token=token,
+            group=group,
+            runs=runs,
+            page_bytes=pb,
+        )
+        msgs.append((_frame(header), _HDR_TAG))
+        # source row of each page of the batch, in page order
+        page_src = np.concatenate(
+            [np.arange(s, s + c) for s, (_, c) in zip(srcs, runs, strict=True)]
+        )
+        for seg in segments(runs, pb):
+            rows_of = page_src[seg.first : seg.first + seg.pages]
+            r0 = int(rows_of[0])
+            if int(rows_of[-1]) - r0 + 1 == seg.pages:  # one source range: zero copy
+                buf = arr[r0 : r0 + seg.pages].reshape(-1)
+            else:
+                buf = arr[rows_of].reshape(-1)  # one gather for this message
+                keep.append(buf)
+            msgs.append((buf, _data_tag(transfer_id, seq)))
+            seq += 1
+    return msgs, int(idx.size), seq

@@ -1,0 +1,216 @@
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import zmq
+
+from disagg.protocol import PageBatch, TransferDone, encode
+from disagg.transport import RegionSpec, TransferState, ZmqDataPlane
+
+
+@pytest.fixture
+def planes():
+    rx, tx = ZmqDataPlane(), ZmqDataPlane()
+    yield rx, tx
+    rx.close()
+    tx.close()
+
+
+def rand(n, pb, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, pb), dtype=torch.uint8, generator=g)
+
+
+def check_landed(dst, src, slots):
+    """dst[slot] == src[i] for every slot >= 0; all other rows still zero."""
+    touched = set()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            assert torch.equal(dst[s], src[i]), (i, s)
+            touched.add(s)
+    for s in range(dst.shape[0]):
+        if s not in touched:
+            assert int(dst[s].sum()) == 0, s
+
+
+def test_contiguous_scattered_multiregion(planes):
+    rx, tx = planes
+    pool0 = torch.zeros(64, 4096, dtype=torch.uint8)  # single contiguous region: direct path
+    backing = torch.zeros(64, 3000, dtype=torch.uint8)  # two strided regions: scatter path
+    r1, r2 = backing[:, :1000], backing[:, 1000:1500]
+    rx.register_regions([[RegionSpec(pool0)], [r1, r2]])
+    src0, src1 = rand(10, 4096, 1), rand(10, 1500, 2)
+    s0 = [3, 4, 5, -1, 9, 10, 20, 21, 22, 0]
+    s1 = [1, 2, -1, -1, 7, 8, 9, 40, 41, 63]
+    rx.expect(1, 7, b"tok", [9, 8], 5.0)
+    assert rx.poll(1).state is TransferState.PENDING
+    h = tx.post_push(rx.endpoint, 1, 7, b"tok", [(0, src0, s0), (1, src1, s1)])
+    st = rx.wait(1, 5.0)
+    assert st.done, st
+    assert st.pages == 17 and st.nbytes == 9 * 4096 + 8 * 1500
+    assert tx.wait_push(h, 5.0).done
+    check_landed(pool0, src0, s0)
+    page1 = torch.cat([r1, r2], dim=1)
+    check_landed(page1, src1, s1)
+    assert int(backing[:, 1500:].sum()) == 0  # bytes between region rows never touched
+
+
+def test_large_runs_split_into_frames_and_messages(planes):
+    rx, tx = planes
+    pb = 300 * 1024  # > 1 MiB runs, > 8 MiB messages
+    pool = torch.zeros(80, pb, dtype=torch.uint8)
+    backing = torch.zeros(80, 2 * pb + 64, dtype=torch.uint8)
+    ra, rb = backing[:, :pb], backing[:, pb + 64 : 2 * pb + 64]
+    rx.register_regions([[pool], [ra, rb]])
+    src0 = rand(64, pb, 3)
+    src1 = rand(40, 2 * pb, 4)
+    s0 = list(range(10, 74))
+    s1 = list(range(79, 39, -1))  # descending: runs of one page each
+    rx.expect(2, 1, b"t", [64, 40], 20.0)
+    tx.post_push(rx.endpoint, 2, 1, b"t", [(0, src0, s0), (1, src1, s1)])
+    st = rx.wait(2, 20.0)
+    assert st.done, st
+    check_landed(pool, src0, s0)
+    check_landed(torch.cat([ra, rb], dim=1), src1, s1)
+    assert int(backing[:, pb : pb + 64].sum()) == 0
+
+
+def test_out_of_range_slot_refused_without_writing(planes):
+    rx, tx = planes
+    pool = torch.zeros(16, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(3, 1, b"t", [3], 5.0)
+    tx.post_push(rx.endpoint, 3, 1, b"t", [(0, rand(3, 64), [0, 1, 16])])
+    st = rx.wait(3, 5.0)
+    assert st.failed and "outside [0, 16)" in st.error
+    assert int(pool.sum()) == 0
+    with pytest.raises(ValueError):
+        tx.post_push(rx.endpoint, 4, 1, b"t", [(0, rand(1, 64), [-2])])
+    with pytest.raises(ValueError):
+        tx.post_push(rx.endpoint, 4, 1, b"t", [(0, rand(2, 64), [1])])
+
+
+def test_unknown_transfer_and_wrong_token_refused(planes):
+    rx, tx = planes
+    pool = torch.zeros(8, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    tx.post_push(rx.endpoint, 99, 1, b"t", [(0, rand(2, 64), [0, 1])])
+    rx.expect(5, 1, b"right", [2], 5.0)
+    tx.post_push(rx.endpoint, 5, 1, b"wrong", [(0, rand(2, 64), [0, 1])])
+    tx.post_push(rx.endpoint, 5, 2, b"right", [(0, rand(2, 64), [0, 1])])  # wrong lease
+    deadline = time.monotonic() + 5
+    while rx.stats["rejected_unknown"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.stats["rejected_unknown"] == 6  # 3 forged pushes: batch + done each
+    assert int(pool.sum()) == 0
+    assert rx.poll(5).state is TransferState.PENDING  # forgeries do not fail the real one
+    with pytest.raises(KeyError):
+        rx.poll(99)
+
+
+def test_deadline_and_abort(planes):
+    rx, tx = planes
+    pool = torch.zeros(8, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(6, 1, b"t", [1], 0.2)
+    st = rx.wait(6, 3.0)
+    assert st.failed and "deadline" in st.error
+    rx.expect(7, 1, b"t", [1], 5.0)
+    rx.abort(7, "request cancelled")
+    assert rx.poll(7).error == "request cancelled"
+    tx.post_push(rx.endpoint, 7, 1, b"t", [(0, rand(1, 64), [2])])
+    end = time.monotonic() + 5
+    while rx.stats["rejected_late"] < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert rx.stats["rejected_late"] >= 1 and int(pool.sum()) == 0
+
+
+def test_push_to_dead_peer_fails_by_deadline():
+    tx = ZmqDataPlane()
+    try:
+        t = time.monotonic()
+        h = tx.post_push("tcp://127.0.0.1:1", 1, 1, b"t", [(0, rand(2, 64), [0, 1])], 0.3)
+        st = tx.wait_push(h, 3.0)
+        assert st.failed and "deadline" in st.error
+        assert time.monotonic() - t < 2.0
+    finally:
+        tx.close()
+
+
+def test_hostile_frames(planes):
+    rx, _ = planes
+    pool = torch.zeros(8, 16, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(rx.endpoint)
+
+    def batch(tid, runs, frames, pb=16):
+        h = PageBatch(transfer_id=tid, lease_id=1, token=b"t", group=0, runs=runs, page_bytes=pb)
+        s.send_multipart([encode(h), *frames])
+
+    try:
+        s.send_multipart([b"\xc1garbage", b"x" * 16])
+        rx.expect(10, 1, b"t", [1], 5.0)
+        batch(10, [(0, 1)], [b"a" * 32])  # frame overruns its run
+        rx.expect(11, 1, b"t", [1], 5.0)
+        batch(11, [(0, 1)], [b"a" * 8])  # short payload
+        rx.expect(12, 1, b"t", [1], 5.0)
+        batch(12, [(1, 1)], [b"b" * 16], pb=8)  # wrong page size
+        rx.expect(13, 1, b"t", [1], 5.0)
+        batch(13, [(2, 1)], [b"c" * 16])
+        s.send(encode(TransferDone(transfer_id=13, lease_id=1, token=b"t", checksum=12345)))
+        rx.expect(14, 1, b"t", [2], 5.0)
+        batch(14, [(3, 1)], [b"d" * 16])
+        s.send(encode(TransferDone(transfer_id=14, lease_id=1, token=b"t")))  # too few pages
+        for tid, needle in [
+            (10, "overruns"),
+            (11, "short"),
+            (12, "bytes"),
+            (13, "checksum"),
+            (14, "of"),
+        ]:
+            st = rx.wait(tid, 3.0)
+            assert st.failed and needle in st.error, (tid, st)
+        assert rx.stats["rejected_BAD_FRAME"] == 1
+    finally:
+        s.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from disagg.transport import ZmqDataPlane
+    ep, n, pb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    g = torch.Generator().manual_seed(42)
+    src = torch.randint(0, 256, (n, pb), dtype=torch.uint8, generator=g)
+    tx = ZmqDataPlane()
+    h = tx.post_push(ep, 20, 1, b"tok", [(0, src, list(range(n)))], 30.0)
+    st = tx.wait_push(h, 30.0)
+    tx.close()
+    sys.exit(0 if st.done else 1)
+    """
+)
+
+
+def test_across_processes(tmp_path):
+    n, pb = 32, 256 * 1024
+    rx = ZmqDataPlane(f"ipc://{tmp_path}/dp.sock")
+    try:
+        pool = torch.zeros(n, pb, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        rx.expect(20, 1, b"tok", [n], 60.0)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, rx.endpoint, str(n), str(pb)], timeout=60
+        )
+        assert proc.returncode == 0
+        st = rx.wait(20, 10.0)
+        assert st.done, st
+        g = torch.Generator().manual_seed(42)
+        expect = torch.randint(0, 256, (n, pb), dtype=torch.uint8, generator=g)
+        assert torch.equal(pool, expect)
+    finally:
+        rx.close()
