@@ -42,12 +42,13 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str) -> Any:
         kv_manager=args.kv_manager,
         windows=parse_windows(args.windows),
         seed=args.seed,
+        device=args.device,
     )
     if role is None:
         return Engine(cfg)
     section: dict[str, Any]
     if role == "producer":
-        section = {"control": endpoint, "store_size": "256MiB"}
+        section = {"control": endpoint, "store_size": "256MiB", "store_device": args.store_device}
     else:
         section = {"producers": [endpoint], "load_mode": args.load_mode}
     config = {
@@ -224,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         help="per-layer windows, e.g. 'full' or '64,full' (VSWA, needs v2)",
     )
     p.add_argument("--load-mode", choices=["async", "sync"], default="async")
+    p.add_argument("--device", default="cpu", help="reference engine device: cpu or cuda")
+    p.add_argument(
+        "--store-device",
+        choices=["cpu", "pinned", "cuda"],
+        default="cpu",
+        help="where the producer's block store lives",
+    )
     args = p.parse_args(argv)
     if args.role == "producer":
         run_producer(args)

@@ -161,27 +161,23 @@ class PagePool:
             r.index_copy_(0, idx, pages[:, off : off + size].to(r.device))
             off += size
 
-    def copy_layer_out(
-        self,
-        layer: int,
-        slots_by_group: list[torch.Tensor],
-        dst_rows: torch.Tensor,
-        dst: torch.Tensor,
-    ) -> None:
-        """Copy one layer's bytes of ``slots_by_group[g]`` into ``dst[dst_rows]`` (store
-        blocks laid out as group pages at ``page_offsets``)."""
+    def gather_layer(
+        self, layer: int, slots_by_group: list[torch.Tensor]
+    ) -> list[tuple[int, torch.Tensor]]:
+        """One layer's bytes of ``slots_by_group[g]``: ``[(store column, [n, length])]``,
+        gathered on the pool's device (a batched index_select per buffer span, enqueued on
+        the current stream: ordered after the layer that wrote them)."""
+        out = []
         for gi, spans in self._layer_spans.get(layer, ()):
             slots = slots_by_group[gi]
             if slots.numel() == 0:
                 continue
             idx = slots.to(self.device)
-            rows = dst_rows.to(dst.device)
             base = self.page_offsets[gi]
             for s in spans:
                 src = self.regions[gi][s.region][:, s.src_off : s.src_off + s.length]
-                chunk = src.index_select(0, idx).to(dst.device, non_blocking=True)
-                col = base + s.page_off
-                dst[:, col : col + s.length].index_copy_(0, rows, chunk)
+                out.append((base + s.page_off, src.index_select(0, idx)))
+        return out
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -22,12 +22,13 @@ from ..config import DisaggConfig
 from ..identity import fingerprint_of, model_id_of, namespace_of, tp_of
 from ..pages import PagePool
 from ..protocol import messages as m
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import Fingerprint
 from ..protocol.version import PROTOCOL_VERSION
 from ..transport.control import ControlClient
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
+from ..transport.security import CurveClientKeys, client_keys_from
 
 log = logging.getLogger("disagg.consumer")
 
@@ -35,6 +36,20 @@ V = PROTOCOL_VERSION
 # A producer that failed a call is skipped for this long, then tried again (a dead peer
 # must not be cached forever, nor retried on every query).
 DOWN_BACKOFF_S = 2.0
+# Errors about one request (a lease that expired, a bad field) say nothing about the
+# producer's health: only these mark a link down (and force a new Hello).
+_PEER_FAULTS = frozenset(
+    {
+        ErrorCode.TIMEOUT,
+        ErrorCode.PEER_GONE,
+        ErrorCode.NOT_READY,
+        ErrorCode.BUSY,
+        ErrorCode.INTERNAL,
+        ErrorCode.BAD_FRAME,
+        ErrorCode.BAD_VERSION,
+        ErrorCode.INCOMPATIBLE_PEER,
+    }
+)
 
 _services: dict[str, ConsumerService] = {}
 _services_lock = threading.Lock()
@@ -52,10 +67,12 @@ def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
 class ProducerLink:
     """One producer's control channel; says Hello (handshake) before anything else."""
 
-    def __init__(self, endpoint: str, owner: str, timeout_s: float):
+    def __init__(
+        self, endpoint: str, owner: str, timeout_s: float, curve: CurveClientKeys | None = None
+    ):
         self.endpoint = endpoint
         self.owner = owner
-        self.client = ControlClient(endpoint, default_timeout_s=timeout_s)
+        self.client = ControlClient(endpoint, default_timeout_s=timeout_s, curve=curve)
         self.ready = False
         self.down_until = 0.0
         self.lock = threading.Lock()
@@ -78,9 +95,12 @@ class ProducerLink:
                 )
                 self.ready = True
             return self.client.call(msg, timeout_s=timeout_s)
-        except ProtocolError:
-            self.ready = False
-            self.down_until = time.monotonic() + DOWN_BACKOFF_S
+        except ProtocolError as exc:
+            if exc.code in _PEER_FAULTS:
+                self.ready = False
+                self.down_until = time.monotonic() + DOWN_BACKOFF_S
+            elif exc.code is ErrorCode.UNAUTHENTICATED:
+                self.ready = False  # e.g. the producer restarted: say Hello again
             raise
 
 
@@ -89,6 +109,7 @@ class Claimed:
     link: ProducerLink
     lease_id: int
     num_blocks: int
+    ttl_s: float = 30.0  # as granted: the producer may cap what we asked for
 
 
 @dataclass
@@ -119,8 +140,10 @@ class ConsumerService:
                 f"disagg consumer: tensor_parallel_size={self.tp_size} is not supported yet; "
                 "run decode instances with TP=1"
             )
+        curve = client_keys_from(config.security)  # one key pair for every producer
         self.links = [
-            ProducerLink(ep, self.owner, self.ccfg.claim_timeout_s) for ep in self.ccfg.producers
+            ProducerLink(ep, self.owner, self.ccfg.claim_timeout_s, curve)
+            for ep in self.ccfg.producers
         ]
         self.pool: PagePool | None = None
         self.fingerprint: Fingerprint | None = None
@@ -136,6 +159,7 @@ class ConsumerService:
         self.metrics: Counter[str] = Counter()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
         self.closed = False
 
     def attach(self, pool: PagePool) -> None:
@@ -158,10 +182,15 @@ class ConsumerService:
 
     def _call(self, link: ProducerLink, msg: Any, timeout_s: float | None = None) -> Any:
         assert self.fingerprint is not None and self.data is not None
-        with link.lock:
-            return link.call(
-                msg, self.fingerprint, self.data.endpoint, timeout_s or self.ccfg.claim_timeout_s
-            )
+        timeout = timeout_s or self.ccfg.claim_timeout_s
+        # Bounded even while another thread (keepalive, lookup) holds the link: the engine
+        # thread calls this and must never wait without a deadline.
+        if not link.lock.acquire(timeout=timeout):
+            raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
+        try:
+            return link.call(msg, self.fingerprint, self.data.endpoint, timeout)
+        finally:
+            link.lock.release()
 
     # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
     def claim(self, request_id: int, keys: list[bytes]) -> Claimed | None:
@@ -193,7 +222,10 @@ class ConsumerService:
                 continue
             if ok.num_blocks > 0:
                 self.metrics["claims_hit"] += 1
-                return Claimed(link, ok.lease_id, ok.num_blocks)
+                if ok.ttl_s < self._renew_ttl_s:  # renew often enough for the granted TTL
+                    self._renew_ttl_s = ok.ttl_s
+                    self._wake.set()
+                return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s)
         self.metrics["claims_miss"] += 1
         return None
 
@@ -284,23 +316,37 @@ class ConsumerService:
 
     # -- keepalive: heartbeats, renewals, queued releases --------------------------------
     def _keepalive_loop(self) -> None:
-        period = max(0.05, min(self.ccfg.heartbeat_s, self.ccfg.lease_ttl_s / 3))
-        next_renew = time.monotonic() + period
+        """Renews every held lease (the Renew is also the owner's heartbeat) at least three
+        times per granted TTL, and sends queued releases. Survives any one bad pass: if
+        this thread died, every lease would expire under requests still loading."""
+        next_renew = time.monotonic()
         while not self._stop.is_set():
+            period = max(0.05, min(self.ccfg.heartbeat_s, self._renew_ttl_s / 3))
+            next_renew = min(next_renew, time.monotonic() + period)
             self._wake.wait(max(0.0, next_renew - time.monotonic()))
             self._wake.clear()
-            self._send_releases()
-            if time.monotonic() < next_renew:
-                continue
-            next_renew = time.monotonic() + period
-            held: dict[ProducerLink, list[int]] = {}
-            for load in list(self.loads.values()):
-                held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
-            for link, ids in held.items():
-                try:
-                    self._call(link, m.Renew(v=V, owner=self.owner, lease_ids=ids))
-                except ProtocolError as exc:
-                    log.info("renewing leases on %s failed: %s", link.endpoint, exc)
+            try:
+                self._send_releases()
+                if time.monotonic() < next_renew:
+                    continue
+                next_renew = time.monotonic() + period
+                self._renew_held()
+            except Exception:
+                log.exception("keepalive pass failed")
+
+    def _renew_held(self) -> None:
+        held: dict[ProducerLink, list[int]] = {}
+        for load in list(self.loads.values()):
+            held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
+        for link, ids in held.items():
+            try:
+                ok = self._call(link, m.Renew(v=V, owner=self.owner, lease_ids=ids))
+                self.metrics["leases_renewed"] += len(ids) - len(ok.unknown)
+                # a lost lease fails its push (UNKNOWN_LEASE) if the load is not over yet
+                self.metrics["leases_lost"] += len(ok.unknown)
+            except ProtocolError as exc:
+                self.metrics["renew_failed"] += 1
+                log.info("renewing leases on %s failed: %s", link.endpoint, exc)
 
     def _send_releases(self) -> None:
         with self._lock:
@@ -309,7 +355,7 @@ class ConsumerService:
             try:
                 self._call(link, m.Release(v=V, owner=self.owner, lease_id=lease_id))
                 self.metrics["leases_released"] += 1
-            except ProtocolError as exc:  # the producer's TTL frees it anyway
+            except Exception as exc:  # the producer's TTL frees it anyway
                 self.metrics["release_failed"] += 1
                 log.info("release of lease %d failed: %s", lease_id, exc)
 

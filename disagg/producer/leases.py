@@ -98,6 +98,19 @@ class LeaseTable:
                 )
             return lease
 
+    def pin_for_push(self, owner: str, lease_id: int, first: int, n: int) -> Lease:
+        """The caller's lease, with blocks ``[first, first + n)`` pinned once more for a
+        push; the pusher must ``store.unpin`` them when its transfer is final. Atomic with
+        ``sweep``: a lease freed concurrently is either found (and its blocks pinned
+        before the sweep unpins them) or refused as unknown."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.owner == owner:
+                end = first + n
+                self.store.pin_entries(lease.keys[first:end], lease.entries[first:end])
+                return lease
+        return self.get(owner, lease_id)  # raises the typed error (unknown or foreign)
+
     def renew(self, owner: str, lease_ids: list[int]) -> list[int]:
         """Extend the caller's leases by their TTL; returns the ids it does not hold."""
         now = time.monotonic()

@@ -32,6 +32,7 @@ from ..transport.control import ControlServer
 from ..transport.dataplane import DataPlane
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
+from ..transport.security import server_keys_from
 from .leases import LeaseTable
 from .store import BlockStore
 
@@ -71,8 +72,14 @@ class ProducerService:
         self._seeds: dict[str | None, bytes] = {}
         self._in_flight: Counter[int] = Counter()
         self._in_flight_lock = threading.Lock()
-        self._cuda_pending: list[tuple[Any, list[bytes], dict[int, int]]] = []
+        self._cuda_pending: list[tuple[Any, ...]] = []
+        self._poll_lock = threading.Lock()
         self._peers: dict[bytes, str] = {}  # control identity -> owner that said Hello
+        # With CURVE on: owner name -> the client key that first said Hello as it. A Hello
+        # (or any request) from another key cannot act as that owner, so one consumer
+        # cannot touch another's leases by claiming its name or reusing its identity.
+        self._owner_keys: dict[str, bytes] = {}
+        self._curve = server_keys_from(config.security)
         self.metrics: Counter[str] = Counter()
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
@@ -89,7 +96,7 @@ class ProducerService:
         self.pool = pool
         self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
         if self.pcfg.events:
-            self.events = EventPublisher(self.pcfg.events, producer=self.name)
+            self.events = EventPublisher(self.pcfg.events, producer=self.name, curve=self._curve)
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
@@ -104,7 +111,7 @@ class ProducerService:
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
         )
         self.data = make_data_plane(self.config.transport)
-        self.server = ControlServer(self.pcfg.control, self._handle)
+        self.server = ControlServer(self.pcfg.control, self._handle, curve=self._curve)
         self.server.start()
         threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True).start()
         log.info(
@@ -157,12 +164,21 @@ class ProducerService:
         with self._in_flight_lock:
             return self._in_flight.get(request_id, 0) > 0
 
-    def finish_pass(self, keys: list[bytes], counts: dict[int, int], stream: Any) -> None:
-        """End of a forward pass: commit now (host pools), or when the stream's event fires."""
+    def finish_pass(
+        self,
+        keys: list[bytes],
+        counts: dict[int, int],
+        stream: Any,
+        rows: torch.Tensor | None = None,
+        staged: list[tuple[int, torch.Tensor]] | None = None,
+    ) -> None:
+        """End of a forward pass: commit now when the bytes are already in the store, or
+        once the stream's event fires (device pool: pinned staging copies in flight)."""
         if self.pool is not None and self.pool.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(stream)
-            self._cuda_pending.append((event, keys, counts))
+            with self._poll_lock:
+                self._cuda_pending.append((event, keys, counts, rows, staged or []))
             return
         self._commit(keys, counts)
 
@@ -176,9 +192,12 @@ class ProducerService:
 
     def poll(self) -> None:
         """Engine thread, every iteration: commit saves whose copies have completed."""
-        while self._cuda_pending and self._cuda_pending[0][0].query():
-            _, keys, counts = self._cuda_pending.pop(0)
-            self._commit(keys, counts)
+        with self._poll_lock:  # the engine thread and the sweeper both poll
+            while self._cuda_pending and self._cuda_pending[0][0].query():
+                _, keys, counts, rows, staged = self._cuda_pending.pop(0)
+                for col, pinned in staged:  # the copies have landed: scatter into rows
+                    self.store.slab[:, col : col + pinned.shape[1]].index_copy_(0, rows, pinned)
+                self._commit(keys, counts)
 
     # -- control plane (server thread) --------------------------------------------------
     def _handle(self, identity: bytes, msg: Any) -> Any:
@@ -188,6 +207,11 @@ class ProducerService:
         owner = self._peers.get(identity)
         if owner is None:
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "say Hello before any other request")
+        if self._curve is not None and self._caller_key() != self._owner_keys.get(owner):
+            raise ProtocolError(
+                ErrorCode.UNAUTHENTICATED,
+                f"this connection's CURVE key is not the one that said Hello as {owner!r}",
+            )
         if getattr(msg, "owner", owner) != owner:
             raise ProtocolError(
                 ErrorCode.UNAUTHENTICATED,
@@ -234,6 +258,14 @@ class ProducerService:
         except ProtocolError:
             self.metrics["handshake_refused"] += 1
             raise
+        if self._curve is not None:
+            key = self._caller_key()
+            if self._owner_keys.setdefault(msg.instance_id, key) != key:
+                self.metrics["owner_key_mismatch"] += 1
+                raise ProtocolError(
+                    ErrorCode.UNAUTHENTICATED,
+                    f"owner {msg.instance_id!r} is bound to another client key",
+                )
         self._peers[identity] = msg.instance_id
         self.leases.heartbeat(msg.instance_id)
         return m.HelloOk(
@@ -243,6 +275,13 @@ class ProducerService:
             data_endpoint="",
             transport=self.config.transport,
         )
+
+    def _caller_key(self) -> bytes:
+        """The CURVE key of the peer whose request is being handled (server thread)."""
+        key = self.server.peer_key if self.server is not None else None
+        if key is None:  # CURVE is on, so ZAP always names the peer; refuse if it didn't
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "no authenticated CURVE key")
+        return key
 
     def _push(self, owner: str, msg: Any) -> Any:
         lease = self.leases.get(owner, msg.lease_id)
@@ -259,9 +298,20 @@ class ProducerService:
                 ErrorCode.BAD_FIELD,
                 f"dst_slots must be {groups} list(s) of {msg.num_blocks} slot(s), one per group",
             )
+        # The push pins its own blocks: if the lease is freed mid-push (TTL, dead owner),
+        # its rows must not be evicted and rewritten while the data plane still reads them.
+        lease = self.leases.pin_for_push(owner, msg.lease_id, msg.first_block, msg.num_blocks)
         lease.pushes += 1
-        self._pushes.submit(self._run_push, lease, msg)
+        try:
+            self._pushes.submit(self._run_push, lease, msg)
+        except RuntimeError:  # the pool is shut down (closing): nothing will read them
+            self._unpin_push(lease, msg)
+            raise
         return m.PushOk(v=PROTOCOL_VERSION, transfer_id=msg.transfer_id)
+
+    def _unpin_push(self, lease: Any, msg: Any) -> None:
+        end = msg.first_block + msg.num_blocks
+        self.store.unpin(lease.keys[msg.first_block : end], lease.entries[msg.first_block : end])
 
     def _run_push(self, lease: Any, msg: Any) -> None:
         """Push pool: wait (bounded) for the blocks to be STORED, then stream them."""
@@ -285,7 +335,9 @@ class ProducerService:
                 pages,
                 deadline_s=max(0.001, deadline - time.monotonic()),
             )
-            state = self.data.wait_push(handle, max(0.001, deadline - time.monotonic()))
+            # The sender fails its own push at the deadline; the grace lets that land, so
+            # the rows are unpinned (finally) only once nothing references them any more.
+            state = self.data.wait_push(handle, max(0.001, deadline - time.monotonic()) + 2.0)
             if not state.done:
                 raise RuntimeError(state.error or "push deadline passed")
             self.metrics["pushes_done"] += 1
@@ -297,6 +349,8 @@ class ProducerService:
             report = getattr(self.data, "post_failure", None)
             if report is not None:
                 report(msg.data_endpoint, msg.transfer_id, msg.token, str(exc))
+        finally:
+            self._unpin_push(lease, msg)
 
     def _rows(self, rows: np.ndarray, group: int, page_bytes: int) -> torch.Tensor:
         """Source pages of one group: a view when the rows are one run (zero copy), else
@@ -313,6 +367,7 @@ class ProducerService:
         period = min(0.5, self.pcfg.lease_ttl_s / 4)
         while not self._stop.wait(period):
             try:
+                self.poll()  # an idle engine no longer calls get_finished: commit anyway
                 self.metrics["leases_expired"] += self.leases.sweep()
                 self.metrics["saves_timed_out"] += self.store.sweep_stale_saves()
             except Exception:  # the sweeper must outlive any one bad pass

@@ -216,6 +216,14 @@ class BlockStore:
                 self._lru.pop(key, None)
             return entries
 
+    def pin_entries(self, keys: list[bytes], entries: list[Entry]) -> None:
+        """Add a pin to entries already held (a push pins what it reads, so a lease freed
+        by its TTL mid-push cannot let those rows be evicted and reused under it)."""
+        with self._lock:
+            for key, e in zip(keys, entries):
+                e.pins += 1
+                self._lru.pop(key, None)
+
     def unpin(self, keys: list[bytes], entries: list[Entry]) -> None:
         with self._lock:
             for key, e in zip(keys, entries):

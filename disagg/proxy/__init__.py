@@ -29,7 +29,9 @@ def _urls(values: list[str], flag: str) -> list[str]:
                 continue
             parts = urlsplit(u)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{flag}: {u!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100")
+                raise ValueError(
+                    f"{flag}: {u!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100"
+                )
             out.append(u)
     return out
 

@@ -26,12 +26,19 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from ..serve import tokenizer
 from .routing import EventFeeds, PrefixIndex, Upstream, advertised, choose, prompt_keys
@@ -72,6 +79,10 @@ def _prompt_tokens(body: dict[str, Any]) -> list[int] | None:
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return list(p)
     return None
+
+
+def _in_flight(up: Upstream) -> float:
+    return float(up.in_flight)
 
 
 class ProxyState:
@@ -127,11 +138,14 @@ class ProxyState:
             registry=reg,
         )
         g = Gauge(
-            "disagg_proxy_in_flight", "Requests in flight per upstream", ["role", "url"], registry=reg
+            "disagg_proxy_in_flight",
+            "Requests in flight per upstream",
+            ["role", "url"],
+            registry=reg,
         )
         for role, ups in (("producer", self.producers), ("consumer", self.consumers)):
             for up in ups:
-                g.labels(role, up.url).set_function(lambda up=up: up.in_flight)
+                g.labels(role, up.url).set_function(partial(_in_flight, up))
         held = Gauge(
             "disagg_proxy_producer_known_blocks",
             "Blocks the proxy believes each producer holds",
@@ -139,9 +153,10 @@ class ProxyState:
             registry=reg,
         )
         for up in self.producers:
-            held.labels(up.url).set_function(
-                lambda up=up: self.index.held(up.instance_id) if up.instance_id else 0
-            )
+            held.labels(up.url).set_function(partial(self._known_blocks, up))
+
+    def _known_blocks(self, up: Upstream) -> float:
+        return float(self.index.held(up.instance_id)) if up.instance_id else 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
@@ -164,7 +179,10 @@ class ProxyState:
                 try:
                     info = await self._info(up)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                    log.debug("producer info not yet available", extra={"upstream": up.url, "error": str(e)})
+                    log.debug(
+                        "producer info not yet available",
+                        extra={"upstream": up.url, "error": str(e)},
+                    )
                     continue
                 if not info.get("namespace_seed"):
                     continue  # not attached yet
@@ -239,7 +257,10 @@ class ProxyState:
                 up.failures += 1
                 self.m_upstream_errors.labels("producer", "unreachable").inc()
                 last = UpstreamError(up.url, None, f"unreachable: {e or type(e).__name__}", True)
-                log.warning("producer unreachable", extra={"request_id": rid, "upstream": up.url, "error": str(e)})
+                log.warning(
+                    "producer unreachable",
+                    extra={"request_id": rid, "upstream": up.url, "error": str(e)},
+                )
                 continue
             finally:
                 up.in_flight -= 1
@@ -264,7 +285,10 @@ class ProxyState:
                 )
             self.m_upstream_errors.labels("producer", "server_error").inc()
             last = UpstreamError(up.url, status, msg, True)
-            log.warning("producer failed", extra={"request_id": rid, "upstream": up.url, "status": status, "error": msg})
+            log.warning(
+                "producer failed",
+                extra={"request_id": rid, "upstream": up.url, "status": status, "error": msg},
+            )
         assert last is not None
         return _err_json(
             f"every producer failed; last: producer {last.url}"
@@ -276,7 +300,9 @@ class ProxyState:
             upstream_status=last.status,
         )
 
-    async def decode(self, request: web.Request, body: dict[str, Any], rid: str) -> web.StreamResponse:
+    async def decode(
+        self, request: web.Request, body: dict[str, Any], rid: str
+    ) -> web.StreamResponse:
         """Run the request on a consumer, retrying others until bytes reach the client."""
         assert self.session is not None
         order = sorted(self.consumers, key=lambda u: u.in_flight)
@@ -292,7 +318,12 @@ class ProxyState:
                 last = e
                 log.warning(
                     "consumer failed before the first byte; trying the next",
-                    extra={"request_id": rid, "upstream": up.url, "status": e.status, "error": e.message},
+                    extra={
+                        "request_id": rid,
+                        "upstream": up.url,
+                        "status": e.status,
+                        "error": e.message,
+                    },
                 )
                 if not e.retryable:
                     break
@@ -322,7 +353,9 @@ class ProxyState:
     ) -> web.StreamResponse:
         assert self.session is not None
         try:
-            ctx = self.session.post(f"{up.url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+            ctx = self.session.post(
+                f"{up.url}/v1/completions", json=body, headers={"X-Request-Id": rid}
+            )
             r = await ctx.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.m_upstream_errors.labels("consumer", "unreachable").inc()
@@ -337,10 +370,17 @@ class ProxyState:
             if not ctype.startswith("text/event-stream"):
                 data = await r.read()
                 return web.Response(
-                    body=data, status=200, content_type="application/json", headers={"X-Request-Id": rid}
+                    body=data,
+                    status=200,
+                    content_type="application/json",
+                    headers={"X-Request-Id": rid},
                 )
             resp = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": rid,
+                }
             )
             # Wait for the first bytes before answering: a failure until then can retry.
             try:
@@ -355,8 +395,17 @@ class ProxyState:
                     await resp.write(data)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.m_upstream_errors.labels("consumer", "stream_broken").inc()
-                log.warning("consumer stream broke", extra={"request_id": rid, "upstream": up.url, "error": str(e)})
-                err = {"error": {"message": f"consumer {up.url}: stream broke: {e}", "type": "upstream_error", "code": 502}}
+                log.warning(
+                    "consumer stream broke",
+                    extra={"request_id": rid, "upstream": up.url, "error": str(e)},
+                )
+                err = {
+                    "error": {
+                        "message": f"consumer {up.url}: stream broke: {e}",
+                        "type": "upstream_error",
+                        "code": 502,
+                    }
+                }
                 await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
             await resp.write_eof()
             return resp
@@ -408,15 +457,26 @@ def build_app(state: ProxyState) -> web.Application:
         resp = await state.decode(request, body, rid)
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
-        log.info("done", extra={"request_id": rid, "status": resp.status, "seconds": round(time.monotonic() - t0, 4)})
+        log.info(
+            "done",
+            extra={
+                "request_id": rid,
+                "status": resp.status,
+                "seconds": round(time.monotonic() - t0, 4),
+            },
+        )
         return resp
 
     async def health(request: web.Request) -> web.Response:
         ok, details = await state.health()
-        return web.json_response({"status": "ok" if ok else "unhealthy", **details}, status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ok" if ok else "unhealthy", **details}, status=200 if ok else 503
+        )
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(state.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(state.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)

@@ -105,9 +105,11 @@ class PrefixIndex:
     def longest_prefix(self, producer: str, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` the producer holds (or was sent)."""
         with self._lock:
-            held = self._event_keys.get(producer)
+            held: set[bytes] | OrderedDict[bytes, None] | None = self._event_keys.get(producer)
             if held is None:
-                held = self._routed.get(producer) or {}  # type: ignore[assignment]
+                held = self._routed.get(producer)
+            if not held:
+                return 0
             n = 0
             for k in keys:
                 if k not in held:
@@ -171,7 +173,9 @@ class EventFeeds:
             self._subs[endpoint] = sub
         # Load the current keys now rather than waiting for the first event.
         sub.resync(instance_id)
-        log.info("subscribed to producer events", extra={"endpoint": endpoint, "producer": instance_id})
+        log.info(
+            "subscribed to producer events", extra={"endpoint": endpoint, "producer": instance_id}
+        )
 
     def _snapshot(self, producer: str) -> m.SnapshotOk:
         url = self._by_instance.get(producer)

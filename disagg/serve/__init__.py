@@ -114,7 +114,7 @@ def run_reference(args: argparse.Namespace, cfg: DisaggConfig) -> int:
         log.exception("engine start-up failed")
         print(f"disagg serve: the engine failed to start: {e}", file=sys.stderr)
         return 1
-    app = build_app(loop, role, cfg.instance_id, args.model or "disagg-reference")
+    app = build_app(loop, role, str(cfg.instance_id), args.model or "disagg-reference")
 
     async def on_cleanup(_app: Any) -> None:
         loop.stop()

@@ -58,6 +58,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="disagg-engine", daemon=True)
         self.engine: Any = None
         self.fatal: BaseException | None = None
+        self._build_error: BaseException | None = None
         # A copy refreshed by the engine thread, so scrapes never read half-updated stats.
         self.stats: dict[str, Any] = {}
         self.in_flight = 0
@@ -67,8 +68,8 @@ class EngineLoop:
         self._thread.start()
         if not self._ready.wait(timeout_s):
             raise RuntimeError(f"the engine was not built within {timeout_s} s")
-        if self.fatal is not None:
-            raise self.fatal
+        if self._build_error is not None:
+            raise self._build_error
 
     def submit(self, job: Job) -> None:
         if not self.alive:
@@ -90,7 +91,7 @@ class EngineLoop:
         try:
             self.engine = self._make_engine()
         except BaseException as e:  # reported to start()'s caller
-            self.fatal = e
+            self.fatal = self._build_error = e
             self._ready.set()
             return
         self._ready.set()

@@ -4,6 +4,12 @@ Wire: the client sends two frames ``[correlation_id (8 bytes), message]``; the s
 replies ``[correlation_id, reply]`` (ROUTER adds/strips the identity frame). A client
 discards replies whose correlation id is not the one it waits for, so a late reply to a
 timed-out call can never be taken for the answer to the next one.
+
+Authentication (optional, ``curve=``): the server is a CURVE server with a ZAP allow-list
+and the client a CURVE client (see security.py). A peer without the right keys never gets
+a connection, so its calls time out; the server counts those refusals in ``stats``
+(``auth_refused``, ``handshake_failed``) and tells the handler who is calling
+(``peer_key``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,13 @@ import zmq
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.version import MAX_CONTROL_FRAME
+from .security import (
+    HANDSHAKE_FAILED_EVENTS,
+    CurveClientKeys,
+    CurveServerKeys,
+    ServerAuth,
+    secure_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +47,13 @@ class ControlServer:
     message (None means ``Ok``). A ProtocolError it raises becomes an Error reply with that
     code; any other exception becomes INTERNAL. Malformed frames get an Error reply (when
     there is anyone to reply to) and are counted in ``stats`` by code name; the server
-    keeps serving. ``curve`` = (server secret key, allowed client public keys) is reserved
-    for CURVE authentication (TODO: ZAP authenticator); passing it now raises.
+    keeps serving.
+
+    ``curve`` = (server secret key, server public key, allowed client public keys or None)
+    makes the socket a CURVE server on a dedicated context (one ZAP authenticator per
+    context; ``context`` must then be None). During a handler call, ``peer_key`` is the
+    caller's authenticated Z85 public key (None without CURVE); it is only meaningful on
+    the server thread, where handlers run.
     """
 
     def __init__(
@@ -45,17 +63,21 @@ class ControlServer:
         *,
         context: zmq.Context | None = None,
         max_frame: int = MAX_CONTROL_FRAME,
-        curve: tuple[bytes, Sequence[bytes]] | None = None,
+        curve: CurveServerKeys | tuple[bytes, bytes, Sequence[bytes] | None] | None = None,
     ) -> None:
-        if curve is not None:
-            # TODO(security): sock.curve_server = True, curve_secretkey, and a
-            # zmq.auth ThreadAuthenticator configured with the allowed client keys.
-            raise NotImplementedError("CURVE authentication is not implemented yet")
         self._bind = bind
         self._handler = handler
-        self._ctx = context or zmq.Context.instance()
         self.max_frame = max_frame
         self.stats: Counter[str] = Counter()
+        self._auth: ServerAuth | None = None
+        if curve is not None:
+            if context is not None:
+                raise ValueError("a CURVE ControlServer makes its own context; pass no context")
+            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats)
+        self._ctx = self._auth.context if self._auth is not None else (
+            context or zmq.Context.instance()
+        )
+        self.peer_key: bytes | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
@@ -68,6 +90,8 @@ class ControlServer:
         # libzmq drops (and disconnects) anything far above the limit before allocating it;
         # frames just above it still get a TOO_LARGE reply from decode().
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 1024)
+        if self._auth is not None:
+            self._auth.secure(sock)
         sock.bind(self._bind)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -80,6 +104,9 @@ class ControlServer:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        if self._auth is not None:
+            self._auth.close()
+            self._auth = None
 
     def __enter__(self) -> ControlServer:
         return self.start() if self._thread is None else self
@@ -90,19 +117,51 @@ class ControlServer:
     def _run(self) -> None:
         sock = self._sock
         assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        monitor = None
+        if self._auth is not None:  # failed handshakes are only visible to a monitor
+            monitor = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
+            poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                ready = dict(poller.poll(_POLL_MS))
+                if monitor is not None and monitor in ready:
+                    self._count_monitor_events(monitor)
+                if sock not in ready:
                     continue
-                frames = sock.recv_multipart(copy=True)
-                reply = self._serve(frames)
+                if self._auth is None:
+                    frames = sock.recv_multipart(copy=True)
+                else:
+                    parts = sock.recv_multipart(copy=False)
+                    # ZAP's User-Id: the key this connection proved it holds.
+                    self.peer_key = _user_id(parts[-1])
+                    frames = [p.bytes for p in parts]
+                try:
+                    reply = self._serve(frames)
+                finally:
+                    self.peer_key = None
                 if reply is not None:
                     try:
                         sock.send_multipart(reply, zmq.NOBLOCK)
                     except zmq.Again:  # peer gone or flooding us: drop the reply
                         self.stats["reply_dropped"] += 1
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
+
+    def _count_monitor_events(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2 and len(frames[0]) >= 2:
+                event = int.from_bytes(frames[0][:2], "little")
+                if event & HANDSHAKE_FAILED_EVENTS:
+                    self.stats["handshake_failed"] += 1
 
     def _serve(self, frames: list[bytes]) -> list[bytes] | None:
         """Answer one ROUTER message; returns the frames to send back (or None)."""
@@ -140,11 +199,21 @@ class ControlServer:
         return [ident, corr, m.encode(reply)]
 
 
+def _user_id(frame: zmq.Frame) -> bytes | None:
+    """The ZAP User-Id (the CURVE client's Z85 key) a received frame carries, if any."""
+    try:
+        uid = frame.get("User-Id")
+    except zmq.ZMQError:  # no ZAP verdict on this connection
+        return None
+    return uid.encode("ascii") if isinstance(uid, str) and uid else None
+
+
 class ControlClient:
     """Blocking request/reply client. Thread-safe: calls are serialised by a lock.
 
     ``call`` returns the reply message, or raises ProtocolError: TIMEOUT when no reply
-    came before the deadline (the socket is then recreated, dropping any queued request
+    came before the deadline (also what a CURVE client whose keys the server refuses
+    sees: ``curve`` = (client secret, client public, server public)) (the socket is then recreated, dropping any queued request
     and any late reply), the reply's code when the server answered Error, or a decode
     error code when the reply itself was malformed.
     """
@@ -156,8 +225,10 @@ class ControlClient:
         context: zmq.Context | None = None,
         default_timeout_s: float = 2.0,
         max_frame: int = MAX_CONTROL_FRAME,
+        curve: CurveClientKeys | tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = CurveClientKeys(*curve) if curve is not None else None
         self.default_timeout_s = default_timeout_s
         self.max_frame = max_frame
         self._ctx = context or zmq.Context.instance()
@@ -174,6 +245,8 @@ class ControlClient:
             # instead of a request delivered much later.
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 1024)
+            if self.curve is not None:
+                secure_client(sock, self.curve)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock

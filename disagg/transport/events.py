@@ -1,18 +1,24 @@
 """Block events over PUB/SUB: producers publish ``Stored``/``Removed`` with per-producer
 sequence numbers; subscribers apply them in order and resync from a snapshot when they
 see a gap (missed events, a late join, or a producer restart).
+
+With ``curve=`` both ends use CURVE (security.py): a subscriber without the producer's
+public key, or whose own key is not allowed, never connects and receives nothing; a
+publisher without the matching secret key cannot feed a subscriber forged events.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
+from .security import CurveClientKeys, CurveServerKeys, ServerAuth, secure_client
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +29,30 @@ class EventPublisher:
     """PUB socket publishing one frame per event. Thread-safe. ``seq`` is the sequence
     number of the last published event (0 before any); a producer's snapshot handler
     reads it under the same lock it uses to change its key set, so a SnapshotOk's ``seq``
-    matches its keys."""
+    matches its keys. ``curve`` = (secret, public, allowed subscriber keys or None) makes
+    it a CURVE server on its own context (``stats`` counts ``auth_ok``/``auth_refused``)."""
 
-    def __init__(self, bind: str, producer: str, *, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        bind: str,
+        producer: str,
+        *,
+        context: zmq.Context | None = None,
+        curve: CurveServerKeys | tuple[bytes, bytes, Sequence[bytes] | None] | None = None,
+    ):
         self.producer = producer
+        self.stats: Counter[str] = Counter()
+        self._auth: ServerAuth | None = None
+        if curve is not None:
+            if context is not None:
+                raise ValueError("a CURVE EventPublisher makes its own context; pass no context")
+            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats)
+            context = self._auth.context
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self._auth is not None:
+            self._auth.secure(self._sock)
         self._sock.bind(bind)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()
@@ -56,6 +79,9 @@ class EventPublisher:
     def close(self) -> None:
         with self._lock:
             self._sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.close()
+                self._auth = None
 
 
 class EventSubscriber:
@@ -68,6 +94,8 @@ class EventSubscriber:
     delivers that instead; events already covered by the snapshot are dropped. If the
     snapshot fails, the producer stays unsynced and the next event retries.
     ``resync(producer)`` forces one (e.g. at start-up, before any event).
+    Undecodable frames and frames of other kinds are dropped and counted in
+    ``stats["bad"]``. ``curve`` = (client secret, client public, producer public key).
     """
 
     def __init__(
@@ -78,6 +106,7 @@ class EventSubscriber:
         *,
         context: zmq.Context | None = None,
         max_frame: int = 64 * 1024 * 1024,
+        curve: CurveClientKeys | tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self._on_event = on_event
         self._snapshot_fn = snapshot_fn
@@ -89,6 +118,10 @@ class EventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # libzmq drops (and disconnects) a frame far above the limit before allocating it
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame + 1024)
+        if curve is not None:
+            secure_client(self._sock, CurveClientKeys(*curve))
         for ep in endpoints:
             self._sock.connect(ep)
         self._stop = threading.Event()

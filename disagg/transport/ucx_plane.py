@@ -425,6 +425,7 @@ class UcxDataPlane(DataPlane):
         self._worker.init_blocking_progress_mode()
         self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string
         self._accepted: list[Any] = []  # endpoints the listener made (kept alive)
+        self._dead_eps: list[Any] = []
         self._tx_active: list[PushHandle] = []
         self._rx_reqs: list[tuple[Any, _PendingSeg, np.ndarray | None]] = []
         self._discards: list[Any] = []
@@ -468,10 +469,7 @@ class UcxDataPlane(DataPlane):
         while self._jobs:
             self._jobs.popleft()  # queued pushes: their handles fail below via _stop
         for ep in list(self._eps.values()) + self._accepted:
-            try:
-                ep.close()
-            except Exception:
-                pass
+            self._close_ep(ep)
         self._eps.clear()
         self._accepted.clear()
         self._listener = None
@@ -712,6 +710,15 @@ class UcxDataPlane(DataPlane):
             self.stats["done"] += 1
 
     # ----------------------------------- send -------------------------------------------
+    def _close_ep(self, ep: Any) -> None:
+        # Closing an endpoint that already failed crashes libucxx 0.52: drop it instead.
+        try:
+            if ep.alive:
+                ep.close()
+        except Exception:
+            pass
+        self._dead_eps.append(ep)  # destroyed with the worker, not mid-progress
+
     def _connect(self, endpoint: str) -> Any:
         ep = self._eps.get(endpoint)
         if ep is not None and ep.alive:
@@ -750,10 +757,7 @@ class UcxDataPlane(DataPlane):
         self.stats["push_failed"] += 1
         ep = self._eps.pop(h.endpoint, None)
         if ep is not None:
-            try:
-                ep.close()  # cancels what is still queued for this peer
-            except Exception:
-                pass
+            self._close_ep(ep)  # cancels what is still queued for this peer
         # Only now may the caller reuse the rows: requests were cancelled with the ep.
         h.plan, h.keep, h.requests = [], [], []
 

@@ -137,10 +137,11 @@ class ZmqDataPlane(DataPlane):
             specs = [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in regions]
             if not specs:
                 raise ValueError(f"layer group {g} has no regions")
-            if any(s.tensor.device.type != "cpu" for s in specs):
-                raise ValueError("ZmqDataPlane receives into host memory only")
+            # Device regions (a GPU decode cache) are staged: frames land in a host
+            # scratch buffer, then one batched index_copy_ per region moves them over.
+            on_host = all(s.tensor.device.type == "cpu" for s in specs)
             direct = None
-            if len(specs) == 1 and specs[0].contiguous:
+            if on_host and len(specs) == 1 and specs[0].contiguous:
                 direct = specs[0].tensor.numpy()  # shares memory: recv_into writes in place
             groups.append(
                 _Group(
@@ -300,7 +301,8 @@ class ZmqDataPlane(DataPlane):
         scratch_mv = None
         if grp.direct is None:
             if self._scratch.numel() < total * pb:
-                self._scratch = torch.empty(total * pb, dtype=torch.uint8)
+                pin = torch.cuda.is_available()  # pinned host memory copies to a GPU faster
+                self._scratch = torch.empty(total * pb, dtype=torch.uint8, pin_memory=pin)
             scratch_mv = memoryview(self._scratch.numpy())  # type: ignore[arg-type]
         soff = 0
         more = sock.get(zmq.RCVMORE)
@@ -331,7 +333,10 @@ class ZmqDataPlane(DataPlane):
             src = self._scratch[: total * pb].view(total, pb)
             col = 0
             for region in grp.regions:
-                region.tensor.index_copy_(0, idx, src[:, col : col + region.size])
+                dev = region.tensor.device
+                # a synchronous host-to-device copy: the scratch is reused by the next batch
+                part = src[:, col : col + region.size]
+                region.tensor.index_copy_(0, idx.to(dev), part.to(dev))
                 col += region.size
         rx.received[h.group] += total
         rx.nbytes += total * pb
@@ -396,7 +401,11 @@ class ZmqDataPlane(DataPlane):
             # pyzmq copies small "zero-copy" frames and reports them sent at once; with no
             # threshold every tracker really means "libzmq has written and released it".
             sock.copy_threshold = 0
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             self._tx_socks[endpoint] = sock
         return sock
 
@@ -427,10 +436,12 @@ class ZmqDataPlane(DataPlane):
                 self._tx_drop_socket(ep)
 
     def _tx_send(self, h: PushHandle) -> None:
-        sock = self._tx_socket(h.endpoint)
         hasher = xxhash.xxh3_64() if self.checksum else None
         h.state = TransferState.RECEIVING
         try:
+            # inside the try: a peer-supplied endpoint that zmq refuses (a hostile Push)
+            # fails this push, never the sender thread
+            sock = self._tx_socket(h.endpoint)
             for header, frames in h.plan:
                 if not self._wait_writable(sock, h):
                     return

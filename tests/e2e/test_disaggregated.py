@@ -7,6 +7,7 @@ pages the consumer loaded must equal, byte for byte, the pages the producer comp
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 
@@ -19,7 +20,10 @@ from disagg.producer.service import _services as producer_services
 
 _ids = itertools.count()
 
+# DISAGG_TEST_DEVICE=cuda runs the same cases on a GPU (CI has none: this is for the H200).
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
 SHAPE = dict(
+    device=DEVICE,
     num_layers=2,
     hidden_size=64,
     num_heads=4,

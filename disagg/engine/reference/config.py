@@ -101,6 +101,16 @@ class EngineConfig:
         )
 
     @property
+    def model_name(self) -> str:
+        """Names the weights: shape and seed (what a checkpoint path names for a real model),
+        so two engines agree on a model only when their KV bytes can agree."""
+        return (
+            f"disagg-reference-tiny-llama:v{self.vocab_size}-h{self.hidden_size}"
+            f"-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}-d{self.head_dim}"
+            f"-i{self.intermediate_size}-rope{self.rope_theta:g}-seed{self.seed}"
+        )
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
@@ -167,7 +177,7 @@ class LlmArgs(_Obj):
 def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
     windows = [cfg.max_seq_len if w is None else w for w in cfg.layer_windows]
     return LlmArgs(
-        model="disagg-reference-tiny-llama",
+        model=cfg.model_name,
         backend="pytorch",
         kv_cache_config=KvCacheConfigLike(
             tokens_per_block=cfg.tokens_per_block,

@@ -1,0 +1,191 @@
+"""`disagg serve` (both roles, reference engine) + `disagg proxy` as real processes on
+127.0.0.1: completions through the proxy match the monolithic engine token for token, and
+the metrics show the transfer."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import serve_procs as sp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("serve")
+    pcfg, ccfg = sp.write_configs(d)
+    pport, cport, xport, x2port = (sp.free_port() for _ in range(4))
+    dead = f"http://127.0.0.1:{sp.free_port()}"  # nothing listens there
+    urls = {
+        "producer": f"http://127.0.0.1:{pport}",
+        "consumer": f"http://127.0.0.1:{cport}",
+        "proxy": f"http://127.0.0.1:{xport}",
+        "proxy_retry": f"http://127.0.0.1:{x2port}",
+        "dead": dead,
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        logs = {k: d / f"{k}.log" for k in ("producer", "consumer", "proxy", "proxy_retry")}
+        procs.append(
+            sp.spawn(sp.serve_args("producer", pcfg, "127.0.0.1", pport), logs["producer"])
+        )
+        procs.append(
+            sp.spawn(sp.serve_args("consumer", ccfg, "127.0.0.1", cport), logs["consumer"])
+        )
+        proxy_args = ["proxy", "--host", "127.0.0.1", "--producers", urls["producer"]]
+        procs.append(
+            sp.spawn(
+                [*proxy_args, "--consumers", urls["consumer"], "--port", str(xport)], logs["proxy"]
+            )
+        )
+        # A dead consumer listed first: every request must fail over to the live one.
+        procs.append(
+            sp.spawn(
+                [
+                    *proxy_args,
+                    "--consumer",
+                    dead,
+                    "--consumer",
+                    urls["consumer"],
+                    "--port",
+                    str(x2port),
+                ],
+                logs["proxy_retry"],
+            )
+        )
+        for name, proc in zip(("producer", "consumer", "proxy", "proxy_retry"), procs):
+            sp.wait_healthy(urls[name], proc, logs[name])
+        yield {"urls": urls, "logs": logs, "procs": procs}
+    finally:
+        sp.stop(procs)
+
+
+def test_completion_through_proxy_matches_monolithic(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    tokens = sp.prompt(seed=11)
+    want = sp.monolithic(tokens, 12)
+
+    status, body = sp.post(f"{urls['proxy']}/v1/completions", {"prompt": tokens, "max_tokens": 12})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == want
+    assert body["usage"] == {"prompt_tokens": 300, "completion_tokens": 12, "total_tokens": 312}
+    # The consumer loaded the producer's pages rather than computing the prompt.
+    assert body["disagg"]["connector_matched_tokens"] == 288
+
+    status, events = sp.post(
+        f"{urls['proxy']}/v1/completions", {"prompt": tokens, "max_tokens": 12, "stream": True}
+    )
+    assert status == 200
+    assert sp.streamed_tokens(events) == want
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+    _, prod = sp.get(f"{urls['producer']}/metrics")
+    _, cons = sp.get(f"{urls['consumer']}/metrics")
+    assert sp.metric(prod, "disagg_producer_pages_pushed_total") > 0
+    assert sp.metric(prod, "disagg_producer_bytes_pushed_total") > 0
+    assert sp.metric(prod, "disagg_producer_store_used_bytes") > 0
+    assert sp.metric(prod, "disagg_producer_claims_hit_total") > 0
+    assert sp.metric(cons, "disagg_consumer_pages_loaded_total") > 0
+    assert sp.metric(cons, "disagg_engine_connector_matched_tokens_total") > 0
+    assert sp.metric(cons, "disagg_request_seconds_count") >= 2
+    _, px = sp.get(f"{urls['proxy']}/metrics")
+    assert sp.metric(px, "disagg_proxy_requests_total") >= 2
+
+
+def test_text_prompt_and_cache_salt(system: dict[str, Any]) -> None:
+    from disagg.serve import tokenizer
+
+    urls = system["urls"]
+    text = "The quick brown fox jumps over the lazy dog. " * 4  # 180 bytes -> 5 full blocks
+    body = {"prompt": text, "max_tokens": 5, "cache_salt": "tenant-a"}
+    status, out = sp.post(f"{urls['proxy']}/v1/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["token_ids"] == sp.monolithic(tokenizer.encode(text), 5)
+    assert out["choices"][0]["text"] == tokenizer.decode(out["choices"][0]["token_ids"])
+
+
+def test_second_request_routes_by_prefix(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    tokens = sp.prompt(seed=12)
+    for _ in range(2):
+        status, _ = sp.post(f"{urls['proxy']}/v1/completions", {"prompt": tokens, "max_tokens": 2})
+        assert status == 200
+    _, px = sp.get(f"{urls['proxy']}/metrics")
+    assert sp.metric(px, 'disagg_proxy_routing_total{reason="prefix"}') >= 1
+    assert sp.metric(px, "disagg_proxy_matched_blocks_total") >= 9
+
+
+def test_health(system: dict[str, Any]) -> None:
+    for name in ("producer", "consumer", "proxy"):
+        status, text = sp.get(f"{system['urls'][name]}/health")
+        assert status == 200, text
+
+
+def test_consumer_failover_before_first_token(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    tokens = sp.prompt(seed=13)
+    want = sp.monolithic(tokens, 4)
+    for stream in (False, True):
+        status, out = sp.post(
+            f"{urls['proxy_retry']}/v1/completions",
+            {"prompt": tokens, "max_tokens": 4, "stream": stream},
+        )
+        assert status == 200, out
+        got = sp.streamed_tokens(out) if stream else out["choices"][0]["token_ids"]
+        assert got == want
+    _, px = sp.get(f"{urls['proxy_retry']}/metrics")
+    assert sp.metric(px, "disagg_proxy_consumer_retries_total") >= 2
+
+
+def test_bad_requests_are_forwarded(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    status, out = sp.post(f"{urls['proxy']}/v1/completions", {"prompt": [1, 2], "max_tokens": 0})
+    assert status == 400
+    # The producer runs max_tokens=1, so the consumer is the one that refuses it.
+    assert "max_tokens" in out["error"]["message"] and urls["consumer"] in out["error"]["message"]
+    assert out["error"]["upstream_status"] == 400
+    status, out = sp.post(f"{urls['proxy']}/v1/completions", {"prompt": [9999], "max_tokens": 1})
+    assert status == 400 and "token ids" in out["error"]["message"]
+
+
+def test_upstream_down_is_502(tmp_path: Path, system: dict[str, Any]) -> None:
+    port = sp.free_port()
+    dead = system["urls"]["dead"]
+    log = tmp_path / "proxy.log"
+    proc = sp.spawn(
+        [
+            "proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--producers",
+            system["urls"]["producer"],
+            "--consumers",
+            dead,
+        ],
+        log,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        status, text = 0, ""
+        for _ in range(100):
+            try:
+                status, text = sp.get(f"{url}/health")
+                break
+            except OSError:  # not listening yet
+                time.sleep(0.1)
+        assert status == 503 and "unreachable" in text
+        status, out = sp.post(f"{url}/v1/completions", {"prompt": [1] * 40, "max_tokens": 1})
+        assert status == 502
+        assert (
+            out["error"]["upstream"] == dead and "every consumer failed" in out["error"]["message"]
+        )
+    finally:
+        sp.stop([proc])
