@@ -5,6 +5,21 @@ Rules it keeps (DESIGN §5):
 - a lease is held from the claim until released (request end, cancel, reset, replay);
 - a load that fails after the answer is recorded against its request, so the engine
   adapter can raise an error naming it before any forward pass reads those pages.
+
+No call on the engine's thread waits without a deadline (config ``consumer.*``):
+
+    wait                                     bounded by
+    claim / lookup / Push request            claim_timeout_s per call (Hello + call; the
+                                             link's lock is also taken with this timeout)
+    async load (parked until get_finished)   load_timeout_s (the data plane's deadline)
+    sync load (wait_for_layer_load)          load_timeout_s
+    a producer that failed a call            skipped for DOWN_BACKOFF_S, then retried
+
+The keepalive thread (not the engine's) renews every held lease at least three times per
+granted TTL (``min(heartbeat_s, ttl / 3)``); a Renew is also the owner's heartbeat, so a
+consumer that dies loses its leases after the producer's OWNER_DEAD_AFTER or LEASE_TTL.
+Releases are queued and sent by the same thread; a failed one is counted and left to
+the producer's TTL.
 """
 
 from __future__ import annotations

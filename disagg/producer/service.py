@@ -7,6 +7,24 @@ instance share it (they are built concurrently, so ``service_for`` is locked). T
 - a push pool waits (bounded) for leased blocks to be STORED and streams them through the
   data plane, so neither the engine nor the control thread ever waits on a transfer;
 - a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT.
+
+Every waiting state and the named timeout that ends it (config ``producer.*``):
+
+    state                                   ends by                 timeout (config)
+    lease granted, never renewed            expiry, blocks unpinned LEASE_TTL (lease_ttl_s,
+                                                                    capped per lease)
+    owner silent (no Hello/Renew/Claim)     all its leases freed    OWNER_DEAD_AFTER
+                                                                    (owner_dead_after_s)
+    claim whose pages are never pushed      lease expiry            LEASE_TTL
+    push waiting for PLANNED/STAGING blocks TimeoutError, reported  push_timeout_s
+    push the consumer never drains/acks     sender FAILED, unpinned push_timeout_s (+2 s
+                                                                    grace before unpin)
+    save planned, never committed           aborted, row freed      SAVE_TIMEOUT
+                                                                    (save_timeout_s)
+
+The sweeper runs every ``min(0.5, lease_ttl_s / 4)`` s and looks at every lease (deadlines
+move on renewal, so they are not ordered). A push pins its own blocks until its transfer
+is final, so a lease freed mid-push never lets those rows be evicted and rewritten.
 """
 
 from __future__ import annotations

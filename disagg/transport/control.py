@@ -74,8 +74,8 @@ class ControlServer:
             if context is not None:
                 raise ValueError("a CURVE ControlServer makes its own context; pass no context")
             self._auth = ServerAuth(CurveServerKeys(*curve), self.stats)
-        self._ctx = self._auth.context if self._auth is not None else (
-            context or zmq.Context.instance()
+        self._ctx = (
+            self._auth.context if self._auth is not None else (context or zmq.Context.instance())
         )
         self.peer_key: bytes | None = None
         self._stop = threading.Event()

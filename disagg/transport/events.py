@@ -114,7 +114,14 @@ class EventSubscriber:
         self.max_frame = max_frame
         self._seq: dict[str, int] = {}  # last applied seq per synced producer
         self._lock = threading.Lock()
-        self.stats: dict[str, int] = {"events": 0, "gaps": 0, "resyncs": 0, "bad": 0}
+        # frames: every frame received; bad: dropped as undecodable or of another kind
+        self.stats: dict[str, int] = {
+            "frames": 0,
+            "events": 0,
+            "gaps": 0,
+            "resyncs": 0,
+            "bad": 0,
+        }
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -176,6 +183,7 @@ class EventSubscriber:
                 if not sock.poll(50, zmq.POLLIN):
                     continue
                 data = sock.recv()
+                self.stats["frames"] += 1
                 try:
                     ev = m.decode(data, self.max_frame)
                 except ProtocolError:

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import zmq
+import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)

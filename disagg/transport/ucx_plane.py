@@ -89,6 +89,7 @@ _HDR_MAX = 1 << 20
 _KEEP_FINISHED = 4096
 _IDLE_WAIT_S = 0.05
 _ABORT_WAIT_S = 5.0
+_DISCARD_S = 10.0  # how long a refused batch's payload is still taken
 
 
 def _data_tag(transfer_id: int, seq: int) -> int:
@@ -470,6 +471,11 @@ class UcxDataPlane(DataPlane):
             self._jobs.popleft()  # queued pushes: their handles fail below via _stop
         for ep in list(self._eps.values()) + self._accepted:
             self._close_ep(ep)
+        try:
+            self._worker.cancel_inflight_requests()
+            self._worker.progress()
+        except Exception:
+            pass
         self._eps.clear()
         self._accepted.clear()
         self._listener = None
@@ -541,11 +547,14 @@ class UcxDataPlane(DataPlane):
             if not isinstance(msg, m.PageBatch | m.TransferDone):
                 self.stats["rejected_kind"] += 1
                 return
-            if rx is None or not hmac.compare_digest(rx.token, msg.token):
+            if (
+                rx is None
+                or not hmac.compare_digest(rx.token, msg.token)
+                or msg.lease_id != rx.lease_id
+            ):
                 self.stats["rejected_unknown"] += 1
-                return
-            if msg.lease_id != rx.lease_id:
-                self.stats["rejected_unknown"] += 1
+                if isinstance(msg, m.PageBatch):
+                    self._discard_batch(msg)
                 return
             if isinstance(msg, m.TransferDone):
                 if not msg.ok:
@@ -578,6 +587,18 @@ class UcxDataPlane(DataPlane):
                         seg.pages * msg.page_bytes,
                     )
                 )
+
+    def _discard_batch(self, h: m.PageBatch) -> None:
+        """Take (and drop) the payload of a refused batch for a while, so the sender's
+        requests complete instead of sitting in UCX's unexpected queue. Its segments are
+        numbered from 0: a refused sender is not tracked further."""
+        sink = _Rx(h.transfer_id, -1, b"", [], time.monotonic() + _DISCARD_S)
+        sink.state = TransferState.FAILED
+        for i, seg in enumerate(segments(h.runs, h.page_bytes)):
+            sink.queued += 1
+            self._pending.append(
+                _PendingSeg(sink, h.group, _data_tag(h.transfer_id, i), seg, seg.pages * h.page_bytes)
+            )
 
     def _check(self, rx: _Rx, h: m.PageBatch) -> str | None:
         """Every slot of the batch in bounds, before a receive is posted."""
@@ -653,8 +674,9 @@ class UcxDataPlane(DataPlane):
             self._cond.notify_all()
 
     def _discard(self, probe: Any) -> None:
-        """Receive a refused message somewhere harmless so it does not pile up."""
-        buf = np.empty(max(int(probe.length), 1), dtype=np.uint8)
+        """Receive a refused message somewhere harmless so it does not pile up (a
+        longer one than SEG_BYTES ends truncated, which is as good)."""
+        buf = np.empty(min(max(int(probe.length), 1), SEG_BYTES), dtype=np.uint8)
         self._discards.append((self._worker.tag_recv_with_handle(Array(buf), probe), buf))
         self.stats["discarded"] += 1
 

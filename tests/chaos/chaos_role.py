@@ -103,7 +103,7 @@ def run_producer(spec: dict[str, Any]) -> None:
     eng.generate(spec["prompts"], max_tokens=1)
     if spec.get("slow_push_s"):
         slow_pushes(svc, float(spec["slow_push_s"]))
-    emit({"event": "ready", "endpoint": svc.endpoint, **producer_state(svc)})
+    emit({**producer_state(svc), "event": "ready", "endpoint": svc.endpoint})
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "state":

@@ -421,9 +421,7 @@ def test_network_cut_mid_push(children, netns_pair, mono):
     c.expect("ready")
     c.send("run")
     p.expect("push_started")
-    subprocess.run(
-        ["ip", "-n", nsp["ns_p"], "link", "set", nsp["dev_p"], "down"], check=True
-    )
+    subprocess.run(["ip", "-n", nsp["ns_p"], "link", "set", nsp["dev_p"], "down"], check=True)
     t0 = time.monotonic()
     out = c.expect("results", timeout=LOAD_TIMEOUT_S + 10)
     assert time.monotonic() - t0 < LOAD_TIMEOUT_S + 5

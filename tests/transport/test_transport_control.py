@@ -130,6 +130,12 @@ def test_threaded_callers(server):
     assert not errors
 
 
-def test_curve_hook_not_yet():
-    with pytest.raises(NotImplementedError):
-        ControlServer("tcp://127.0.0.1:0", handler, curve=(b"x" * 40, []))
+def test_curve_keys_are_checked_and_a_key_holder_is_served():
+    """CURVE itself is tested in tests/security/test_curve.py."""
+    with pytest.raises(ValueError, match="Z85"):
+        ControlServer("tcp://127.0.0.1:0", handler, curve=(b"x" * 40, b"short", None))
+    pub, sec = zmq.curve_keypair()
+    cpub, csec = zmq.curve_keypair()
+    with ControlServer("tcp://127.0.0.1:0", handler, curve=(sec, pub, [cpub])) as srv:
+        with ControlClient(srv.endpoint, curve=(csec, cpub, pub)) as c:
+            assert c.call(Heartbeat(owner="c")) == Ok()

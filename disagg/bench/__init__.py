@@ -1,0 +1,30 @@
+"""``disagg bench``: transfer throughput against the machine's ceilings, and query latency.
+
+    disagg bench transfer [--page-sizes ...] [--total ...] [--transports ...] [--json] [--plot F]
+    disagg bench query [--prompt-lens ...] [--tokens-per-block N] [--json]
+
+``--json`` prints one JSON object on the last line of stdout (``{"results": [...], ...}``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = "usage: disagg bench {transfer|query} [options]  (--help on each)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    cmd, rest = args[0], args[1:]
+    if cmd == "transfer":
+        from .transfer import main as run
+    elif cmd == "query":
+        from .query import main as run
+    else:
+        print(f"disagg bench: unknown benchmark {cmd!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)

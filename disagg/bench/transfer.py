@@ -1,0 +1,257 @@
+"""``disagg bench transfer``: N scattered pages of S bytes from a producer process's store
+into a consumer process's page pool, through the real data planes, against ceilings
+measured in the same run.
+
+Per transport and page size: the producer holds a store of N pages (row k starts with
+the 8-byte index k), the consumer a pool of 2N slots; each repetition draws N random
+destination slots, ``expect``s the transfer, tells the producer to push (a pipe stands
+in for the control Push), and times go -> receiver DONE. Pages are verified afterwards
+(each landed slot starts with its source index). Peers (NIXL, Mooncake) move the same
+pages with their own APIs (peers.py); a peer that cannot run keeps its row, with the
+error. Medium ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import ceilings
+from .units import fmt_size, median, parse_size, parse_sizes
+
+ALL_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ucx-tcp", "ucx-shm", "nixl", "mooncake")
+# transport -> (reported transport, channel, medium whose ceiling applies)
+SPEC = {
+    "zmq-tcp": ("zmq", "tcp", "tcp"),
+    "zmq-ipc": ("zmq", "ipc", "ipc"),
+    "ucx-tcp": ("ucx", "tcp", "tcp"),
+    "ucx-shm": ("ucx", "shm", "shm"),
+    "nixl": ("nixl", "ucx", "shm"),  # nixl picks its UCX transports itself (shm locally)
+    "mooncake": ("mooncake", "tcp", "tcp"),
+}
+
+
+def _make_plane(name: str) -> Any:
+    if name == "zmq-tcp":
+        from ..transport.zmq_plane import ZmqDataPlane
+
+        return ZmqDataPlane("tcp://127.0.0.1:0")
+    if name == "zmq-ipc":
+        from ..transport.zmq_plane import ZmqDataPlane
+
+        path = os.path.join(tempfile.gettempdir(), f"disagg-bench-{os.getpid()}.ipc")
+        return ZmqDataPlane(f"ipc://{path}")
+    from ..transport.ucx_plane import UcxDataPlane
+
+    return UcxDataPlane(channel=name.split("-", 1)[1])
+
+
+def _store(n: int, page_bytes: int) -> np.ndarray:
+    store = np.empty((n, page_bytes), dtype=np.uint8)
+    store.fill(7)  # prefault
+    store[:, :8] = np.arange(n, dtype=np.int64).view(np.uint8).reshape(n, 8)
+    return store
+
+
+def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
+    """Serve push requests ("push", endpoint, tid, dst) until told to stop."""
+    import torch
+
+    plane = None
+    try:
+        if name in ("nixl", "mooncake"):
+            from . import peers
+
+            peers.producer(name, _store(n, page_bytes), conn)
+            return
+        # the consumer's first message on the pipe: the plane is up
+        plane = _make_plane(name)
+        rows = torch.from_numpy(_store(n, page_bytes))
+        conn.send(("ready", None))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, endpoint, tid, dst = msg
+            h = plane.post_push(endpoint, tid, 1, b"bench", [(0, rows, dst)], deadline_s=300)
+            st = plane.wait_push(h, 300)
+            conn.send(("pushed", st.error))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=3)))
+    finally:
+        if plane is not None:
+            plane.close()
+
+
+def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: Any) -> None:
+    """Time ``repeats`` transfers (after one warm-up); put (seconds list, error) on out."""
+    import torch
+
+    plane = None
+    try:
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"producer: {msg[1]}")
+        slots = 2 * n
+        pool = torch.empty(slots, page_bytes, dtype=torch.uint8)
+        pool.fill_(0)  # prefault
+        rng = np.random.default_rng(1234)
+        if name in ("nixl", "mooncake"):
+            from . import peers
+
+            times = peers.consumer(name, pool.numpy(), n, repeats, conn, rng)
+        else:
+            plane = _make_plane(name)
+            plane.register_regions([[pool]])
+            times = []
+            for rep in range(repeats + 1):
+                dst = rng.permutation(slots)[:n]
+                tid = rep + 1
+                plane.expect(tid, 1, b"bench", [n], 300)
+                t = time.perf_counter()
+                conn.send(("push", plane.endpoint, tid, dst.tolist()))
+                st = plane.wait(tid, 300)
+                dt = time.perf_counter() - t
+                reply = conn.recv()
+                if not st.done:
+                    raise RuntimeError(f"transfer failed: {st.error}; producer: {reply[1]}")
+                got = pool.numpy()[dst, :8].copy().view(np.int64).reshape(-1)
+                if not np.array_equal(got, np.arange(n)):
+                    raise RuntimeError("pages landed in the wrong slots or corrupted")
+                if rep:
+                    times.append(dt)
+            conn.send(("stop",))
+        out.put((times, None))
+    except Exception as exc:
+        out.put((None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"))
+        try:
+            conn.send(("stop",))
+        except Exception:
+            pass
+    finally:
+        if plane is not None:
+            plane.close()
+
+
+def measure(name: str, page_bytes: int, n: int, repeats: int, timeout_s: float) -> tuple[float | None, str | None]:
+    """Median GB/s of one transport at one page size, or (None, error)."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    prod = ctx.Process(target=_producer, args=(name, n, page_bytes, a), daemon=True)
+    cons = ctx.Process(target=_consumer, args=(name, n, page_bytes, repeats, b, out), daemon=True)
+    prod.start()
+    cons.start()
+    try:
+        times, err = out.get(timeout=timeout_s)
+    except Exception:
+        times, err = None, f"timed out after {timeout_s:.0f} s"
+    for p in (cons, prod):
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if times is None:
+        return None, err
+    return n * page_bytes / median(times) / 1e9, None
+
+
+def run(
+    page_sizes: Sequence[int],
+    total: int,
+    transports: Sequence[str],
+    repeats: int,
+    timeout_s: float = 300,
+    log: Any = sys.stderr,
+) -> dict[str, Any]:
+    ceil = {
+        "shm": ceilings.memcpy_gbps(total, repeats),
+        "tcp": ceilings.socket_gbps("tcp", total, repeats),
+        "ipc": ceilings.socket_gbps("unix", total, repeats),
+    }
+    gpu = ceilings.gpu_ceilings(total, repeats)
+    print(f"ceilings ({fmt_size(total)}): " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, **gpu}.items()), file=log)
+    rows = []
+    for name in transports:
+        transport, channel, medium = SPEC[name]
+        for pb in page_sizes:
+            n = max(1, total // pb)
+            gbps, err = measure(name, pb, n, repeats, timeout_s)
+            row = {
+                "transport": transport,
+                "channel": channel,
+                "page_bytes": pb,
+                "pages": n,
+                "gbps": gbps,
+                "ceiling_gbps": ceil[medium],
+                "ceiling": {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix"}[medium],
+                "ratio": (gbps / ceil[medium]) if gbps is not None else None,
+            }
+            if err:
+                row["error"] = err
+            rows.append(row)
+            shown = f"{gbps:.2f} GB/s ({row['ratio']:.2f}x)" if gbps is not None else f"ERROR {err}"
+            print(f"  {name:9s} {fmt_size(pb):>7s} x {n:6d}: {shown}", file=log, flush=True)
+    return {
+        "bench": "transfer",
+        "total_bytes": total,
+        "repeats": repeats,
+        "ceilings_gbps": {"memcpy": ceil["shm"], "raw_tcp": ceil["tcp"], "raw_unix": ceil["ipc"], **gpu},
+        "cpus": os.cpu_count(),
+        "results": rows,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'transport':10s} {'channel':7s} {'page':>7s} {'GB/s':>7s} {'ceiling':>9s} {'GB/s':>6s} {'ratio':>6s}",
+    ]
+    for r in report["results"]:
+        g = f"{r['gbps']:.2f}" if r["gbps"] is not None else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        line = (
+            f"{r['transport']:10s} {r['channel']:7s} {fmt_size(r['page_bytes']):>7s} {g:>7s} "
+            f"{r['ceiling']:>9s} {r['ceiling_gbps']:6.2f} {ratio:>6s}"
+        )
+        if r.get("error"):
+            line += f"  error: {r['error']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--page-sizes", default="16KiB,64KiB,256KiB,1MiB,4MiB")
+    ap.add_argument("--total", default="128MiB", help="bytes per transfer (full run: 1GiB)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--transports", default=",".join(ALL_TRANSPORTS))
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: tiny sizes, 1 repeat")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per transport and size")
+    ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
+    ap.add_argument("--plot", help="write a PNG of GB/s against page size")
+    a = ap.parse_args(list(argv))
+    if a.quick:
+        a.page_sizes, a.total, a.repeats = "64KiB,1MiB", "8MiB", 1
+    transports = [t.strip() for t in a.transports.split(",") if t.strip()]
+    unknown = [t for t in transports if t not in SPEC]
+    if unknown:
+        ap.error(f"unknown transports {unknown}; choose from {','.join(ALL_TRANSPORTS)}")
+    report = run(parse_sizes(a.page_sizes), parse_size(a.total), transports, a.repeats, a.timeout)
+    print(table(report))
+    if a.plot:
+        from .plot import plot_transfer
+
+        err = plot_transfer(report, a.plot)
+        print(err or f"plot written to {a.plot}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(report))
+    return 0
