@@ -19,7 +19,9 @@ def plot_transfer(report: dict[str, Any], path: str) -> str | None:
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in report["results"]:
         if r["gbps"] is not None:
-            lines.setdefault(f"{r['transport']}-{r['channel']}", []).append((r["page_bytes"], r["gbps"]))
+            lines.setdefault(f"{r['transport']}-{r['channel']}", []).append(
+                (r["page_bytes"], r["gbps"])
+            )
     for name, pts in lines.items():
         pts.sort()
         ax.plot([p / 1024 for p, _ in pts], [g for _, g in pts], marker="o", label=name)
@@ -29,7 +31,9 @@ def plot_transfer(report: dict[str, Any], path: str) -> str | None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("page size (KiB)")
     ax.set_ylabel("GB/s")
-    ax.set_title(f"disagg bench transfer: {report['total_bytes'] >> 20} MiB per transfer, median of {report['repeats']}")
+    ax.set_title(
+        f"disagg bench transfer: {report['total_bytes'] >> 20} MiB per transfer, median of {report['repeats']}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

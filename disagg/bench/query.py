@@ -91,7 +91,9 @@ def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = sys.stderr)
                 claimed = svc.claim(i, keys)
                 t2 = time.perf_counter()
                 if claimed is None or claimed.num_blocks != len(keys):
-                    raise RuntimeError(f"claim for {n} tokens matched {claimed and claimed.num_blocks} of {len(keys)} blocks")
+                    raise RuntimeError(
+                        f"claim for {n} tokens matched {claimed and claimed.num_blocks} of {len(keys)} blocks"
+                    )
                 svc.release(claimed)
                 if i >= 5:  # warm-up
                     tot.append((t2 - t0) * 1e3)
@@ -123,7 +125,9 @@ def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = sys.stderr)
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = [f"{'prompt':>8s} {'blocks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'keys p50':>9s} {'claim p50':>10s} {'claim p99':>10s}"]
+    lines = [
+        f"{'prompt':>8s} {'blocks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'keys p50':>9s} {'claim p50':>10s} {'claim p99':>10s}"
+    ]
     for r in report["results"]:
         lines.append(
             f"{r['prompt_tokens']:8d} {r['blocks']:7d} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "

@@ -143,7 +143,9 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
             plane.close()
 
 
-def measure(name: str, page_bytes: int, n: int, repeats: int, timeout_s: float) -> tuple[float | None, str | None]:
+def measure(
+    name: str, page_bytes: int, n: int, repeats: int, timeout_s: float
+) -> tuple[float | None, str | None]:
     """Median GB/s of one transport at one page size, or (None, error)."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -179,7 +181,11 @@ def run(
         "ipc": ceilings.socket_gbps("unix", total, repeats),
     }
     gpu = ceilings.gpu_ceilings(total, repeats)
-    print(f"ceilings ({fmt_size(total)}): " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, **gpu}.items()), file=log)
+    print(
+        f"ceilings ({fmt_size(total)}): "
+        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, **gpu}.items()),
+        file=log,
+    )
     rows = []
     for name in transports:
         transport, channel, medium = SPEC[name]
@@ -205,7 +211,12 @@ def run(
         "bench": "transfer",
         "total_bytes": total,
         "repeats": repeats,
-        "ceilings_gbps": {"memcpy": ceil["shm"], "raw_tcp": ceil["tcp"], "raw_unix": ceil["ipc"], **gpu},
+        "ceilings_gbps": {
+            "memcpy": ceil["shm"],
+            "raw_tcp": ceil["tcp"],
+            "raw_unix": ceil["ipc"],
+            **gpu,
+        },
         "cpus": os.cpu_count(),
         "results": rows,
     }

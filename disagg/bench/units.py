@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import statistics
 
-_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "K": 1 << 10, "MIB": 1 << 20, "M": 1 << 20, "GIB": 1 << 30, "G": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1 << 10,
+    "K": 1 << 10,
+    "MIB": 1 << 20,
+    "M": 1 << 20,
+    "GIB": 1 << 30,
+    "G": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:

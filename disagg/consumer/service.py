@@ -186,7 +186,14 @@ class ConsumerService:
             self.config.transport, bind=self.ccfg.data, advertise_host=self.ccfg.advertise_host
         )
         self.data.register_regions(pool.regions)
-        threading.Thread(target=self._keepalive_loop, name="disagg-keepalive", daemon=True).start()
+        self._keepalive = threading.Thread(
+            target=self._keepalive_loop, name="disagg-keepalive", daemon=True
+        )
+        self._keepalive.start()
+        if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
+            from ..metrics import serve_metrics
+
+            serve_metrics(self.config.metrics.port)
 
     def namespace_seed(self, cache_salt: str | None) -> bytes:
         seed = self._seeds.get(cache_salt)
@@ -373,6 +380,17 @@ class ConsumerService:
             except Exception as exc:  # the producer's TTL frees it anyway
                 self.metrics["release_failed"] += 1
                 log.info("release of lease %d failed: %s", lease_id, exc)
+
+    def health(self) -> tuple[bool, str]:
+        """``(healthy, why not)``: unhealthy when leases can no longer be renewed or released,
+        or the data plane cannot prove which bytes it may still write."""
+        if self.closed:
+            return False, "the consumer service is closed"
+        if self.pool is None:
+            return False, "no KV cache registered yet"
+        if not self._keepalive.is_alive():
+            return False, "the keepalive thread stopped: leases are neither renewed nor released"
+        return self.data.health() if self.data is not None else (False, "no data plane")
 
     def close(self) -> None:
         self._stop.set()

@@ -131,7 +131,12 @@ class ProducerService:
         self.data = make_data_plane(self.config.transport)
         self.server = ControlServer(self.pcfg.control, self._handle, curve=self._curve)
         self.server.start()
-        threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True).start()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
+        self._sweeper.start()
+        if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
+            from ..metrics import serve_metrics
+
+            serve_metrics(self.config.metrics.port)
         log.info(
             "producer %s serving on %s: store %d blocks of %d B",
             self.name,
@@ -390,6 +395,19 @@ class ProducerService:
                 self.metrics["saves_timed_out"] += self.store.sweep_stale_saves()
             except Exception:  # the sweeper must outlive any one bad pass
                 log.exception("sweep failed")
+
+    def health(self) -> tuple[bool, str]:
+        """``(healthy, why not)``: unhealthy when a part that guards memory or answers peers
+        has stopped (then leases cannot expire, or pushes cannot be proven finished)."""
+        if self.closed:
+            return False, "the producer service is closed"
+        if self.pool is None:
+            return False, "no KV cache registered yet"
+        if not self._sweeper.is_alive():
+            return False, "the lease/save sweeper stopped: timeouts are not enforced"
+        if self.server is not None and not self.server.alive():
+            return False, "the control server stopped"
+        return self.data.health() if self.data is not None else (False, "no data plane")
 
     def close(self) -> None:
         self._stop.set()

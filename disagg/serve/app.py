@@ -342,21 +342,9 @@ def health_of(engine_loop: EngineLoop, role: str) -> tuple[bool, dict[str, Any]]
     if svc is None:
         reasons.append(f"no {role} connector service in this process")
     else:
-        if getattr(svc, "closed", False):
-            reasons.append(f"{role} service is closed")
-        if getattr(svc, "pool", None) is None:
-            reasons.append(f"{role} service has no KV cache registered")
-        if role == "producer":
-            server = getattr(svc, "server", None)
-            thread = getattr(server, "_thread", None)
-            if server is None or (thread is not None and not thread.is_alive()):
-                reasons.append("producer control server is not running")
-        own = getattr(svc, "health", None)
-        if callable(own):
-            verdict = own()
-            ok, why = verdict if isinstance(verdict, tuple) else (bool(verdict), "unhealthy")
-            if not ok:
-                reasons.append(f"connector: {why}")
+        ok, why = svc.health()
+        if not ok:
+            reasons.append(f"connector: {why}")
     if reasons:
         details["reasons"] = reasons
     return not reasons, details

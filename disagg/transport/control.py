@@ -83,6 +83,10 @@ class ControlServer:
         self._sock: zmq.Socket | None = None
         self.endpoint = ""
 
+    def alive(self) -> bool:
+        """True while the serving thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> ControlServer:
         """Bind (so ``endpoint`` is known on return) and start serving."""
         sock = self._ctx.socket(zmq.ROUTER)

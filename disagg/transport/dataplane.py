@@ -170,6 +170,12 @@ class DataPlane(abc.ABC):
     def close(self) -> None:
         """Stop threads and close sockets; pending transfers end FAILED."""
 
+    def health(self) -> tuple[bool, str]:
+        """``(True, "")`` while the plane can move and account for bytes; ``(False, why)``
+        once it cannot prove that (a worker thread died, a transfer may still be writing
+        into memory the engine believes free). Health endpoints report it."""
+        return True, ""
+
     # --- conveniences ------------------------------------------------------------------
     def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
         """Poll until final or ``timeout_s`` passes; returns the last status."""

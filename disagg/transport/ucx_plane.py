@@ -597,7 +597,9 @@ class UcxDataPlane(DataPlane):
         for i, seg in enumerate(segments(h.runs, h.page_bytes)):
             sink.queued += 1
             self._pending.append(
-                _PendingSeg(sink, h.group, _data_tag(h.transfer_id, i), seg, seg.pages * h.page_bytes)
+                _PendingSeg(
+                    sink, h.group, _data_tag(h.transfer_id, i), seg, seg.pages * h.page_bytes
+                )
             )
 
     def _check(self, rx: _Rx, h: m.PageBatch) -> str | None:

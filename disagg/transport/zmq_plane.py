@@ -124,6 +124,14 @@ class ZmqDataPlane(DataPlane):
         self._rx_thread.start()
         self._tx_thread.start()
 
+    def health(self) -> tuple[bool, str]:
+        if self._stop.is_set():
+            return False, "data plane closed"
+        for t in (self._rx_thread, self._tx_thread):
+            if not t.is_alive():
+                return False, f"data plane thread {t.name} died"
+        return True, ""
+
     # ================================ receiver ==========================================
     @property
     def endpoint(self) -> str:

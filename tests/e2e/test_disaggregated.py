@@ -244,3 +244,15 @@ def test_scheduler_rules_unaligned_last_token_and_replay_without_leak():
     assert wait_for(lambda: psvc.leases.active() == 1)  # the first lease was given back
     sched.request_finished(req, [])
     assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_health_turns_unhealthy_when_a_guarding_part_stops():
+    cfg = EngineConfig(**SHAPE)
+    prod, psvc = make_producer(cfg)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint])
+    assert psvc.health() == (True, "") and csvc.health() == (True, "")
+    psvc.data.close()  # its worker threads end: pushes can no longer be accounted for
+    assert wait_for(lambda: not psvc.health()[0])
+    assert "data plane" in psvc.health()[1]
+    csvc.close()
+    assert csvc.health() == (False, "the consumer service is closed")

@@ -30,7 +30,10 @@ def _receiver(channel, pb, expected, two_regions, deadline_s, q_out, q_in):
     plane = UcxDataPlane(channel=channel)
     if two_regions:  # a group of two regions: pages land via scratch + index_copy_
         half = pb // 2
-        regs = [torch.zeros(SLOTS, half, dtype=torch.uint8), torch.zeros(SLOTS, pb - half, dtype=torch.uint8)]
+        regs = [
+            torch.zeros(SLOTS, half, dtype=torch.uint8),
+            torch.zeros(SLOTS, pb - half, dtype=torch.uint8),
+        ]
     else:
         regs = [torch.zeros(SLOTS, pb, dtype=torch.uint8)]
     plane.register_regions([regs])
@@ -58,12 +61,16 @@ def _sender(endpoint, pb, src_idx, dst, q_out):
     plane.close()
 
 
-def _run(channel, pb, src_idx, dst, *, expected=None, two_regions=False, deadline_s=10.0, send=True):
+def _run(
+    channel, pb, src_idx, dst, *, expected=None, two_regions=False, deadline_s=10.0, send=True
+):
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     if expected is None:
         expected = sum(1 for d in dst if d >= 0)
-    r = ctx.Process(target=_receiver, args=(channel, pb, expected, two_regions, deadline_s, q_r, q_in))
+    r = ctx.Process(
+        target=_receiver, args=(channel, pb, expected, two_regions, deadline_s, q_r, q_in)
+    )
     r.start()
     ep = q_r.get(timeout=30)
     s = None
