@@ -102,7 +102,9 @@ class ProducerService:
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
         self.data: DataPlane | None = None
-        self._pushes = ThreadPoolExecutor(2, thread_name_prefix="disagg-push")
+        # Push jobs mostly wait (for saves to land, for a peer to drain): a dead consumer must
+        # not occupy every worker while healthy consumers wait behind it.
+        self._pushes = ThreadPoolExecutor(16, thread_name_prefix="disagg-push")
         self._stop = threading.Event()
         self.closed = False
 

@@ -65,6 +65,23 @@ class _Rx:
         return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
 
 
+# Sender lanes: at most this many peers at once; a lane idle this long is retired.
+MAX_LANES = 256
+LANE_IDLE_S = 30.0
+
+
+@dataclass
+class _Lane:
+    """Pushes to one peer endpoint, in order, on their own thread and socket."""
+
+    endpoint: str
+    jobs: queue.Queue[PushHandle | None] = field(default_factory=queue.Queue)
+    inflight: list[PushHandle] = field(default_factory=list)
+    sock: zmq.Socket | None = None
+    thread: threading.Thread = field(default=None)  # type: ignore[assignment]
+    closing: bool = False
+
+
 @dataclass
 class PushHandle:
     """Sender-side handle returned by ``post_push``."""
@@ -116,20 +133,22 @@ class ZmqDataPlane(DataPlane):
         self._pull.bind(bind)
         self._endpoint = advertise or self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
-        self._tx_jobs: queue.Queue[PushHandle | None] = queue.Queue()
-        self._tx_socks: dict[str, zmq.Socket] = {}
-        self._inflight: list[PushHandle] = []
+        # One sender lane (queue, thread, socket) per peer endpoint: a dead or slow peer
+        # holds up only its own pushes, never another consumer's.
+        self._lanes: dict[str, _Lane] = {}
+        self._lanes_lock = threading.Lock()
         self._rx_thread = threading.Thread(target=self._rx_run, name="disagg-dp-rx", daemon=True)
-        self._tx_thread = threading.Thread(target=self._tx_run, name="disagg-dp-tx", daemon=True)
         self._rx_thread.start()
-        self._tx_thread.start()
 
     def health(self) -> tuple[bool, str]:
         if self._stop.is_set():
             return False, "data plane closed"
-        for t in (self._rx_thread, self._tx_thread):
-            if not t.is_alive():
-                return False, f"data plane thread {t.name} died"
+        if not self._rx_thread.is_alive():
+            return False, "data plane receiver thread died"
+        with self._lanes_lock:
+            dead = [ep for ep, lane in self._lanes.items() if not lane.thread.is_alive()]
+        if dead:
+            return False, f"data plane sender for {dead[0]} died"
         return True, ""
 
     # ================================ receiver ==========================================
@@ -392,16 +411,27 @@ class ZmqDataPlane(DataPlane):
         )
         if self._stop.is_set():
             handle.state, handle.error = TransferState.FAILED, "data plane closed"
-        else:
-            self._tx_jobs.put(handle)
+            return handle
+        with self._lanes_lock:
+            lane = self._lanes.get(endpoint)
+            if lane is None or lane.closing:
+                if len(self._lanes) >= MAX_LANES:
+                    handle.state = TransferState.FAILED
+                    handle.error = f"too many peers ({MAX_LANES}) with pushes in flight"
+                    return handle
+                lane = self._lanes[endpoint] = _Lane(endpoint)
+                lane.thread = threading.Thread(
+                    target=self._tx_run, args=(lane,), name="disagg-dp-tx", daemon=True
+                )
+                lane.thread.start()
+            lane.jobs.put(handle)
         return handle
 
     def poll_push(self, handle: PushHandle) -> TransferStatus:
         return handle.status()
 
-    def _tx_socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._tx_socks.get(endpoint)
-        if sock is None:
+    def _tx_socket(self, lane: _Lane) -> zmq.Socket:
+        if lane.sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that isn't there
@@ -410,48 +440,57 @@ class ZmqDataPlane(DataPlane):
             # threshold every tracker really means "libzmq has written and released it".
             sock.copy_threshold = 0
             try:
-                sock.connect(endpoint)
+                sock.connect(lane.endpoint)
             except zmq.ZMQError:
                 sock.close(linger=0)
                 raise
-            self._tx_socks[endpoint] = sock
-        return sock
+            lane.sock = sock
+        return lane.sock
 
-    def _tx_drop_socket(self, endpoint: str) -> None:
-        sock = self._tx_socks.pop(endpoint, None)
+    def _tx_drop_socket(self, lane: _Lane) -> None:
+        sock, lane.sock = lane.sock, None
         if sock is not None:
             sock.close(linger=0)  # drops anything still queued for this peer
 
-    def _tx_run(self) -> None:
+    def _tx_run(self, lane: _Lane) -> None:
+        idle_since = time.monotonic()
         try:
             while not self._stop.is_set():
                 try:
-                    h = self._tx_jobs.get(timeout=_POLL_MS / 1000)
+                    h = lane.jobs.get(timeout=_POLL_MS / 1000)
                 except queue.Empty:
                     h = None
                 if h is not None:
-                    self._tx_send(h)
-                self._tx_reap()
+                    self._tx_send(lane, h)
+                self._tx_reap(lane)
+                if h is not None or lane.inflight:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > LANE_IDLE_S:
+                    with self._lanes_lock:  # retire: a later push to this peer starts anew
+                        if lane.jobs.empty():
+                            lane.closing = True
+                            self._lanes.pop(lane.endpoint, None)
+                            return
         finally:
-            for h in self._inflight:
+            for h in lane.inflight:
                 if not h.state.final:
                     h.state, h.error = TransferState.FAILED, "data plane closed"
-            while not self._tx_jobs.empty():
-                h = self._tx_jobs.get_nowait()
+            while not lane.jobs.empty():
+                h = lane.jobs.get_nowait()
                 if h is not None:
                     h.state, h.error = TransferState.FAILED, "data plane closed"
-            for ep in list(self._tx_socks):
-                self._tx_drop_socket(ep)
+            self._tx_drop_socket(lane)
 
-    def _tx_send(self, h: PushHandle) -> None:
+    def _tx_send(self, lane: _Lane, h: PushHandle) -> None:
         hasher = xxhash.xxh3_64() if self.checksum else None
         h.state = TransferState.RECEIVING
         try:
             # inside the try: a peer-supplied endpoint that zmq refuses (a hostile Push)
             # fails this push, never the sender thread
-            sock = self._tx_socket(h.endpoint)
+            sock = self._tx_socket(lane)
             for header, frames in h.plan:
                 if not self._wait_writable(sock, h):
+                    self._tx_drop_socket(lane)
                     return
                 if hasher is not None:
                     for f in frames:
@@ -467,13 +506,15 @@ class ZmqDataPlane(DataPlane):
                 checksum=hasher.intdigest() if hasher is not None else 0,
             )
             if not self._wait_writable(sock, h):
+                self._tx_drop_socket(lane)
                 return
             # The done message is last on the wire: once libzmq releases it, it has
             # released every payload frame before it too.
             h.tracker = sock.send(m.encode(done), copy=False, track=True)
-            self._inflight.append(h)
+            lane.inflight.append(h)
         except zmq.ZMQError as e:
             self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+            self._tx_drop_socket(lane)
 
     def _wait_writable(self, sock: zmq.Socket, h: PushHandle) -> bool:
         while not self._stop.is_set():
@@ -490,27 +531,28 @@ class ZmqDataPlane(DataPlane):
         h.state, h.error = TransferState.FAILED, why
         h.plan, h.keep = [], []
         self.stats["push_failed"] += 1
-        self._tx_drop_socket(h.endpoint)
 
-    def _tx_reap(self) -> None:
+    def _tx_reap(self, lane: _Lane) -> None:
         now = time.monotonic()
         still = []
-        for h in self._inflight:
+        for h in lane.inflight:
             if h.tracker is not None and h.tracker.done:
                 h.state = TransferState.DONE
                 h.plan, h.keep = [], []
                 self.stats["push_done"] += 1
             elif now > h.deadline:
                 self._tx_fail(h, f"peer {h.endpoint} did not drain the data before the deadline")
+                self._tx_drop_socket(lane)
             else:
                 still.append(h)
-        self._inflight = still
+        lane.inflight = still
 
     # ================================= common ===========================================
     def close(self) -> None:
         self._stop.set()
-        self._tx_jobs.put(None)
-        for t in (self._rx_thread, self._tx_thread):
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+        for t in [self._rx_thread, *(lane.thread for lane in lanes)]:
             t.join(5.0)
 
 

@@ -140,6 +140,21 @@ def test_push_to_dead_peer_fails_by_deadline():
         tx.close()
 
 
+def test_dead_peer_does_not_hold_up_a_healthy_one(planes):
+    rx, tx = planes
+    dst = torch.zeros(4, 64, dtype=torch.uint8)
+    rx.register_regions([[dst]])
+    rx.expect(7, 1, b"tok", [2], 5.0)
+    stuck = tx.post_push("tcp://127.0.0.1:1", 1, 1, b"t", [(0, rand(2, 64), [0, 1])], 3.0)
+    t = time.monotonic()
+    src = rand(2, 64, seed=3)
+    tx.post_push(rx.endpoint, 7, 1, b"tok", [(0, src, [1, 3])], 5.0)
+    assert rx.wait(7, 2.5).done, "a push to a live peer waited behind a dead one"
+    assert time.monotonic() - t < 2.5
+    check_landed(dst, src, [1, 3])
+    assert tx.wait_push(stuck, 5.0).failed
+
+
 def test_hostile_frames(planes):
     rx, _ = planes
     pool = torch.zeros(8, 16, dtype=torch.uint8)
