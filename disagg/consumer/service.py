@@ -285,6 +285,7 @@ class ConsumerService:
                 load.token,
                 pages_by_group,
                 self.ccfg.load_timeout_s,
+                slots_by_group=load.dst_slots,
             )
             self._call(
                 load.claimed.link,

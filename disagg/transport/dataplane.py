@@ -135,9 +135,12 @@ class DataPlane(abc.ABC):
         token: bytes,
         total_pages_by_group: Sequence[int],
         deadline_s: float,
+        slots_by_group: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Accept transfer ``transfer_id``: ``total_pages_by_group[g]`` pages (slots
-        other than -1) of group g, within ``deadline_s`` seconds from now."""
+        other than -1) of group g, within ``deadline_s`` seconds from now. With
+        ``slots_by_group`` the transfer may write only those slots, each once (so even a
+        sender holding the token cannot touch another request's pages)."""
 
     @abc.abstractmethod
     def poll(self, transfer_id: int) -> TransferStatus:

@@ -60,6 +60,8 @@ class _Rx:
     error: str | None = None
     nbytes: int = 0
     hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    # per group: the sorted destination slots this transfer may write, and which it has
+    allowed: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
@@ -188,8 +190,10 @@ class ZmqDataPlane(DataPlane):
         token: bytes,
         total_pages_by_group: Sequence[int],
         deadline_s: float,
+        slots_by_group: Sequence[Sequence[int]] | None = None,
     ) -> None:
         expected = [int(n) for n in total_pages_by_group]
+        allowed = _allowed_slots(slots_by_group, expected)
         with self._lock:
             if len(expected) > len(self._groups):
                 raise ValueError(
@@ -207,6 +211,7 @@ class ZmqDataPlane(DataPlane):
                 expected,
                 time.monotonic() + deadline_s,
                 received=[0] * len(expected),
+                allowed=allowed,
             )
             self._prune()
 
@@ -313,6 +318,10 @@ class ZmqDataPlane(DataPlane):
         if (runs[:, 0] < 0).any() or (runs[:, 1] < 1).any() or (ends > grp.num_slots).any():
             return f"batch for group {h.group} addresses slots outside [0, {grp.num_slots})"
         count = int(runs[:, 1].sum())
+        if rx.allowed is not None:
+            why = _check_allowed(rx.allowed[h.group], runs, count)
+            if why is not None:
+                return f"batch for group {h.group} {why}"
         if rx.received[h.group] + count > rx.expected[h.group]:
             return (
                 f"group {h.group} would receive {rx.received[h.group] + count} pages, "
@@ -554,6 +563,41 @@ class ZmqDataPlane(DataPlane):
             lanes = list(self._lanes.values())
         for t in [self._rx_thread, *(lane.thread for lane in lanes)]:
             t.join(5.0)
+
+
+def _allowed_slots(
+    slots_by_group: Sequence[Sequence[int]] | None, expected: list[int]
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """The destination slots a transfer was promised (``-1`` dropped), sorted, with a
+    written-once mask; their counts must agree with ``expected``."""
+    if slots_by_group is None:
+        return None
+    out = []
+    for g, slots in enumerate(slots_by_group):
+        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        arr = np.unique(arr[arr >= 0])
+        if g < len(expected) and arr.size != expected[g]:
+            raise ValueError(f"group {g}: {arr.size} distinct slots for {expected[g]} pages")
+        out.append((arr, np.zeros(arr.size, dtype=bool)))
+    return out
+
+
+def _check_allowed(
+    allowed: tuple[np.ndarray, np.ndarray], runs: np.ndarray, count: int
+) -> str | None:
+    """Every slot of the runs is one this transfer may write, and not written before."""
+    slots_ok, written = allowed
+    run_start = np.repeat(runs[:, 0], runs[:, 1])
+    within = np.arange(count) - np.repeat(np.cumsum(runs[:, 1]) - runs[:, 1], runs[:, 1])
+    slots = run_start + within
+    pos = np.searchsorted(slots_ok, slots)
+    pos_c = np.minimum(pos, max(slots_ok.size - 1, 0))
+    if slots_ok.size == 0 or not np.array_equal(slots_ok[pos_c], slots):
+        return "addresses slots this transfer was not given"
+    if written[pos_c].any() or np.unique(pos_c).size != pos_c.size:
+        return "writes a slot twice"
+    written[pos_c] = True
+    return None
 
 
 def _plan_group(

@@ -155,6 +155,23 @@ def test_dead_peer_does_not_hold_up_a_healthy_one(planes):
     assert tx.wait_push(stuck, 5.0).failed
 
 
+def test_transfer_writes_only_its_own_slots(planes):
+    rx, tx = planes
+    dst = torch.zeros(8, 64, dtype=torch.uint8)
+    rx.register_regions([[dst]])
+    # promised slots 1 and 2; a sender holding the token aims at 5 (another request's page)
+    rx.expect(9, 1, b"tok", [2], 2.0, slots_by_group=[[1, 2]])
+    tx.post_push(rx.endpoint, 9, 1, b"tok", [(0, rand(2, 64), [1, 5])], 2.0)
+    st = rx.wait(9, 3.0)
+    assert st.failed and "not given" in st.error
+    assert int(dst[5].sum()) == 0
+    rx.expect(10, 1, b"tok", [3], 2.0, slots_by_group=[[0, 3, 4]])
+    src = rand(3, 64, seed=4)
+    tx.post_push(rx.endpoint, 10, 1, b"tok", [(0, src, [4, 0, 3])], 2.0)
+    assert rx.wait(10, 3.0).done
+    assert torch.equal(dst[4], src[0]) and torch.equal(dst[0], src[1])
+
+
 def test_hostile_frames(planes):
     rx, _ = planes
     pool = torch.zeros(8, 16, dtype=torch.uint8)
