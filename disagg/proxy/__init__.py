@@ -45,7 +45,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request upstream timeout (s)")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--events-secret-key-file",
+        help="CURVE: the proxy's NAME.key (from `disagg keys NAME`), for producers whose event "
+        "stream is secured (config `security`); with --events-public-key-file and "
+        "--events-server-key",
+    )
+    p.add_argument("--events-public-key-file", help="CURVE: the proxy's NAME.key.pub")
+    p.add_argument("--events-server-key", help="CURVE: the producers' public key (Z85 or file)")
     return p
+
+
+def _events_curve(args: argparse.Namespace) -> object | None:
+    """Client keys for secured producer event streams, or None (plain)."""
+    given = [args.events_secret_key_file, args.events_public_key_file, args.events_server_key]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(
+            "--events-secret-key-file, --events-public-key-file and --events-server-key go together"
+        )
+    from ..config import SecurityConfig
+    from ..transport.security import client_keys_from
+
+    return client_keys_from(
+        SecurityConfig(
+            curve_secret_key_file=args.events_secret_key_file,
+            curve_public_key_file=args.events_public_key_file,
+            server_public_key=args.events_server_key,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in events:
             if not e.startswith("tcp://"):
                 raise ValueError(f"--producer-events: {e!r} must look like tcp://host:port")
+        curve = _events_curve(args)
     except ValueError as e:
         print(f"disagg proxy: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -73,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import ProxyState, build_app
 
     logs.setup(args.log_level)
-    state = ProxyState(producers, consumers, events, args.timeout)
+    state = ProxyState(producers, consumers, events, args.timeout, events_curve=curve)
     print(f"disagg proxy: on http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(state), host=args.host, port=args.port, print=None, shutdown_timeout=5)
     return 0

@@ -94,12 +94,13 @@ class ProxyState:
         consumers: list[str],
         producer_events: list[str] | None = None,
         request_timeout_s: float = 600.0,
+        events_curve: object | None = None,
     ) -> None:
         self.producers = [Upstream(u.rstrip("/")) for u in producers]
         self.consumers = [Upstream(u.rstrip("/")) for u in consumers]
         self.explicit_events = list(producer_events or [])
         self.index = PrefixIndex()
-        self.feeds = EventFeeds(self.index)
+        self.feeds = EventFeeds(self.index, curve=events_curve)
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self.session: aiohttp.ClientSession | None = None
         self._discovery: asyncio.Task[None] | None = None

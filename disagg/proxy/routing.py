@@ -27,6 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -155,8 +156,9 @@ class EventFeeds:
     """One :class:`EventSubscriber` per producer event endpoint, feeding a :class:`PrefixIndex`;
     snapshots come from the producer's ``GET /disagg/snapshot``."""
 
-    def __init__(self, index: PrefixIndex, timeout_s: float = 5.0) -> None:
+    def __init__(self, index: PrefixIndex, timeout_s: float = 5.0, curve: Any = None) -> None:
         self.index = index
+        self._curve = curve  # CurveClientKeys for secured event streams, or None
         self._by_instance: dict[str, str] = {}  # instance id -> producer base URL
         self._subs: dict[str, object] = {}
         self._timeout_s = timeout_s
@@ -169,7 +171,9 @@ class EventFeeds:
             self._by_instance[instance_id] = base_url
             if endpoint in self._subs:
                 return
-            sub = EventSubscriber([endpoint], self.index.on_event, self._snapshot)
+            sub = EventSubscriber(
+                [endpoint], self.index.on_event, self._snapshot, curve=self._curve
+            )
             self._subs[endpoint] = sub
         # Load the current keys now rather than waiting for the first event.
         sub.resync(instance_id)

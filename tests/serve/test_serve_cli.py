@@ -185,3 +185,34 @@ def test_health_503_when_engine_loop_dies() -> None:
         from disagg.serve.engine_loop import Job
 
         loop.submit(Job("r", [1], 1, None, lambda t: None, lambda e, i: None))
+
+
+def test_proxy_event_stream_curve_keys(tmp_path: Path) -> None:
+    """The proxy's keys for secured event streams go together and load from key files."""
+    import argparse
+
+    import zmq
+
+    from disagg.cli import write_keypair
+    from disagg.proxy import _events_curve
+
+    write_keypair("proxy", tmp_path)
+    server_public, _ = zmq.curve_keypair()
+    ns = argparse.Namespace(
+        events_secret_key_file=str(tmp_path / "proxy.key"),
+        events_public_key_file=str(tmp_path / "proxy.key.pub"),
+        events_server_key=server_public.decode(),
+    )
+    keys = _events_curve(ns)
+    assert keys is not None
+    ns.events_server_key = None
+    with pytest.raises(ValueError, match="go together"):
+        _events_curve(ns)
+    assert (
+        _events_curve(
+            argparse.Namespace(
+                events_secret_key_file=None, events_public_key_file=None, events_server_key=None
+            )
+        )
+        is None
+    )
