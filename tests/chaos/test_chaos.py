@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import queue
-import random
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import SHAPE, close_all_services, prompts
 
 from disagg.consumer.service import _services as consumer_services
 from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
@@ -34,16 +34,6 @@ from disagg.producer.service import _services as producer_services
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
 
 ROLE = str(Path(__file__).with_name("chaos_role.py"))
-SHAPE: dict[str, Any] = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    tokens_per_block=16,
-    num_blocks=256,
-)
 CFG = EngineConfig(**SHAPE)
 MAX_TOKENS = 4
 LEASE_TTL_S = 1.0
@@ -56,13 +46,7 @@ BASELINE_WITHIN_S = OWNER_DEAD_S + LEASE_TTL_S + PUSH_TIMEOUT_S + 4.0
 _ids = itertools.count()
 
 
-def prompts(n: int = 3, length: int = 300, seed: int = 5) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(512) for _ in range(length // 2)]
-    return [shared + [rng.randrange(512) for _ in range(length - len(shared))] for _ in range(n)]
-
-
-PROMPTS = prompts()
+PROMPTS = prompts(n=3, length=300, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +57,7 @@ def mono() -> list[list[int]]:
 @pytest.fixture(autouse=True)
 def _close_services():
     yield
-    for svc in [*producer_services.values(), *consumer_services.values()]:
-        svc.close()
+    close_all_services()
 
 
 def producer_conf(name: str, control: str = "tcp://127.0.0.1:0") -> dict[str, Any]:

@@ -14,6 +14,7 @@ import random
 import time
 
 import pytest
+from harness import SHAPE
 
 from disagg.consumer.service import _services as consumer_services
 from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
@@ -21,16 +22,6 @@ from disagg.producer.service import _services as producer_services
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(180)]
 
-SHAPE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    tokens_per_block=16,
-    num_blocks=1024,
-)
 CFG = EngineConfig(**SHAPE)
 N_REQUESTS = 300
 STORE_SIZE = "1MiB"  # 256 blocks of 4 KiB per producer; the working set is ~20x that

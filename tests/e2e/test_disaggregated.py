@@ -6,95 +6,27 @@ pages the consumer loaded must equal, byte for byte, the pages the producer comp
 
 from __future__ import annotations
 
-import itertools
-import os
-import random
 import time
 
 import pytest
-
-from disagg.consumer import ConsumerScheduler
-from disagg.consumer.service import _services as consumer_services
-from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
-from disagg.producer.service import _services as producer_services
-
-_ids = itertools.count()
-
-# DISAGG_TEST_DEVICE=cuda runs the same cases on a GPU (CI has none: this is for the H200).
-DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
-SHAPE = dict(
-    device=DEVICE,
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    tokens_per_block=16,
-    num_blocks=256,
+from harness import (
+    SHAPE,
+    close_all_services,
+    make_consumer,
+    make_producer,
+    prompts,
+    run,
+    wait_for,
 )
 
-
-def prompts(n=3, length=200, seed=1):
-    rng = random.Random(seed)
-    shared = [rng.randrange(512) for _ in range(length // 2)]
-    return [shared + [rng.randrange(512) for _ in range(length - len(shared))] for _ in range(n)]
+from disagg.consumer import ConsumerScheduler
+from disagg.engine.reference import Engine, EngineConfig
 
 
 @pytest.fixture(autouse=True)
 def _close_services():
     yield
-    for svc in [*producer_services.values(), *consumer_services.values()]:
-        svc.close()
-
-
-def make_producer(cfg: EngineConfig, **section):
-    name = f"p{next(_ids)}"
-    conf = {
-        "role": "producer",
-        "instance_id": name,
-        "producer": {"control": "tcp://127.0.0.1:0", "store_size": "64MiB", **section},
-    }
-    eng = Engine(
-        cfg,
-        ConnectorSpec(
-            "disagg.producer", "ProducerScheduler", "ProducerWorker", extra={"config": conf}
-        ),
-    )
-    return eng, producer_services[name]
-
-
-def make_consumer(cfg: EngineConfig, endpoints, model_id=None, **section):
-    name = f"c{next(_ids)}"
-    conf = {
-        "role": "consumer",
-        "instance_id": name,
-        "model_id": model_id,
-        "consumer": {"producers": list(endpoints), "claim_timeout_s": 0.5, **section},
-    }
-    eng = Engine(
-        cfg,
-        ConnectorSpec(
-            "disagg.consumer", "ConsumerScheduler", "ConsumerWorker", extra={"config": conf}
-        ),
-    )
-    return eng, consumer_services[name]
-
-
-def wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def run(eng: Engine, ps, max_tokens, salt=None):
-    ids = [eng.add_request(p, max_tokens, cache_salt=salt) for p in ps]
-    while eng.has_work():
-        eng.step()
-    return [eng.results[i] for i in ids]
+    close_all_services()
 
 
 CASES = {
@@ -158,7 +90,7 @@ def test_incompatible_peer_is_a_miss_and_is_counted():
 def test_producer_down_before_claim_is_a_miss():
     cfg = EngineConfig(**SHAPE)
     ps = prompts(n=2)
-    cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"])  # nobody listens there
+    cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], claim_timeout_s=0.5)  # nobody there
     t0 = time.monotonic()
     results = run(cons, ps, 4)
     assert time.monotonic() - t0 < 10

@@ -1,0 +1,106 @@
+"""Shared test helpers: in-process producer/consumer reference engines wired to disagg's
+connectors, prompts with a shared prefix, and polling. Importable from any test folder
+(tests/conftest.py puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from disagg.consumer.service import _services as consumer_services
+from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
+from disagg.producer.service import _services as producer_services
+
+_ids = itertools.count()
+
+# DISAGG_TEST_DEVICE=cuda runs the same cases on a GPU (CI has none: this is for the H200).
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
+SHAPE: dict[str, Any] = dict(
+    device=DEVICE,
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    tokens_per_block=16,
+    num_blocks=256,
+)
+
+
+def prompts(n: int = 3, length: int = 200, seed: int = 1) -> list[list[int]]:
+    """``n`` prompts whose first half is shared (a common system prompt)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(512) for _ in range(length // 2)]
+    return [shared + [rng.randrange(512) for _ in range(length - len(shared))] for _ in range(n)]
+
+
+def close_all_services() -> None:
+    for svc in [*producer_services.values(), *consumer_services.values()]:
+        svc.close()
+
+
+def _engine(cfg: EngineConfig, role: str, conf: dict[str, Any]) -> Engine:
+    cls = role.capitalize()
+    spec = ConnectorSpec(
+        f"disagg.{role}", f"{cls}Scheduler", f"{cls}Worker", extra={"config": conf}
+    )
+    return Engine(cfg, spec)
+
+
+def make_producer(
+    cfg: EngineConfig, security: dict[str, Any] | None = None, **section: Any
+) -> tuple[Engine, Any]:
+    """A producer engine and its service (control on a free loopback port)."""
+    name = f"p{next(_ids)}"
+    conf: dict[str, Any] = {
+        "role": "producer",
+        "instance_id": name,
+        "producer": {"control": "tcp://127.0.0.1:0", "store_size": "64MiB", **section},
+    }
+    if security is not None:
+        conf["security"] = security
+    return _engine(cfg, "producer", conf), producer_services[name]
+
+
+def make_consumer(
+    cfg: EngineConfig,
+    endpoints: list[str],
+    model_id: str | None = None,
+    security: dict[str, Any] | None = None,
+    **section: Any,
+) -> tuple[Engine, Any]:
+    """A consumer engine claiming from ``endpoints``, and its service."""
+    name = f"c{next(_ids)}"
+    conf: dict[str, Any] = {
+        "role": "consumer",
+        "instance_id": name,
+        "model_id": model_id,
+        # generous: a claim that times out is a (correct) miss, but these tests want hits
+        # even on a loaded 2-core CI machine; tests of the miss path pass their own value
+        "consumer": {"producers": list(endpoints), "claim_timeout_s": 3.0, **section},
+    }
+    if security is not None:
+        conf["security"] = security
+    return _engine(cfg, "consumer", conf), consumer_services[name]
+
+
+def run(eng: Engine, ps: list[list[int]], max_tokens: int, salt: str | None = None) -> list[Any]:
+    """Add every prompt, step until idle, return the results in order."""
+    ids = [eng.add_request(p, max_tokens, cache_salt=salt) for p in ps]
+    while eng.has_work():
+        eng.step()
+    return [eng.results[i] for i in ids]
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
