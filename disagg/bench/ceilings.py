@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -37,9 +38,9 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / median(times) / 1e9
 
 
-def _stream_sender(family: int, addr: object, nbytes: int, repeats: int) -> None:
+def _stream_sender(family: int, addr: Any, nbytes: int, repeats: int) -> None:
     buf = np.ones(nbytes, dtype=np.uint8)
-    mv = memoryview(buf)
+    mv = buf.data
     s = socket.socket(family, socket.SOCK_STREAM)
     s.connect(addr)
     for _ in range(repeats + 1):
@@ -53,6 +54,7 @@ def _stream_sender(family: int, addr: object, nbytes: int, repeats: int) -> None
 def socket_gbps(kind: str, nbytes: int, repeats: int) -> float:
     """``kind``: ``tcp`` (127.0.0.1) or ``unix``. Times go-byte -> last byte received."""
     tmpdir = None
+    addr: Any
     if kind == "tcp":
         family, addr = socket.AF_INET, ("127.0.0.1", 0)
     else:
@@ -69,7 +71,7 @@ def socket_gbps(kind: str, nbytes: int, repeats: int) -> float:
     conn, _ = srv.accept()
     dst = np.empty(nbytes, dtype=np.uint8)
     dst.fill(0)
-    mv = memoryview(dst)
+    mv = dst.data
     times = []
     try:
         for i in range(repeats + 1):

@@ -64,10 +64,11 @@ def _producer(tpb: int, prompts: list[np.ndarray], conn: Any) -> None:
     svc.close()
 
 
-def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = sys.stderr) -> dict[str, Any]:
+def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = None) -> dict[str, Any]:
     from ..consumer.service import ConsumerService
     from ..protocol.keys import block_keys
 
+    log = log or sys.stderr
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, n, dtype=np.int64) for n in prompt_lens]
     ctx = mp.get_context("spawn")

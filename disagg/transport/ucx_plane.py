@@ -63,6 +63,7 @@ import torch
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
 from .dataplane import DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+from .zmq_plane import _allowed_slots
 
 # ucxx reads these at import / context creation; its own defaults collapse TCP
 # rendezvous to ~0.5 GB/s (deps.md pitfall 1). Caller-set values win.
@@ -281,8 +282,10 @@ class UcxDataPlane(DataPlane):
         token: bytes,
         total_pages_by_group: Sequence[int],
         deadline_s: float,
+        slots_by_group: Sequence[Sequence[int]] | None = None,
     ) -> None:
         expected = [int(n) for n in total_pages_by_group]
+        _allowed_slots(slots_by_group, expected)  # validated; enforced by the ZMQ plane only
         with self._lock:
             if len(expected) > len(self._groups):
                 raise ValueError(
@@ -531,7 +534,7 @@ class UcxDataPlane(DataPlane):
                 self.stats["rejected_header"] += 1
                 log.debug("header receive failed: %s", exc)
                 continue
-            if n < 4 or n > _HDR_MAX or struct.unpack_from("<I", buf)[0] != n - 4:
+            if n < 4 or n > _HDR_MAX or struct.unpack_from("<I", buf.data)[0] != n - 4:
                 self.stats["rejected_BAD_FRAME"] += 1
                 continue
             try:
