@@ -148,17 +148,16 @@ class PagePool:
         """Gather whole group pages: ``[len(slots), page_bytes]`` uint8 (one copy)."""
         self.check_slots(group, slots)
         idx = slots.to(self.device)
-        parts = [r.index_select(0, idx) for r in self.regions[group]]
+        parts = [gather_rows(r, idx) for r in self.regions[group]]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def write_pages(self, group: int, slots: torch.Tensor, pages: torch.Tensor) -> None:
         """Scatter whole group pages ``[len(slots), page_bytes]`` into ``slots``."""
         self.check_slots(group, slots)
-        idx = slots.to(self.device)
         off = 0
         for r in self.regions[group]:
             size = r.shape[1]
-            r.index_copy_(0, idx, pages[:, off : off + size].to(r.device))
+            scatter_rows(r, slots, pages[:, off : off + size].to(r.device, non_blocking=True))
             off += size
 
     def gather_layer(
@@ -176,8 +175,63 @@ class PagePool:
             base = self.page_offsets[gi]
             for s in spans:
                 src = self.regions[gi][s.region][:, s.src_off : s.src_off + s.length]
-                out.append((base + s.page_off, src.index_select(0, idx)))
+                out.append((base + s.page_off, gather_rows(src, idx)))
         return out
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 ``[n, len]`` view as 8-byte elements when alignment allows: gather/scatter
+    kernels work per element, so byte elements make them several times slower."""
+    if (
+        t.dim() == 2
+        and t.shape[1] % 8 == 0
+        and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
+        and (t.shape[1] <= 1 or t.stride(1) == 1)
+        and t.data_ptr() % 8 == 0
+    ):
+        try:
+            return t.view(torch.int64)
+        except RuntimeError:  # a layout view() cannot reinterpret
+            pass
+    return t
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]`` for a uint8 ``[n, len]`` view, as uint8, through 8-byte elements."""
+    w = wide(src)
+    out = w.index_select(0, idx)
+    return out.view(torch.uint8) if w is not src else out
+
+
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst[idx] = rows`` for uint8 ``[n, len]`` views, through 8-byte elements when both
+    allow it. A run of consecutive indices is a plain slice copy (no index kernel).
+    ``idx`` should be a host tensor: the run test then never waits for a device."""
+    n = idx.numel()
+    if n and idx.device.type == "cpu" and _is_run(idx):
+        start = int(idx[0])
+        copy_rows(dst[start : start + n], rows)
+        return
+    idx = idx.to(dst.device, non_blocking=True)
+    wd, wr = wide(dst), wide(rows.contiguous())
+    if wd is not dst and wr.dtype == wd.dtype:
+        wd.index_copy_(0, idx, wr)
+    else:
+        dst.index_copy_(0, idx, rows)
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for uint8 ``[n, len]`` views (strided rows allowed), through
+    8-byte elements when both allow it: a strided copy kernel works per element."""
+    wd, ws = wide(dst), wide(src)
+    if wd is not dst and ws is not src:
+        wd.copy_(ws, non_blocking=True)
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+def _is_run(idx: torch.Tensor) -> bool:
+    return idx.numel() < 2 or bool((idx[1:] - idx[:-1] == 1).all())
 
 
 def _offsets(sizes: list[int]) -> list[int]:

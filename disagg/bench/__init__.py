@@ -2,6 +2,7 @@
 
     disagg bench transfer [--page-sizes ...] [--total ...] [--transports ...] [--json] [--plot F]
     disagg bench query [--prompt-lens ...] [--tokens-per-block N] [--json]
+    disagg bench gpu [--page-sizes ...] [--total ...] [--json]   (CUDA only)
 
 ``--json`` prints one JSON object on the last line of stdout (``{"results": [...], ...}``).
 """
@@ -9,13 +10,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-USAGE = "usage: disagg bench {transfer|query} [options]  (--help on each)"
+USAGE = "usage: disagg bench {transfer|query|gpu} [options]  (--help on each)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    run: Callable[[list[str]], int]
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
@@ -24,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .transfer import main as run
     elif cmd == "query":
         from .query import main as run
+    elif cmd == "gpu":
+        from .gpu import main as run
     else:
         print(f"disagg bench: unknown benchmark {cmd!r}\n{USAGE}", file=sys.stderr)
         return 2

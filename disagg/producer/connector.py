@@ -19,6 +19,7 @@ from ..connector_common import resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from ..pages import PagePool
 from ..protocol.keys import block_keys
+from .saving import PassCopy, copy_layer_to_store, flush_pass
 from .service import ProducerService, service_for
 
 log = logging.getLogger("disagg.producer")
@@ -187,17 +188,7 @@ class ProducerWorker(KvCacheConnectorWorker):
             plan.staging = True
         pool = self.service.pool
         assert pool is not None
-        slab = self.service.store.slab
-        for col, chunk in pool.gather_layer(layer_idx, plan.slots):
-            if chunk.device == slab.device:
-                slab[:, col : col + chunk.shape[1]].index_copy_(0, plan.rows, chunk)
-            else:
-                # Device pool, host store: an async copy into pinned staging on the
-                # forward stream; the scatter into store rows happens once the pass's
-                # event has fired (ProducerService.poll), never blocking this thread.
-                staged = torch.empty(chunk.shape, dtype=torch.uint8, pin_memory=True)
-                staged.copy_(chunk, non_blocking=True)
-                plan.staged.append((col, staged))
+        copy_layer_to_store(pool, layer_idx, plan.slots, plan.copy, self.service.store.slab)
 
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; commit (CPU) or commit once
@@ -205,7 +196,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         plan, self._pass = self._pass, None
         if plan is None:
             return
-        self.service.finish_pass(plan.keys, plan.request_counts, stream, plan.rows, plan.staged)
+        flush_pass(plan.copy, self.service.store.slab)
+        self.service.finish_pass(plan.keys, plan.request_counts, stream, plan.copy)
 
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
@@ -226,7 +218,10 @@ class _PassPlan:
     slots: list[torch.Tensor]
     request_counts: dict[int, int]
     staging: bool = False
-    staged: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (column, pinned)
+    copy: PassCopy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.copy = PassCopy(self.rows)
 
     @classmethod
     def build(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:

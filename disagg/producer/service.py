@@ -52,6 +52,7 @@ from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
 from .leases import LeaseTable
+from .saving import PassCopy, land
 from .store import BlockStore
 
 log = logging.getLogger("disagg.producer")
@@ -190,20 +191,15 @@ class ProducerService:
             return self._in_flight.get(request_id, 0) > 0
 
     def finish_pass(
-        self,
-        keys: list[bytes],
-        counts: dict[int, int],
-        stream: Any,
-        rows: torch.Tensor | None = None,
-        staged: list[tuple[int, torch.Tensor]] | None = None,
+        self, keys: list[bytes], counts: dict[int, int], stream: Any, copy: PassCopy | None = None
     ) -> None:
         """End of a forward pass: commit now when the bytes are already in the store, or
-        once the stream's event fires (device pool: pinned staging copies in flight)."""
+        once the stream's event fires (device pool: copies still in flight)."""
         if self.pool is not None and self.pool.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(stream)
             with self._poll_lock:
-                self._cuda_pending.append((event, keys, counts, rows, staged or []))
+                self._cuda_pending.append((event, keys, counts, copy))
             return
         self._commit(keys, counts)
 
@@ -219,9 +215,9 @@ class ProducerService:
         """Engine thread, every iteration: commit saves whose copies have completed."""
         with self._poll_lock:  # the engine thread and the sweeper both poll
             while self._cuda_pending and self._cuda_pending[0][0].query():
-                _, keys, counts, rows, staged = self._cuda_pending.pop(0)
-                for col, pinned in staged:  # the copies have landed: scatter into rows
-                    self.store.slab[:, col : col + pinned.shape[1]].index_copy_(0, rows, pinned)
+                _, keys, counts, copy = self._cuda_pending.pop(0)
+                if copy is not None:
+                    land(copy, self.store.slab)  # the copies have landed
                 self._commit(keys, counts)
 
     # -- control plane (server thread) --------------------------------------------------
