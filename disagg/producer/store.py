@@ -117,17 +117,25 @@ class BlockStore:
         rows = np.full(len(keys), -1, dtype=np.int64)
         removed: list[bytes] = []
         with self._lock:
+            planned: list[Entry] = []
             for i, key in enumerate(keys):
-                if key in self._entries:
+                if key in self._entries:  # also a key planned earlier in this call
                     self.stats.saves_deduplicated += 1
                     continue
                 row = self._take_row(removed)
                 if row is None:
                     self.stats.saves_dropped_full += 1
                     continue
-                self._entries[key] = Entry(row, BlockState.PLANNED, now)
+                entry = self._entries[key] = Entry(row, BlockState.PLANNED, now)
+                planned.append(entry)
                 rows[i] = row
                 self.stats.saves_planned += 1
+            # Hand the rows out in ascending order: rows freed together (an LRU run) then
+            # form one run, which the save path copies in one piece instead of scattering.
+            kept = rows >= 0
+            rows[kept] = np.sort(rows[kept])
+            for entry, row in zip(planned, rows[kept]):
+                entry.row = int(row)
         if removed:
             self._on_removed(removed)
         return rows

@@ -105,3 +105,10 @@ def test_stale_saves_time_out():
     s.plan([key(1)])
     assert s.sweep_stale_saves(time.monotonic() + 1) == 1
     assert s.state_of(key(1)) is None and s.used_blocks() == 0
+
+
+def test_rows_freed_together_come_back_as_one_ascending_run():
+    s = BlockStore(8, 8 * 6)
+    fill(s, [key(i) for i in range(6)], 1)  # rows 0..5, LRU order 0..5
+    rows = s.plan([key(10 + i) for i in range(3)])  # evicts keys 0,1,2
+    assert rows.tolist() == [0, 1, 2]
