@@ -193,7 +193,10 @@ class ConsumerService:
         if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
             from ..metrics import serve_metrics
 
-            serve_metrics(self.config.metrics.port)
+            try:
+                serve_metrics(self.config.metrics.port)
+            except OSError as exc:  # a busy port must not take the connector down
+                log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
 
     def namespace_seed(self, cache_salt: str | None) -> bytes:
         seed = self._seeds.get(cache_salt)

@@ -139,7 +139,10 @@ class ProducerService:
         if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
             from ..metrics import serve_metrics
 
-            serve_metrics(self.config.metrics.port)
+            try:
+                serve_metrics(self.config.metrics.port)
+            except OSError as exc:  # a busy port must not take the connector down
+                log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
         log.info(
             "producer %s serving on %s: store %d blocks of %d B",
             self.name,
