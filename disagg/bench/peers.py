@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+MOONCAKE_BATCH = 1024  # requests per batch_transfer_sync_write (see _mooncake_producer)
+
 
 def producer(name: str, store: np.ndarray, conn: Any) -> None:
     if name == "nixl":
@@ -18,9 +20,12 @@ def producer(name: str, store: np.ndarray, conn: Any) -> None:
         _mooncake_producer(store, conn)
 
 
-def consumer(name: str, pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any) -> list[float]:
+def consumer(
+    name: str, pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any, ready: Any
+) -> list[float]:
+    """``ready``: the producer's ("ready", info) message, already read from ``conn``."""
     if name == "nixl":
-        return _nixl_consumer(pool, n, repeats, conn, rng)
+        return _nixl_consumer(pool, n, repeats, conn, rng, ready)
     return _mooncake_consumer(pool, n, repeats, conn, rng)
 
 
@@ -62,15 +67,14 @@ def _nixl_producer(store: np.ndarray, conn: Any) -> None:
         conn.send(("pushed", None if state == "DONE" else "nixl transfer error"))
 
 
-def _nixl_consumer(pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any) -> list[float]:
+def _nixl_consumer(
+    pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any, ready: Any
+) -> list[float]:
     nixl_agent, cfg = _nixl_api()
     agent = nixl_agent("bench-consumer", cfg(backends=["UCX"]))
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     meta = agent.get_agent_metadata()
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"producer: {msg[1]}")
-    agent.add_remote_agent(msg[1])
+    agent.add_remote_agent(ready[1])
     times = []
     for rep in range(repeats + 1):
         dst = rng.permutation(pool.shape[0])[:n]
@@ -116,7 +120,17 @@ def _mooncake_producer(store: np.ndarray, conn: Any) -> None:
             break
         _, target, base, _tid, dst = msg
         dsts = (base + np.asarray(dst, dtype=np.int64) * pb).tolist()
-        rc = te.batch_transfer_sync_write(target, srcs[: len(dsts)], dsts, [pb] * len(dsts))
+        rc = 0
+        # Its TCP transport queues a batch's requests on per-connection lanes of bounded
+        # depth: 4096 at once are refused ("TCP lane queue-full", rc -1), so batches of
+        # MOONCAKE_BATCH requests, one after the other.
+        for i in range(0, len(dsts), MOONCAKE_BATCH):
+            part = dsts[i : i + MOONCAKE_BATCH]
+            rc = te.batch_transfer_sync_write(
+                target, srcs[i : i + len(part)], part, [pb] * len(part)
+            )
+            if rc != 0:
+                break
         conn.send(("pushed", None if rc == 0 else f"mooncake batch write returned {rc}"))
 
 
@@ -125,9 +139,6 @@ def _mooncake_consumer(pool: np.ndarray, n: int, repeats: int, conn: Any, rng: A
     if te.register_memory(pool.ctypes.data, pool.nbytes) != 0:
         raise RuntimeError("mooncake register_memory failed")
     target = f"127.0.0.1:{te.get_rpc_port()}"
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"producer: {msg[1]}")
     times = []
     for rep in range(repeats + 1):
         dst = rng.permutation(pool.shape[0])[:n]

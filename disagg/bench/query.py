@@ -4,7 +4,15 @@ What is timed per call is what the consumer scheduler does (consumer/connector.p
 ``block_keys`` over the prompt, then ``ConsumerService.claim`` (a Claim round trip over
 the ZMQ control channel to a real ``ProducerService`` in another process on loopback,
 whose BlockStore holds every block of the prompt). The lease is released after each
-call, outside the timed section. Each prompt is a fresh random token sequence.
+call, outside the timed section, and the next call starts only once the producer has
+answered that Release (so a claim is never timed waiting behind a release on the link).
+Each prompt is a fresh random token sequence. The first ``--warmup`` calls per prompt are
+not timed; p50/p99 are over ``--iters`` timed calls (default 200).
+
+In the same run, for each prompt size: the **floor**, a raw ZMQ DEALER->ROUTER round trip
+carrying a frame of the Claim's encoded size to a bare echo loop in another process (what
+the claim round trip costs with no work on either side), and a local breakdown: the
+Claim's MessagePack encode+decode and a ``BlockStore.pin`` of that many blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -64,8 +73,91 @@ def _producer(tpb: int, prompts: list[np.ndarray], conn: Any) -> None:
     svc.close()
 
 
-def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = None) -> dict[str, Any]:
+def _echo(conn: Any) -> None:
+    """The floor's server: a bare ROUTER echoing a short reply, nothing else running."""
+    import zmq
+
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    conn.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    reply = b"x" * 32  # about a ClaimOk
+    while True:
+        frames = sock.recv_multipart()
+        if frames[-1] == b"stop":
+            break
+        sock.send_multipart([frames[0], frames[1], reply])
+    sock.close()
+
+
+def _floor_ms(endpoint: str, nbytes: int, iters: int, warmup: int) -> list[float]:
+    import zmq
+
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    body = b"k" * nbytes
+    out = []
+    try:
+        for i in range(iters + warmup):
+            t = time.perf_counter()
+            sock.send_multipart([b"corr-id!", body])
+            if not sock.poll(5000, zmq.POLLIN):
+                raise RuntimeError("floor echo server did not answer")
+            sock.recv_multipart()
+            if i >= warmup:
+                out.append((time.perf_counter() - t) * 1e3)
+    finally:
+        sock.close()
+    return out
+
+
+def _local_breakdown(seed: bytes, prompt: np.ndarray, tpb: int, iters: int) -> dict[str, float]:
+    """Encode+decode of the Claim, and pin+unpin on a local store of its blocks (p50 ms)."""
+    from ..producer.store import BlockStore
+    from ..protocol import messages as m
+    from ..protocol.keys import block_keys
+
+    keys = block_keys(seed, prompt, tpb)
+    store = BlockStore(64, 64 * (len(keys) + 1))
+    store.plan(keys)
+    store.mark_staging(keys)
+    store.commit(keys)
+    codec, pin, unpin = [], [], []
+    for i in range(min(iters, 100) + 3):
+        t0 = time.perf_counter()
+        m.decode(m.encode(m.Claim(owner="bench-consumer", request_id=str(i), keys=keys)))
+        t1 = time.perf_counter()
+        entries = store.pin(keys)
+        t2 = time.perf_counter()
+        store.unpin(keys, entries)
+        t3 = time.perf_counter()
+        if i >= 3:
+            codec.append((t1 - t0) * 1e3)
+            pin.append((t2 - t1) * 1e3)
+            unpin.append((t3 - t2) * 1e3)
+    return {
+        "codec_p50_ms": percentile(codec, 50),
+        "pin_p50_ms": percentile(pin, 50),
+        "unpin_p50_ms": percentile(unpin, 50),
+    }
+
+
+def _drain_releases(svc: Any) -> None:
+    """Wait until the keepalive thread has sent every queued Release and had its answer."""
+    deadline = time.monotonic() + 5
+    while svc._releases and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    for link in svc.links:  # an in-flight Release holds its link's lock
+        if link.lock.acquire(timeout=5):
+            link.lock.release()
+
+
+def run(
+    prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = None, warmup: int = 20
+) -> dict[str, Any]:
     from ..consumer.service import ConsumerService
+    from ..protocol import messages as m
     from ..protocol.keys import block_keys
 
     log = log or sys.stderr
@@ -75,17 +167,21 @@ def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = None) -> di
     a, b = ctx.Pipe()
     prod = ctx.Process(target=_producer, args=(tpb, prompts, b), daemon=True)
     prod.start()
+    ea, eb = ctx.Pipe()
+    echo = ctx.Process(target=_echo, args=(eb,), daemon=True)
+    echo.start()
     rows = []
     try:
-        if not a.poll(120):
-            raise RuntimeError("producer did not start")
+        if not a.poll(120) or not ea.poll(120):
+            raise RuntimeError("producer (or the floor's echo server) did not start")
         endpoint = a.recv()
+        echo_endpoint = ea.recv()
         svc = ConsumerService(_config("consumer", tpb, producers=endpoint), None)
         svc.attach(_pool(tpb))
         seed = svc.namespace_seed(None)
         for n, prompt in zip(prompt_lens, prompts, strict=True):
             tot, keyt, claimt = [], [], []
-            for i in range(iters + 5):
+            for i in range(iters + warmup):
                 t0 = time.perf_counter()
                 keys = block_keys(seed, prompt, tpb)
                 t1 = time.perf_counter()
@@ -96,44 +192,85 @@ def run(prompt_lens: Sequence[int], tpb: int, iters: int, log: Any = None) -> di
                         f"claim for {n} tokens matched {claimed and claimed.num_blocks} of {len(keys)} blocks"
                     )
                 svc.release(claimed)
-                if i >= 5:  # warm-up
+                _drain_releases(svc)
+                if i >= warmup:
                     tot.append((t2 - t0) * 1e3)
                     keyt.append((t1 - t0) * 1e3)
                     claimt.append((t2 - t1) * 1e3)
+            claim_bytes = len(m.encode(m.Claim(owner=svc.owner, request_id="0", keys=keys)))
+            floor = _floor_ms(echo_endpoint, claim_bytes, iters, warmup)
             row = {
                 "prompt_tokens": n,
                 "blocks": n // tpb,
+                "iters": len(tot),
                 "p50_ms": percentile(tot, 50),
                 "p99_ms": percentile(tot, 99),
                 "keys_p50_ms": percentile(keyt, 50),
+                "keys_p99_ms": percentile(keyt, 99),
                 "claim_p50_ms": percentile(claimt, 50),
                 "claim_p99_ms": percentile(claimt, 99),
+                "claim_bytes": claim_bytes,
+                "floor_p50_ms": percentile(floor, 50),
+                "floor_p99_ms": percentile(floor, 99),
+                **_local_breakdown(seed, prompt, tpb, iters),
             }
             rows.append(row)
             print(
                 f"  {n:7d} tokens: p50 {row['p50_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms "
-                f"(keys {row['keys_p50_ms']:.3f}, claim {row['claim_p50_ms']:.3f} p50)",
+                f"(keys {row['keys_p50_ms']:.3f}, claim {row['claim_p50_ms']:.3f} p50; "
+                f"raw zmq round trip of {claim_bytes} B: p50 {row['floor_p50_ms']:.3f}, "
+                f"p99 {row['floor_p99_ms']:.3f})",
                 file=log,
                 flush=True,
             )
         svc.close()
     finally:
         a.send("stop")
-        prod.join(10)
-        if prod.is_alive():
-            prod.kill()
-    return {"bench": "query", "tokens_per_block": tpb, "iters": iters, "results": rows}
+        _stop_echo(echo_endpoint if "echo_endpoint" in locals() else None)
+        for p in (prod, echo):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return {
+        "bench": "query",
+        "tokens_per_block": tpb,
+        "iters": iters,
+        "warmup": warmup,
+        "cpus": os.cpu_count(),
+        "results": rows,
+    }
+
+
+def _stop_echo(endpoint: str | None) -> None:
+    if endpoint is None:
+        return
+    import zmq
+
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    sock.send_multipart([b"corr-id!", b"stop"])
+    sock.close()
 
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        f"{'prompt':>8s} {'blocks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'keys p50':>9s} {'claim p50':>10s} {'claim p99':>10s}"
+        f"{'prompt':>8s} {'blocks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'keys p50':>9s} "
+        f"{'claim p50':>10s} {'claim p99':>10s} {'floor p50':>10s} {'floor p99':>10s} "
+        f"{'codec p50':>10s} {'pin p50':>8s}"
     ]
     for r in report["results"]:
         lines.append(
             f"{r['prompt_tokens']:8d} {r['blocks']:7d} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
-            f"{r['keys_p50_ms']:9.3f} {r['claim_p50_ms']:10.3f} {r['claim_p99_ms']:10.3f}"
+            f"{r['keys_p50_ms']:9.3f} {r['claim_p50_ms']:10.3f} {r['claim_p99_ms']:10.3f} "
+            f"{r['floor_p50_ms']:10.3f} {r['floor_p99_ms']:10.3f} {r['codec_p50_ms']:10.3f} "
+            f"{r['pin_p50_ms']:8.3f}"
         )
+    lines.append(
+        f"(ms; {report['iters']} timed calls per prompt after {report['warmup']} warm-up; "
+        "floor: raw ZMQ round trip of the Claim's size to a bare echo process; codec: Claim "
+        "encode+decode; pin: BlockStore.pin of the prompt's blocks, both local)"
+    )
     return "\n".join(lines)
 
 
@@ -141,11 +278,12 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="disagg bench query", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-lens", default="1024,8192,32768,131072")
     ap.add_argument("--tokens-per-block", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=200, help="timed calls per prompt")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed calls per prompt first")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(list(argv))
     lens = [int(x) for x in a.prompt_lens.split(",") if x.strip()]
-    report = run(lens, a.tokens_per_block, a.iters)
+    report = run(lens, a.tokens_per_block, a.iters, warmup=a.warmup)
     print(table(report))
     if a.json:
         print(json.dumps(report))

@@ -17,6 +17,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import tempfile
 import time
@@ -109,7 +110,7 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         if name in ("nixl", "mooncake"):
             from . import peers
 
-            times = peers.consumer(name, pool.numpy(), n, repeats, conn, rng)
+            times = peers.consumer(name, pool.numpy(), n, repeats, conn, rng, msg)
         else:
             plane = _make_plane(name)
             plane.register_regions([[pool]])
@@ -154,10 +155,7 @@ def measure(
     cons = ctx.Process(target=_consumer, args=(name, n, page_bytes, repeats, b, out), daemon=True)
     prod.start()
     cons.start()
-    try:
-        times, err = out.get(timeout=timeout_s)
-    except Exception:
-        times, err = None, f"timed out after {timeout_s:.0f} s"
+    times, err = _result(out, prod, cons, timeout_s)
     for p in (cons, prod):
         p.join(10)
         if p.is_alive():
@@ -165,6 +163,30 @@ def measure(
     if times is None:
         return None, err
     return n * page_bytes / median(times) / 1e9, None
+
+
+def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, str | None]:
+    """The consumer's (times, error), or an error once ``timeout_s`` has passed or either
+    process died without answering (a crash in a peer's native library, say)."""
+    deadline = time.monotonic() + timeout_s
+    dead_since = None
+    while True:
+        try:
+            return out.get(timeout=0.5)  # type: ignore[no-any-return]
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if now >= deadline:
+            return None, f"timed out after {timeout_s:.0f} s"
+        dead = [
+            f"{who} exited with code {p.exitcode}"
+            for who, p in (("producer", prod), ("consumer", cons))
+            if p.exitcode is not None and p.exitcode != 0
+        ] + (["consumer exited without a result"] if cons.exitcode == 0 else [])
+        if dead:
+            dead_since = dead_since or now
+            if now - dead_since > 3:  # a last result may still be in flight
+                return None, "; ".join(dead)
 
 
 def run(
@@ -243,18 +265,21 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--page-sizes", default="16KiB,64KiB,256KiB,1MiB,4MiB")
-    ap.add_argument("--total", default="128MiB", help="bytes per transfer (full run: 1GiB)")
+    ap.add_argument("--total", default="256MiB", help="bytes per transfer (full run: 1GiB)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transports", default=",".join(ALL_TRANSPORTS))
-    ap.add_argument("--quick", action="store_true", help="CI smoke run: tiny sizes, 1 repeat")
+    ap.add_argument(
+        "--quick", action="store_true", help="CI smoke run: 4MiB of 256KiB pages, 1 repeat"
+    )
     ap.add_argument("--timeout", type=float, default=120, help="seconds per transport and size")
     ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     ap.add_argument("--plot", help="write a PNG of GB/s against page size")
     a = ap.parse_args(list(argv))
-    if a.quick:
-        a.total, a.repeats = "8MiB", 1
+    if a.quick:  # every transport and peer once, at one size: well under a minute
+        a.total, a.repeats = "4MiB", 1
         if a.page_sizes == ap.get_default("page_sizes"):
-            a.page_sizes = "64KiB,1MiB"
+            a.page_sizes = "256KiB"
+        a.timeout = min(a.timeout, 30)
     transports = [t.strip() for t in a.transports.split(",") if t.strip()]
     unknown = [t for t in transports if t not in SPEC]
     if unknown:
