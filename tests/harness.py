@@ -53,9 +53,13 @@ def _engine(cfg: EngineConfig, role: str, conf: dict[str, Any]) -> Engine:
 
 
 def make_producer(
-    cfg: EngineConfig, security: dict[str, Any] | None = None, **section: Any
+    cfg: EngineConfig,
+    security: dict[str, Any] | None = None,
+    transport: str | None = None,
+    **section: Any,
 ) -> tuple[Engine, Any]:
-    """A producer engine and its service (control on a free loopback port)."""
+    """A producer engine and its service (control on a free loopback port);
+    ``transport`` sets the top-level data plane (``zmq``/``ucx``)."""
     name = f"p{next(_ids)}"
     conf: dict[str, Any] = {
         "role": "producer",
@@ -64,6 +68,8 @@ def make_producer(
     }
     if security is not None:
         conf["security"] = security
+    if transport is not None:
+        conf["transport"] = transport
     return _engine(cfg, "producer", conf), producer_services[name]
 
 
@@ -72,6 +78,7 @@ def make_consumer(
     endpoints: list[str],
     model_id: str | None = None,
     security: dict[str, Any] | None = None,
+    transport: str | None = None,
     **section: Any,
 ) -> tuple[Engine, Any]:
     """A consumer engine claiming from ``endpoints``, and its service."""
@@ -86,6 +93,8 @@ def make_consumer(
     }
     if security is not None:
         conf["security"] = security
+    if transport is not None:
+        conf["transport"] = transport
     return _engine(cfg, "consumer", conf), consumer_services[name]
 
 

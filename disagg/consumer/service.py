@@ -79,26 +79,38 @@ def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
         return svc
 
 
+class _Channel:
+    """One DEALER socket to a producer, greeted with Hello before its first request."""
+
+    def __init__(self, endpoint: str, timeout_s: float, curve: CurveClientKeys | None):
+        self.client = ControlClient(endpoint, default_timeout_s=timeout_s, curve=curve)
+        self.ready = False
+        self.lock = threading.Lock()
+
+
 class ProducerLink:
-    """One producer's control channel; says Hello (handshake) before anything else."""
+    """One producer's control channels: ``fg`` for the engine thread's claims, lookups
+    and pushes, ``bg`` for the keepalive's renewals and releases, so a claim never queues
+    behind a release (a release's unpin of a long prefix takes a while)."""
 
     def __init__(
         self, endpoint: str, owner: str, timeout_s: float, curve: CurveClientKeys | None = None
     ):
         self.endpoint = endpoint
         self.owner = owner
-        self.client = ControlClient(endpoint, default_timeout_s=timeout_s, curve=curve)
-        self.ready = False
+        self.fg = _Channel(endpoint, timeout_s, curve)
+        self.bg = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
-        self.lock = threading.Lock()
 
     def usable(self) -> bool:
         return time.monotonic() >= self.down_until
 
-    def call(self, msg: Any, fingerprint: Fingerprint, data_endpoint: str, timeout_s: float) -> Any:
+    def call(
+        self, ch: _Channel, msg: Any, fingerprint: Fingerprint, data_endpoint: str, timeout_s: float
+    ) -> Any:
         try:
-            if not self.ready:  # first use, or after any failure (the socket may be new)
-                self.client.call(
+            if not ch.ready:  # first use, or after any failure (the socket may be new)
+                ch.client.call(
                     m.Hello(
                         v=V,
                         instance_id=self.owner,
@@ -108,15 +120,19 @@ class ProducerLink:
                     ),
                     timeout_s=timeout_s,
                 )
-                self.ready = True
-            return self.client.call(msg, timeout_s=timeout_s)
+                ch.ready = True
+            return ch.client.call(msg, timeout_s=timeout_s)
         except ProtocolError as exc:
             if exc.code in _PEER_FAULTS:
-                self.ready = False
+                ch.ready = False
                 self.down_until = time.monotonic() + DOWN_BACKOFF_S
             elif exc.code is ErrorCode.UNAUTHENTICATED:
-                self.ready = False  # e.g. the producer restarted: say Hello again
+                ch.ready = False  # e.g. the producer restarted: say Hello again
             raise
+
+    def close(self) -> None:
+        self.fg.client.close()
+        self.bg.client.close()
 
 
 @dataclass
@@ -205,17 +221,24 @@ class ConsumerService:
             seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
         return seed
 
-    def _call(self, link: ProducerLink, msg: Any, timeout_s: float | None = None) -> Any:
+    def _call(
+        self,
+        link: ProducerLink,
+        msg: Any,
+        timeout_s: float | None = None,
+        background: bool = False,
+    ) -> Any:
         assert self.fingerprint is not None and self.data is not None
         timeout = timeout_s or self.ccfg.claim_timeout_s
-        # Bounded even while another thread (keepalive, lookup) holds the link: the engine
-        # thread calls this and must never wait without a deadline.
-        if not link.lock.acquire(timeout=timeout):
+        ch = link.bg if background else link.fg
+        # Bounded even while another thread (a lookup) holds the channel: the engine thread
+        # calls this and must never wait without a deadline.
+        if not ch.lock.acquire(timeout=timeout):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
-            return link.call(msg, self.fingerprint, self.data.endpoint, timeout)
+            return link.call(ch, msg, self.fingerprint, self.data.endpoint, timeout)
         finally:
-            link.lock.release()
+            ch.lock.release()
 
     # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
     def claim(self, request_id: int, keys: list[bytes]) -> Claimed | None:
@@ -366,7 +389,9 @@ class ConsumerService:
             held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
         for link, ids in held.items():
             try:
-                ok = self._call(link, m.Renew(v=V, owner=self.owner, lease_ids=ids))
+                ok = self._call(
+                    link, m.Renew(v=V, owner=self.owner, lease_ids=ids), background=True
+                )
                 self.metrics["leases_renewed"] += len(ids) - len(ok.unknown)
                 # a lost lease fails its push (UNKNOWN_LEASE) if the load is not over yet
                 self.metrics["leases_lost"] += len(ok.unknown)
@@ -379,7 +404,9 @@ class ConsumerService:
             todo, self._releases = self._releases, []
         for link, lease_id in todo:
             try:
-                self._call(link, m.Release(v=V, owner=self.owner, lease_id=lease_id))
+                self._call(
+                    link, m.Release(v=V, owner=self.owner, lease_id=lease_id), background=True
+                )
                 self.metrics["leases_released"] += 1
             except Exception as exc:  # the producer's TTL frees it anyway
                 self.metrics["release_failed"] += 1
@@ -402,7 +429,7 @@ class ConsumerService:
         self._send_releases()
         self.closed = True
         for link in self.links:
-            link.client.close()
+            link.close()
         if self.data is not None:
             self.data.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)

@@ -14,12 +14,11 @@ shows up as "cannot send" and the push fails at its deadline.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,41 +29,14 @@ import zmq
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from .dataplane import FRAME_BYTES, DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+from .dataplane import FRAME_BYTES, DataPlane, PageSource, TransferState, TransferStatus
+from .receiver import BookedReceiver, ReceiverBook, Rx
 
 log = logging.getLogger(__name__)
 
 MSG_BYTES = 8 << 20  # payload per zmq message: bounds what libzmq buffers per message
 _HWM = 64  # messages queued per socket (each <= MSG_BYTES)
 _POLL_MS = 20
-_KEEP_FINISHED = 4096  # final receiver states kept for poll()
-
-
-@dataclass
-class _Group:
-    regions: list[RegionSpec]
-    page_bytes: int
-    num_slots: int
-    direct: np.ndarray | None  # [num_slots, page_bytes] view when runs can land in place
-
-
-@dataclass
-class _Rx:
-    transfer_id: int
-    lease_id: int
-    token: bytes
-    expected: list[int]
-    deadline: float
-    received: list[int] = field(default_factory=list)
-    state: TransferState = TransferState.PENDING
-    error: str | None = None
-    nbytes: int = 0
-    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
-    # per group: the sorted destination slots this transfer may write, and which it has
-    allowed: list[tuple[np.ndarray, np.ndarray]] | None = None
-
-    def status(self) -> TransferStatus:
-        return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
 
 
 # Sender lanes: at most this many peers at once; a lane idle this long is retired.
@@ -105,7 +77,7 @@ class PushHandle:
         return TransferStatus(self.state, self.error, self.pages, self.nbytes)
 
 
-class ZmqDataPlane(DataPlane):
+class ZmqDataPlane(BookedReceiver, DataPlane):
     """Both DataPlane sides over ZMQ. ``bind`` is the receiver endpoint
     (``tcp://host:0`` picks a port, ``ipc://path``); ``advertise`` replaces the bound
     address in ``endpoint`` when peers must use another name (e.g. bound on 0.0.0.0).
@@ -122,9 +94,8 @@ class ZmqDataPlane(DataPlane):
         self._ctx = context or zmq.Context.instance()
         self.checksum = checksum
         self.stats: Counter[str] = Counter()
-        self._lock = threading.Lock()  # receiver state; held while writing a message
-        self._groups: list[_Group] = []
-        self._rx: OrderedDict[int, _Rx] = OrderedDict()
+        # receiver state; its lock is held while a message is written
+        self._book = ReceiverBook(self.stats, checksum=checksum)
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._stop = threading.Event()
 
@@ -158,95 +129,6 @@ class ZmqDataPlane(DataPlane):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register_regions(
-        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
-    ) -> None:
-        groups = []
-        for g, regions in enumerate(group_regions):
-            specs = [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in regions]
-            if not specs:
-                raise ValueError(f"layer group {g} has no regions")
-            # Device regions (a GPU decode cache) are staged: frames land in a host
-            # scratch buffer, then one batched index_copy_ per region moves them over.
-            on_host = all(s.tensor.device.type == "cpu" for s in specs)
-            direct = None
-            if on_host and len(specs) == 1 and specs[0].contiguous:
-                direct = specs[0].tensor.numpy()  # shares memory: recv_into writes in place
-            groups.append(
-                _Group(
-                    regions=specs,
-                    page_bytes=sum(s.size for s in specs),
-                    num_slots=min(s.num_slots for s in specs),
-                    direct=direct,
-                )
-            )
-        with self._lock:
-            self._groups = groups
-
-    def expect(
-        self,
-        transfer_id: int,
-        lease_id: int,
-        token: bytes,
-        total_pages_by_group: Sequence[int],
-        deadline_s: float,
-        slots_by_group: Sequence[Sequence[int]] | None = None,
-    ) -> None:
-        expected = [int(n) for n in total_pages_by_group]
-        allowed = _allowed_slots(slots_by_group, expected)
-        with self._lock:
-            if len(expected) > len(self._groups):
-                raise ValueError(
-                    f"{len(expected)} groups expected but {len(self._groups)} registered"
-                )
-            if any(n < 0 for n in expected):
-                raise ValueError(f"negative page count in {expected}")
-            if transfer_id in self._rx and not self._rx[transfer_id].state.final:
-                raise ValueError(f"transfer {transfer_id} is already expected")
-            self._rx.pop(transfer_id, None)
-            self._rx[transfer_id] = _Rx(
-                transfer_id,
-                lease_id,
-                bytes(token),
-                expected,
-                time.monotonic() + deadline_s,
-                received=[0] * len(expected),
-                allowed=allowed,
-            )
-            self._prune()
-
-    def poll(self, transfer_id: int) -> TransferStatus:
-        rx = self._rx[transfer_id]  # KeyError for an unknown transfer
-        if not rx.state.final and time.monotonic() > rx.deadline:
-            with self._lock:
-                self._expire(rx, time.monotonic())
-        return rx.status()
-
-    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
-        with self._lock:  # waits for a message being written to finish
-            rx = self._rx.get(transfer_id)
-            if rx is not None:
-                self._fail(rx, reason)
-
-    def _fail(self, rx: _Rx, why: str) -> None:
-        if not rx.state.final:
-            rx.state, rx.error = TransferState.FAILED, why
-            self.stats["failed"] += 1
-
-    def _expire(self, rx: _Rx, now: float) -> None:
-        if not rx.state.final and now > rx.deadline:
-            self._fail(
-                rx,
-                f"transfer {rx.transfer_id} missed its deadline with "
-                f"{sum(rx.received)} of {sum(rx.expected)} pages received",
-            )
-
-    def _prune(self) -> None:
-        excess = len(self._rx) - _KEEP_FINISHED
-        if excess > 0:
-            for tid in [t for t, r in self._rx.items() if r.state.final][:excess]:
-                del self._rx[tid]
-
     def _rx_run(self) -> None:
         sock = self._pull
         last_sweep = 0.0
@@ -262,14 +144,12 @@ class ZmqDataPlane(DataPlane):
                 now = time.monotonic()
                 if now - last_sweep > 0.05:  # poll() also checks its own deadline
                     last_sweep = now
-                    with self._lock:
-                        for rx in self._rx.values():
-                            self._expire(rx, now)
+                    with self._book.lock:
+                        self._book.sweep(now)
         finally:
             sock.close(linger=0)
-            with self._lock:
-                for rx in self._rx.values():
-                    self._fail(rx, "data plane closed")
+            with self._book.lock:
+                self._book.fail_all("data plane closed")
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:
@@ -284,56 +164,24 @@ class ZmqDataPlane(DataPlane):
             self.stats["rejected_" + e.code.name] += 1
             self._drain(sock)
             return
-        with self._lock:
-            rx = self._rx.get(getattr(msg, "transfer_id", -1))
-            if not isinstance(msg, m.PageBatch | m.TransferDone):
-                self.stats["rejected_kind"] += 1
-            elif rx is None or not hmac.compare_digest(rx.token, msg.token):
-                self.stats["rejected_unknown"] += 1
-            elif rx.state.final:
-                self.stats["rejected_late"] += 1
-            elif msg.lease_id != rx.lease_id:
-                self.stats["rejected_unknown"] += 1
-            elif isinstance(msg, m.TransferDone):
-                self._finish(rx, msg)
-            else:
-                error = self._check(rx, msg)
-                if error is None:
-                    rx.state = TransferState.RECEIVING
+        book = self._book
+        with book.lock:
+            rx = book.authenticate(msg)
+            if rx is not None and isinstance(msg, m.TransferDone):
+                book.on_done(rx, msg)
+            elif rx is not None and isinstance(msg, m.PageBatch):
+                if book.accept_batch(rx, msg) is None:
                     error = self._receive(sock, rx, msg)
-                if error is not None:
-                    self.stats["rejected_batch"] += 1
-                    self._fail(rx, error)
+                    if error is not None:
+                        self.stats["rejected_batch"] += 1
+                        book.fail(rx, error)
             self._drain(sock)
 
-    def _check(self, rx: _Rx, h: m.PageBatch) -> str | None:
-        """Every slot of the batch in bounds, before a byte is written."""
-        if h.group >= len(rx.expected):
-            return f"batch for layer group {h.group}, but only {len(rx.expected)} expected"
-        grp = self._groups[h.group]
-        if h.page_bytes != grp.page_bytes:
-            return f"group {h.group} pages are {grp.page_bytes} bytes, batch says {h.page_bytes}"
-        runs = np.asarray(h.runs, dtype=np.int64).reshape(-1, 2)
-        ends = runs[:, 0] + runs[:, 1]
-        if (runs[:, 0] < 0).any() or (runs[:, 1] < 1).any() or (ends > grp.num_slots).any():
-            return f"batch for group {h.group} addresses slots outside [0, {grp.num_slots})"
-        count = int(runs[:, 1].sum())
-        if rx.allowed is not None:
-            why = _check_allowed(rx.allowed[h.group], runs, count)
-            if why is not None:
-                return f"batch for group {h.group} {why}"
-        if rx.received[h.group] + count > rx.expected[h.group]:
-            return (
-                f"group {h.group} would receive {rx.received[h.group] + count} pages, "
-                f"{rx.expected[h.group]} expected"
-            )
-        return None
-
-    def _receive(self, sock: zmq.Socket, rx: _Rx, h: m.PageBatch) -> str | None:
-        grp = self._groups[h.group]
+    def _receive(self, sock: zmq.Socket, rx: Rx, h: m.PageBatch) -> str | None:
+        grp = self._book.groups[h.group]
         pb = h.page_bytes
         total = sum(c for _, c in h.runs)
-        scatter_idx: list[torch.Tensor] = []
+        scatter_idx: list[np.ndarray] = []
         scratch_mv = None
         if grp.direct is None:
             if self._scratch.numel() < total * pb:
@@ -350,7 +198,7 @@ class ZmqDataPlane(DataPlane):
                 assert scratch_mv is not None
                 buf = scratch_mv[soff : soff + nbytes]
                 soff += nbytes
-                scatter_idx.append(torch.arange(start, start + count))
+                scatter_idx.append(np.arange(start, start + count))
             off = 0
             while off < nbytes:
                 if not more:
@@ -359,36 +207,16 @@ class ZmqDataPlane(DataPlane):
                 more = sock.get(zmq.RCVMORE)
                 if n > nbytes - off:
                     return f"a payload frame of {n} bytes overruns its run"
-                if self.checksum:
+                if rx.hasher is not None:
                     rx.hasher.update(buf[off : off + n])
                 off += n
         if more:
             return "batch has more payload frames than its runs"
         if scatter_idx:
-            idx = torch.cat(scatter_idx)
             src = self._scratch[: total * pb].view(total, pb)
-            col = 0
-            for region in grp.regions:
-                dev = region.tensor.device
-                # a synchronous host-to-device copy: the scratch is reused by the next batch
-                part = src[:, col : col + region.size]
-                region.tensor.index_copy_(0, idx.to(dev), part.to(dev))
-                col += region.size
-        rx.received[h.group] += total
-        rx.nbytes += total * pb
-        self.stats["pages"] += total
+            grp.scatter(np.concatenate(scatter_idx), src)
+        self._book.landed(rx, h.group, total, total * pb)
         return None
-
-    def _finish(self, rx: _Rx, done: m.TransferDone) -> None:
-        if not done.ok:
-            self._fail(rx, f"sender failed the transfer: {done.message}")
-        elif rx.received != rx.expected:
-            self._fail(rx, f"sender finished with {rx.received} of {rx.expected} pages per group")
-        elif self.checksum and done.checksum and rx.hasher.intdigest() != done.checksum:
-            self._fail(rx, "payload checksum mismatch")
-        else:
-            rx.state = TransferState.DONE
-            self.stats["done"] += 1
 
     # ================================= sender ===========================================
     def post_push(
@@ -563,41 +391,6 @@ class ZmqDataPlane(DataPlane):
             lanes = list(self._lanes.values())
         for t in [self._rx_thread, *(lane.thread for lane in lanes)]:
             t.join(5.0)
-
-
-def _allowed_slots(
-    slots_by_group: Sequence[Sequence[int]] | None, expected: list[int]
-) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """The destination slots a transfer was promised (``-1`` dropped), sorted, with a
-    written-once mask; their counts must agree with ``expected``."""
-    if slots_by_group is None:
-        return None
-    out = []
-    for g, slots in enumerate(slots_by_group):
-        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-        arr = np.unique(arr[arr >= 0])
-        if g < len(expected) and arr.size != expected[g]:
-            raise ValueError(f"group {g}: {arr.size} distinct slots for {expected[g]} pages")
-        out.append((arr, np.zeros(arr.size, dtype=bool)))
-    return out
-
-
-def _check_allowed(
-    allowed: tuple[np.ndarray, np.ndarray], runs: np.ndarray, count: int
-) -> str | None:
-    """Every slot of the runs is one this transfer may write, and not written before."""
-    slots_ok, written = allowed
-    run_start = np.repeat(runs[:, 0], runs[:, 1])
-    within = np.arange(count) - np.repeat(np.cumsum(runs[:, 1]) - runs[:, 1], runs[:, 1])
-    slots = run_start + within
-    pos = np.searchsorted(slots_ok, slots)
-    pos_c = np.minimum(pos, max(slots_ok.size - 1, 0))
-    if slots_ok.size == 0 or not np.array_equal(slots_ok[pos_c], slots):
-        return "addresses slots this transfer was not given"
-    if written[pos_c].any() or np.unique(pos_c).size != pos_c.size:
-        return "writes a slot twice"
-    written[pos_c] = True
-    return None
 
 
 def _plan_group(

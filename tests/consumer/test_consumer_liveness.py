@@ -121,28 +121,28 @@ def test_keepalive_outlives_a_failing_pass():
 )
 def test_only_peer_faults_mark_a_producer_down(code, down):
     link = ProducerLink("tcp://127.0.0.1:9", "me", 0.1)
-    link.ready = True
+    link.fg.ready = True
 
     class Client:
         def call(self, msg, timeout_s=None):
             raise ProtocolError(code, "x")
 
-    link.client = Client()  # type: ignore[assignment]
+    link.fg.client = Client()  # type: ignore[assignment]
     with pytest.raises(ProtocolError):
-        link.call(object(), None, "", 0.1)  # type: ignore[arg-type]
+        link.call(link.fg, object(), None, "", 0.1)  # type: ignore[arg-type]
     assert link.usable() is (not down)
-    assert link.ready is (code not in _PEER_FAULTS and code is not ErrorCode.UNAUTHENTICATED)
+    assert link.fg.ready is (code not in _PEER_FAULTS and code is not ErrorCode.UNAUTHENTICATED)
 
 
 def test_engine_thread_claim_is_bounded_while_the_link_is_busy():
     prompt, psvc, cons, csvc = _setup({}, {})
     link = csvc.links[0]
-    link.lock.acquire()  # e.g. the keepalive stuck on a dying producer
+    link.fg.lock.acquire()  # e.g. a lookup thread stuck on a dying producer
     try:
         t0 = time.monotonic()
         n, _ = cons.driver.scheduler.get_num_new_matched_tokens(_Req(50_003, prompt), 0)
         took = time.monotonic() - t0
     finally:
-        link.lock.release()
+        link.fg.lock.release()
     assert n == 0 and took < 1.5  # a miss within claim_timeout_s, never a hang
     assert csvc.metrics["claims_failed"] == 1

@@ -172,3 +172,21 @@ def test_abort_and_refuse_foreign_token():
         assert st.failed and st.error == "test abort"
         assert not pool.any()
         assert rx.stats["rejected_unknown"] >= 1
+
+
+@pytest.mark.parametrize("dst", [[2, 3], [0, 0]])
+def test_promised_slots_enforced(dst):
+    """slots_by_group: a transfer may write only the slots it was promised, each once."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
+        pool = torch.zeros(8, 4096, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        rx.expect(1, 1, b"tok", [2], 5, slots_by_group=[[0, 1]])
+        rows = torch.full((2, 4096), 9, dtype=torch.uint8)
+        h = tx.post_push(rx.endpoint, 1, 1, b"tok", [(0, rows, dst)], deadline_s=5)
+        tx.wait_push(h, 10)
+        st = rx.wait(1, 10)
+        assert st.failed and ("not given" in st.error or "twice" in st.error), st.error
+        assert not pool.any()
+        assert rx.stats["rejected_batch"] == 1

@@ -1,0 +1,385 @@
+"""The receiving side's book of record, shared by every DataPlane implementation.
+
+A ``ReceiverBook`` holds the registered layer groups and the expected transfers, and is
+the only place that decides whether bytes may land: it authenticates a message (kind,
+token, lease), checks a whole batch before any byte of it is written (group, page size,
+slot bounds, the slots the transfer was promised, each written once, page counts), and
+runs each transfer's state machine (PENDING -> RECEIVING -> DONE | FAILED) with its
+deadline. The planes only move bytes: they call ``accept_batch`` before writing,
+``landed`` after, ``on_done`` for the sender's TransferDone, and keep ``Rx.inflight``
+up to date while a write they cannot interrupt is under way (``abort`` waits for it).
+
+All methods that touch a transfer expect ``book.lock`` held, except ``register``,
+``expect``, ``poll`` and ``abort``, which take it themselves.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..protocol import messages as m
+from .dataplane import RegionSpec, TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
+
+KEEP_FINISHED = 4096  # final receiver states kept for poll()
+
+
+@dataclass
+class Group:
+    """One registered layer group."""
+
+    regions: list[RegionSpec]
+    page_bytes: int
+    num_slots: int
+    direct: np.ndarray | None  # [num_slots, page_bytes] view when runs can land in place
+
+    def scatter(self, slots: np.ndarray, src: np.ndarray | torch.Tensor) -> None:
+        """Write ``src`` (``[len(slots), page_bytes]`` uint8, host) into ``slots``.
+
+        Host regions use numpy fancy assignment (~8 GB/s here); torch's CPU
+        ``index_copy_`` on uint8 rows manages ~0.6 GB/s. Device regions get one
+        synchronous batched ``index_copy_`` each (the source is reused afterwards)."""
+        src_t = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+        col = 0
+        for region in self.regions:
+            part = src_t[:, col : col + region.size]
+            t = region.tensor
+            if t.device.type == "cpu":
+                t.numpy()[slots] = part.numpy()
+            else:
+                idx = torch.from_numpy(slots).to(t.device)
+                t.index_copy_(0, idx, part.to(t.device))
+            col += region.size
+
+
+def build_groups(
+    group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]], host_only: bool = False
+) -> list[Group]:
+    groups = []
+    for g, regions in enumerate(group_regions):
+        specs = [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in regions]
+        if not specs:
+            raise ValueError(f"layer group {g} has no regions")
+        on_host = all(s.tensor.device.type == "cpu" for s in specs)
+        if host_only and not on_host:
+            raise ValueError("this data plane receives into host memory only (for now)")
+        direct = None
+        if on_host and len(specs) == 1 and specs[0].contiguous:
+            direct = specs[0].tensor.numpy()  # shares memory: receives land in place
+        groups.append(
+            Group(specs, sum(s.size for s in specs), min(s.num_slots for s in specs), direct)
+        )
+    return groups
+
+
+def runs_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    """Every destination slot of ``runs`` ((start, count) pairs), in page order."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if r.shape[0] == 1:
+        return np.arange(r[0, 0], r[0, 0] + r[0, 1], dtype=np.int64)
+    count = int(r[:, 1].sum())
+    within = np.arange(count) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
+    return np.repeat(r[:, 0], r[:, 1]) + within
+
+
+@dataclass
+class Rx:
+    """One expected transfer."""
+
+    transfer_id: int
+    lease_id: int
+    token: bytes
+    expected: list[int]
+    deadline: float
+    announced: list[int] = field(default_factory=list)  # pages of accepted batches
+    received: list[int] = field(default_factory=list)  # pages landed
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    nbytes: int = 0
+    # per group: the sorted destination slots this transfer may write, and which it has
+    allowed: list[tuple[np.ndarray, np.ndarray]] | None = None
+    inflight: int = 0  # writes into the regions under way (abort waits for them)
+    done_msg: m.TransferDone | None = None
+    hasher: Any = None  # xxh3_64 over the payload in wire order, when checksummed
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
+
+
+def allowed_slots(
+    slots_by_group: Sequence[Sequence[int]] | None, expected: list[int]
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """The destination slots a transfer was promised (``-1`` dropped), sorted, with a
+    written-once mask; their counts must agree with ``expected``."""
+    if slots_by_group is None:
+        return None
+    out = []
+    for g, slots in enumerate(slots_by_group):
+        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        arr = np.unique(arr[arr >= 0])
+        if g < len(expected) and arr.size != expected[g]:
+            raise ValueError(f"group {g}: {arr.size} distinct slots for {expected[g]} pages")
+        out.append((arr, np.zeros(arr.size, dtype=bool)))
+    return out
+
+
+def check_allowed(allowed: tuple[np.ndarray, np.ndarray], slots: np.ndarray) -> str | None:
+    """Every slot is one this transfer may write, and not written before; marks them."""
+    slots_ok, written = allowed
+    if slots_ok.size == 0:
+        return "addresses slots this transfer was not given"
+    pos = np.minimum(np.searchsorted(slots_ok, slots), slots_ok.size - 1)
+    if not np.array_equal(slots_ok[pos], slots):
+        return "addresses slots this transfer was not given"
+    if written[pos].any() or np.unique(pos).size != pos.size:
+        return "writes a slot twice"
+    written[pos] = True
+    return None
+
+
+class ReceiverBook:
+    """Registered groups and expected transfers (see the module docstring).
+
+    ``stats`` is the plane's counter; ``checksum``: give each transfer an xxh3-64 hasher
+    the plane feeds, checked against the sender's TransferDone; ``host_only``: refuse
+    device regions; ``rx_factory`` makes the per-transfer record (a subclass of ``Rx``
+    for planes that track more)."""
+
+    def __init__(
+        self,
+        stats: Counter[str],
+        *,
+        checksum: bool = False,
+        host_only: bool = False,
+        rx_factory: Callable[..., Rx] = Rx,
+    ) -> None:
+        self.stats = stats
+        self.checksum = checksum
+        self.host_only = host_only
+        self.rx_factory = rx_factory
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.groups: list[Group] = []
+        self.rx: OrderedDict[int, Rx] = OrderedDict()
+
+    # --------------------------------- caller side --------------------------------------
+    def register(self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]) -> None:
+        groups = build_groups(group_regions, self.host_only)
+        with self.lock:
+            self.groups = groups
+
+    def expect(
+        self,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        total_pages_by_group: Sequence[int],
+        deadline_s: float,
+        slots_by_group: Sequence[Sequence[int]] | None = None,
+    ) -> Rx:
+        expected = [int(n) for n in total_pages_by_group]
+        allowed = allowed_slots(slots_by_group, expected)
+        with self.lock:
+            if len(expected) > len(self.groups):
+                raise ValueError(
+                    f"{len(expected)} groups expected but {len(self.groups)} registered"
+                )
+            if any(n < 0 for n in expected):
+                raise ValueError(f"negative page count in {expected}")
+            old = self.rx.get(transfer_id)
+            if old is not None and not old.state.final:
+                raise ValueError(f"transfer {transfer_id} is already expected")
+            self.rx.pop(transfer_id, None)
+            rx = self.rx[transfer_id] = self.rx_factory(
+                transfer_id,
+                lease_id,
+                bytes(token),
+                expected,
+                time.monotonic() + deadline_s,
+                announced=[0] * len(expected),
+                received=[0] * len(expected),
+                allowed=allowed,
+                hasher=xxhash.xxh3_64() if self.checksum else None,
+            )
+            self._prune()
+            return rx
+
+    def poll(self, transfer_id: int) -> TransferStatus:
+        rx = self.rx[transfer_id]  # KeyError for an unknown transfer
+        if not rx.state.final and time.monotonic() > rx.deadline:
+            with self.lock:
+                self.expire(rx, time.monotonic())
+        return rx.status()
+
+    def abort(self, transfer_id: int, reason: str, wait_s: float = 5.0) -> int:
+        """Fail the transfer and wait (up to ``wait_s``) for writes under way to end;
+        returns how many are still under way (0 unless the plane is stuck)."""
+        with self.cond:
+            rx = self.rx.get(transfer_id)
+            if rx is None:
+                return 0
+            self.fail(rx, reason)
+            end = time.monotonic() + wait_s
+            while rx.inflight and time.monotonic() < end:
+                self.cond.wait(0.05)
+            return rx.inflight
+
+    # --------------------------------- plane side ---------------------------------------
+    def fail(self, rx: Rx, why: str) -> None:
+        if not rx.state.final:
+            rx.state, rx.error = TransferState.FAILED, why
+            self.stats["failed"] += 1
+
+    def expire(self, rx: Rx, now: float) -> None:
+        if not rx.state.final and now > rx.deadline:
+            self.fail(
+                rx,
+                f"transfer {rx.transfer_id} missed its deadline with "
+                f"{sum(rx.received)} of {sum(rx.expected)} pages received",
+            )
+
+    def sweep(self, now: float) -> None:
+        for rx in self.rx.values():
+            self.expire(rx, now)
+
+    def fail_all(self, why: str) -> None:
+        for rx in self.rx.values():
+            self.fail(rx, why)
+        self.cond.notify_all()
+
+    def _prune(self) -> None:
+        excess = len(self.rx) - KEEP_FINISHED
+        if excess > 0:
+            for tid in [t for t, r in self.rx.items() if r.state.final][:excess]:
+                del self.rx[tid]
+
+    def authenticate(self, msg: m.Message) -> Rx | None:
+        """The expected transfer a PageBatch / TransferDone belongs to, or None (counted)
+        for another kind, an unknown transfer, a wrong token or lease id."""
+        if not isinstance(msg, m.PageBatch | m.TransferDone):
+            self.stats["rejected_kind"] += 1
+            return None
+        rx = self.rx.get(msg.transfer_id)
+        if (
+            rx is None
+            or not hmac.compare_digest(rx.token, msg.token)
+            or msg.lease_id != rx.lease_id
+        ):
+            self.stats["rejected_unknown"] += 1
+            return None
+        return rx
+
+    def accept_batch(self, rx: Rx, h: m.PageBatch) -> str | None:
+        """Check every slot of the batch before a byte of it is written; on success the
+        batch's pages count as announced (and its slots as written). On refusal the
+        transfer fails (a late batch for a final transfer only counts)."""
+        if rx.state.final:
+            self.stats["rejected_late"] += 1
+            return "late"
+        error = self._check(rx, h)
+        if error is not None:
+            self.stats["rejected_batch"] += 1
+            self.fail(rx, error)
+            return error
+        rx.state = TransferState.RECEIVING
+        rx.announced[h.group] += sum(c for _, c in h.runs)
+        return None
+
+    def _check(self, rx: Rx, h: m.PageBatch) -> str | None:
+        if h.group >= len(rx.expected) or h.group >= len(self.groups):
+            return f"batch for layer group {h.group}, but only {len(rx.expected)} expected"
+        grp = self.groups[h.group]
+        if h.page_bytes != grp.page_bytes:
+            return f"group {h.group} pages are {grp.page_bytes} bytes, batch says {h.page_bytes}"
+        runs = np.asarray(h.runs, dtype=np.int64).reshape(-1, 2)
+        ends = runs[:, 0] + runs[:, 1]
+        if (runs[:, 0] < 0).any() or (runs[:, 1] < 1).any() or (ends > grp.num_slots).any():
+            return f"batch for group {h.group} addresses slots outside [0, {grp.num_slots})"
+        if rx.allowed is not None:
+            why = check_allowed(rx.allowed[h.group], runs_slots(runs))
+            if why is not None:
+                return f"batch for group {h.group} {why}"
+        count = int(runs[:, 1].sum())
+        if rx.announced[h.group] + count > rx.expected[h.group]:
+            return (
+                f"group {h.group} would receive {rx.announced[h.group] + count} pages, "
+                f"{rx.expected[h.group]} expected"
+            )
+        return None
+
+    def landed(self, rx: Rx, group: int, pages: int, nbytes: int) -> None:
+        rx.received[group] += pages
+        rx.nbytes += nbytes
+        self.stats["pages"] += pages
+
+    def on_done(self, rx: Rx, msg: m.TransferDone, pending: int = 0) -> None:
+        """The sender's TransferDone: a failure report fails at once; otherwise the
+        transfer finishes once nothing of it is still under way (``maybe_finish``)."""
+        if rx.state.final:
+            self.stats["rejected_late"] += 1
+            return
+        if not msg.ok:
+            self.fail(rx, f"sender failed the transfer: {msg.message}")
+            return
+        rx.done_msg = msg
+        self.maybe_finish(rx, pending)
+
+    def maybe_finish(self, rx: Rx, pending: int = 0) -> None:
+        """DONE when the sender said done, nothing is in flight (``pending``: work the
+        plane still holds for it) and the counts (and checksum) agree; else FAILED."""
+        done = rx.done_msg
+        if rx.state.final or done is None or rx.inflight or pending:
+            return
+        if rx.received != rx.expected:
+            self.fail(rx, f"sender finished with {rx.received} of {rx.expected} pages per group")
+        elif rx.hasher is not None and done.checksum and rx.hasher.intdigest() != done.checksum:
+            self.fail(rx, "payload checksum mismatch")
+        else:
+            rx.state = TransferState.DONE
+            self.stats["done"] += 1
+
+
+class BookedReceiver:
+    """The receiver half of the DataPlane contract, served from ``self._book``: mix in
+    ahead of ``DataPlane`` and create ``self._book`` in ``__init__``."""
+
+    _book: ReceiverBook
+    abort_wait_s = 5.0
+
+    def register_regions(
+        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
+    ) -> None:
+        self._book.register(group_regions)
+
+    def expect(
+        self,
+        transfer_id: int,
+        lease_id: int,
+        token: bytes,
+        total_pages_by_group: Sequence[int],
+        deadline_s: float,
+        slots_by_group: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self._book.expect(
+            transfer_id, lease_id, token, total_pages_by_group, deadline_s, slots_by_group
+        )
+
+    def poll(self, transfer_id: int) -> TransferStatus:
+        return self._book.poll(transfer_id)
+
+    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
+        left = self._book.abort(transfer_id, reason, self.abort_wait_s)
+        if left:
+            log.warning("transfer %d: %d writes still in flight after abort", transfer_id, left)

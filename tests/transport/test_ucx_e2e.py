@@ -1,0 +1,49 @@
+"""Producer and consumer reference engines with ``transport: ucx``: tokens equal a
+monolithic run and the loaded pages equal the producer's byte for byte. Skipped without
+ucxx."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from harness import SHAPE, close_all_services, make_consumer, make_producer, prompts, run, wait_for
+
+from disagg.engine.reference import Engine, EngineConfig
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+pytest.importorskip(
+    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _close_services():
+    yield
+    close_all_services()
+
+
+@pytest.mark.parametrize("kv_manager", ["v1", "v2"])
+def test_ucx_tokens_and_pages_match_monolithic(kv_manager):
+    cfg = EngineConfig(**SHAPE, kv_manager=kv_manager, capture_pages=True)
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=6)
+
+    prod, psvc = make_producer(cfg, transport="ucx")
+    produced = run(prod, ps, max_tokens=1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], transport="ucx")
+    consumed = run(cons, ps, max_tokens=6)
+    assert type(psvc.data).__name__ == type(csvc.data).__name__ == "UcxDataPlane"
+    assert csvc.data.endpoint.startswith("ucx+")
+
+    assert [r.error for r in consumed] == [None] * len(ps)
+    assert [r.tokens for r in consumed] == mono
+    assert all(r.connector_matched_tokens > 0 for r in consumed)
+    for p, c in zip(produced, consumed, strict=True):
+        assert c.loaded_pages, "the consumer loaded no page"
+        for where, data in c.loaded_pages.items():
+            assert data == p.computed_pages[where], f"page {where} differs from the producer's"
+    assert csvc.metrics["pages_loaded"] > 0 and psvc.metrics["pages_pushed"] > 0
+    assert wait_for(lambda: psvc.leases.active() == 0)
