@@ -266,7 +266,12 @@ class ConsumerService:
                 )
             except ProtocolError as exc:
                 self.metrics["claims_failed"] += 1
-                log.info("claim on %s failed (a miss): %s", link.endpoint, exc)
+                if exc.code is ErrorCode.INCOMPATIBLE_PEER:
+                    # an operator error, not weather: say loudly which field differs
+                    self.metrics["handshake_refused"] += 1
+                    log.warning("producer %s refused us: %s", link.endpoint, exc.message)
+                else:
+                    log.info("claim on %s failed (a miss): %s", link.endpoint, exc)
                 continue
             if ok.num_blocks > 0:
                 self.metrics["claims_hit"] += 1

@@ -84,7 +84,7 @@ def test_incompatible_peer_is_a_miss_and_is_counted():
     (res,) = run(cons, ps, 4)
     assert res.error is None and res.connector_matched_tokens == 0
     assert res.tokens == Engine(cfg).generate(ps, 4)[0]
-    assert psvc.metrics["handshake_refused"] >= 1
+    assert psvc.metrics["handshake_refused"] >= 1 and csvc.metrics["handshake_refused"] >= 1
 
 
 def test_producer_down_before_claim_is_a_miss():
