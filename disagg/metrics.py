@@ -97,8 +97,7 @@ def _services(role: str) -> list[Any]:
             from .consumer import service as mod  # type: ignore[no-redef]
     except ImportError:
         return []
-    with mod._services_lock:
-        return [s for s in mod._services.values() if not getattr(s, "closed", False)]
+    return list(mod._registry.live())
 
 
 class DisaggCollector(Collector):

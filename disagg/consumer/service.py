@@ -28,18 +28,17 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import DisaggConfig
-from ..identity import fingerprint_of, model_id_of, namespace_of, tp_of
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import Fingerprint
 from ..protocol.version import PROTOCOL_VERSION
+from ..service_base import ConnectorService, Registry
 from ..transport.control import ControlClient
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
@@ -66,17 +65,13 @@ _PEER_FAULTS = frozenset(
     }
 )
 
-_services: dict[str, ConsumerService] = {}
-_services_lock = threading.Lock()
+_registry: Registry[ConsumerService] = Registry()
+_services = _registry.services  # instance id -> live service (serve and metrics read it)
 
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
-    with _services_lock:
-        svc = _services.get(str(config.instance_id))
-        if svc is None or svc.closed:
-            svc = ConsumerService(config, llm_args)
-            _services[svc.owner] = svc
-        return svc
+    """The process's service for this instance id, created on first use."""
+    return _registry.get(ConsumerService, config, llm_args)
 
 
 class _Channel:
@@ -158,28 +153,21 @@ class Load:
     done: bool = False
 
 
-class ConsumerService:
+class ConsumerService(ConnectorService):
+    role = "consumer"
+    shard_hint = "decode instances"
+
     def __init__(self, config: DisaggConfig, llm_args: Any):
-        assert config.consumer is not None and config.instance_id is not None  # validated
-        self.config = config
+        super().__init__(config, llm_args)
+        assert config.consumer is not None  # validated: role consumer has the section
         self.ccfg = config.consumer
-        self.owner: str = config.instance_id
-        self.model_id = model_id_of(llm_args, config.model_id)
-        self.tp_size, self.tp_rank = tp_of(llm_args)
-        if self.tp_size != 1:
-            raise NotImplementedError(
-                f"disagg consumer: tensor_parallel_size={self.tp_size} is not supported yet; "
-                "run decode instances with TP=1"
-            )
+        self.owner = self.name  # the owner of our leases, as producers know us
         curve = client_keys_from(config.security)  # one key pair for every producer
         self.links = [
             ProducerLink(ep, self.owner, self.ccfg.claim_timeout_s, curve)
             for ep in self.ccfg.producers
         ]
-        self.pool: PagePool | None = None
-        self.fingerprint: Fingerprint | None = None
         self.data: DataPlane | None = None
-        self._seeds: dict[str | None, bytes] = {}
         self.loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
         self._releases: list[tuple[ProducerLink, int]] = []
@@ -187,17 +175,12 @@ class ConsumerService:
         self._lookups = ThreadPoolExecutor(
             max(1, len(self.links)), thread_name_prefix="disagg-lookup"
         )
-        self.metrics: Counter[str] = Counter()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
-        self.closed = False
 
     def attach(self, pool: PagePool) -> None:
-        if self.pool is not None:
-            raise RuntimeError("disagg consumer: KV caches were registered twice")
-        self.pool = pool
-        self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
+        self._attach_pool(pool)
         self.data = make_data_plane(
             self.config.transport, bind=self.ccfg.data, advertise_host=self.ccfg.advertise_host
         )
@@ -206,20 +189,6 @@ class ConsumerService:
             target=self._keepalive_loop, name="disagg-keepalive", daemon=True
         )
         self._keepalive.start()
-        if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
-            from ..metrics import serve_metrics
-
-            try:
-                serve_metrics(self.config.metrics.port)
-            except OSError as exc:  # a busy port must not take the connector down
-                log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
-
-    def namespace_seed(self, cache_salt: str | None) -> bytes:
-        seed = self._seeds.get(cache_salt)
-        if seed is None:
-            assert self.fingerprint is not None
-            seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
-        return seed
 
     def _call(
         self,
@@ -438,6 +407,4 @@ class ConsumerService:
         if self.data is not None:
             self.data.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
-        with _services_lock:
-            if _services.get(self.owner) is self:
-                del _services[self.owner]
+        _registry.forget(self)

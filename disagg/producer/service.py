@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 from ..config import DisaggConfig
-from ..identity import fingerprint_of, model_id_of, namespace_of, tp_of
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
-from ..protocol.fingerprint import Fingerprint, check_compatible
+from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
+from ..service_base import ConnectorService, Registry
 from ..transport.control import ControlServer
 from ..transport.dataplane import DataPlane
 from ..transport.events import EventPublisher
@@ -57,38 +57,25 @@ from .store import BlockStore
 
 log = logging.getLogger("disagg.producer")
 
-_services: dict[str, ProducerService] = {}
-_services_lock = threading.Lock()
+_registry: Registry[ProducerService] = Registry()
+_services = _registry.services  # instance id -> live service (serve and metrics read it)
 
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
     """The process's service for this instance id, created on first use."""
-    with _services_lock:
-        svc = _services.get(str(config.instance_id))
-        if svc is None or svc.closed:
-            svc = ProducerService(config, llm_args)
-            _services[svc.name] = svc
-        return svc
+    return _registry.get(ProducerService, config, llm_args)
 
 
-class ProducerService:
+class ProducerService(ConnectorService):
+    role = "producer"
+    shard_hint = "prefill instances"
+
     def __init__(self, config: DisaggConfig, llm_args: Any):
-        assert config.producer is not None and config.instance_id is not None  # validated
-        self.config = config
+        super().__init__(config, llm_args)
+        assert config.producer is not None  # validated: role producer has the section
         self.pcfg = config.producer
-        self.name: str = config.instance_id
-        self.model_id = model_id_of(llm_args, config.model_id)
-        self.tp_size, self.tp_rank = tp_of(llm_args)
-        if self.tp_size != 1:
-            raise NotImplementedError(
-                f"disagg producer: tensor_parallel_size={self.tp_size} is not supported yet; "
-                "run prefill instances with TP=1"
-            )
-        self.pool: PagePool | None = None
         self.store: BlockStore = None  # type: ignore[assignment]  # set by attach()
         self.leases: LeaseTable = None  # type: ignore[assignment]
-        self.fingerprint: Fingerprint | None = None
-        self._seeds: dict[str | None, bytes] = {}
         self._in_flight: Counter[int] = Counter()
         self._in_flight_lock = threading.Lock()
         self._cuda_pending: list[tuple[Any, ...]] = []
@@ -99,7 +86,6 @@ class ProducerService:
         # cannot touch another's leases by claiming its name or reusing its identity.
         self._owner_keys: dict[str, bytes] = {}
         self._curve = server_keys_from(config.security)
-        self.metrics: Counter[str] = Counter()
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
         self.data: DataPlane | None = None
@@ -107,15 +93,11 @@ class ProducerService:
         # not occupy every worker while healthy consumers wait behind it.
         self._pushes = ThreadPoolExecutor(16, thread_name_prefix="disagg-push")
         self._stop = threading.Event()
-        self.closed = False
 
     # -- bring-up ---------------------------------------------------------------------
     def attach(self, pool: PagePool) -> None:
         """Called by the worker's registration: size the store and start serving."""
-        if self.pool is not None:
-            raise RuntimeError("disagg producer: KV caches were registered twice")
-        self.pool = pool
-        self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
+        self._attach_pool(pool)
         if self.pcfg.events:
             self.events = EventPublisher(self.pcfg.events, producer=self.name, curve=self._curve)
         self.store = BlockStore(
@@ -136,13 +118,6 @@ class ProducerService:
         self.server.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
         self._sweeper.start()
-        if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
-            from ..metrics import serve_metrics
-
-            try:
-                serve_metrics(self.config.metrics.port)
-            except OSError as exc:  # a busy port must not take the connector down
-                log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
         log.info(
             "producer %s serving on %s: store %d blocks of %d B",
             self.name,
@@ -155,13 +130,6 @@ class ProducerService:
     def endpoint(self) -> str:
         assert self.server is not None
         return self.server.endpoint
-
-    def namespace_seed(self, cache_salt: str | None) -> bytes:
-        seed = self._seeds.get(cache_salt)
-        if seed is None:
-            assert self.fingerprint is not None
-            seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
-        return seed
 
     def _published(self, what: str):
         def publish(keys: list[bytes]) -> None:
@@ -420,6 +388,4 @@ class ProducerService:
         if self.data is not None:
             self.data.close()
         self._pushes.shutdown(wait=False, cancel_futures=True)
-        with _services_lock:
-            if _services.get(self.name) is self:
-                del _services[self.name]
+        _registry.forget(self)
