@@ -3,49 +3,23 @@ request-level errors do not mark a producer down, and engine-thread calls are bo
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 
 import pytest
+from harness import SHAPE, close_all_services, make_consumer, make_producer
 
 from disagg.consumer.service import _PEER_FAULTS, ProducerLink
-from disagg.consumer.service import _services as consumer_services
-from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
-from disagg.producer.service import _services as producer_services
+from disagg.engine.reference import EngineConfig
 from disagg.protocol.errors import ErrorCode, ProtocolError
 
-SHAPE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    tokens_per_block=16,
-    num_blocks=128,
-)
-_ids = itertools.count()
+CFG = EngineConfig(**{**SHAPE, "num_blocks": 128})
 
 
 @pytest.fixture(autouse=True)
 def _close_services():
     yield
-    for svc in [*producer_services.values(), *consumer_services.values()]:
-        svc.close()
-
-
-def _engine(role: str, section: dict):
-    name = f"live-{role[0]}{next(_ids)}"
-    conf = {"role": role, "instance_id": name, role: section}
-    spec = ConnectorSpec(
-        f"disagg.{role}",
-        f"{role.capitalize()}Scheduler",
-        f"{role.capitalize()}Worker",
-        extra={"config": conf},
-    )
-    eng = Engine(EngineConfig(**SHAPE), spec)
-    return eng, (producer_services if role == "producer" else consumer_services)[name]
+    close_all_services()
 
 
 class _Req:
@@ -59,14 +33,9 @@ class _Req:
 def _setup(producer_extra: dict, consumer_extra: dict):
     rng = random.Random(3)
     prompt = [rng.randrange(512) for _ in range(96)]
-    prod, psvc = _engine(
-        "producer",
-        {"control": "tcp://127.0.0.1:0", "store_size": "4MiB", **producer_extra},
-    )
+    prod, psvc = make_producer(CFG, **{"store_size": "4MiB", **producer_extra})
     prod.generate([prompt], max_tokens=1)
-    cons, csvc = _engine(
-        "consumer", {"producers": [psvc.endpoint], "claim_timeout_s": 0.5, **consumer_extra}
-    )
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], **{"claim_timeout_s": 0.5, **consumer_extra})
     return prompt, psvc, cons, csvc
 
 
