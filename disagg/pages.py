@@ -121,6 +121,32 @@ class PagePool:
             out.append((gi, _merge(spans)))
         return out
 
+    # -- layer-wise views (synchronous, layer-by-layer loads) --------------------------
+    @property
+    def layers(self) -> list[int]:
+        """Every layer id the pools cover, ascending (the order the engine runs them)."""
+        return sorted(self._layer_spans)
+
+    def group_of_layer(self, layer: int) -> int:
+        return self._layer_spans[layer][0][0]
+
+    def layer_regions(self, layer: int) -> list[torch.Tensor]:
+        """Destination views of one layer: ``[num_slots, span]`` column slices of its
+        group's regions (a *layer page* is their concatenation, span order)."""
+        gi, spans = self._layer_spans[layer][0]
+        return [self.regions[gi][s.region][:, s.src_off : s.src_off + s.length] for s in spans]
+
+    def layer_store_columns(self, layer: int) -> list[tuple[int, int]]:
+        """Where one layer's bytes sit inside a store block: ``[(column, length)]``."""
+        gi, spans = self._layer_spans[layer][0]
+        base = self.page_offsets[gi]
+        return [(base + s.page_off, s.length) for s in spans]
+
+    def data_plane_groups(self) -> list[list[torch.Tensor]]:
+        """What a receiver registers: the layer groups' whole pages (groups ``0..G-1``),
+        then one group per layer (``G + i`` for the i-th layer of ``layers``)."""
+        return [*self.regions, *(self.layer_regions(layer) for layer in self.layers)]
+
     # -- description ------------------------------------------------------------------
     @property
     def num_groups(self) -> int:

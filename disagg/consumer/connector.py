@@ -150,7 +150,6 @@ class ConsumerWorker(KvCacheConnectorWorker):
         self._loading: set[int] = set()  # ids handed in through get_finished
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []
-        self._first_layer = 0
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -160,7 +159,6 @@ class ConsumerWorker(KvCacheConnectorWorker):
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Bring-up, V2: any number of layer groups and regions."""
         self.service.attach(PagePool(layout))
-        self._first_layer = min(min(g.layer_ids) for g in layout.groups)
 
     def start_load_kv(self, stream: Any) -> None:
         """Once per pass: ask producers to push this pass's loads. Never raises: an
@@ -172,20 +170,23 @@ class ConsumerWorker(KvCacheConnectorWorker):
             load = self.service.loads.get(rid)
             if load is None or load.dispatched:
                 continue
-            self.service.dispatch(load)
+            # synchronous loads stream layer by layer: layer i computes while later
+            # layers are still in flight
+            self.service.dispatch(load, layerwise=not self.is_async)
             if not self.is_async:
                 self._sync_pending.append(load)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Before the first layer: synchronous loads complete (bounded), and any request of
-        this batch whose load failed raises an error naming it, so no layer reads its pages."""
-        if layer_idx != self._first_layer:
-            return
-        pending, self._sync_pending = self._sync_pending, []
-        for load in pending:
-            self.service.wait(load)
+        """Before each layer: synchronous loads wait (bounded) for this layer's pages, and
+        any request of this batch whose load failed raises an error naming it, so no layer
+        reads pages that did not land."""
+        for load in self._sync_pending:
+            self.service.wait_layer(load, layer_idx)
             if load.error:
                 self._failed[load.request_id] = load.error
+        self._sync_pending = [ld for ld in self._sync_pending if not ld.done and not ld.error]
+        if not self._failed:
+            return
         meta = self._metadata
         scheduled = meta.scheduled if isinstance(meta, ConsumerMeta) else []
         bad = [rid for rid in scheduled if rid in self._failed]

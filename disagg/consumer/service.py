@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..config import DisaggConfig
 from ..pages import PagePool
 from ..protocol import messages as m
@@ -151,6 +153,9 @@ class Load:
     dispatched: bool = False
     error: str | None = None
     done: bool = False
+    deadline: float = 0.0
+    # layer-wise loads: pages landed once each layer is complete (layer id -> count)
+    layer_marks: dict[int, int] | None = None
 
 
 class ConsumerService(ConnectorService):
@@ -184,7 +189,8 @@ class ConsumerService(ConnectorService):
         self.data = make_data_plane(
             self.config.transport, bind=self.ccfg.data, advertise_host=self.ccfg.advertise_host
         )
-        self.data.register_regions(pool.regions)
+        # whole group pages for async loads, and one group per layer for layer-wise ones
+        self.data.register_regions(pool.data_plane_groups())
         self._keepalive = threading.Thread(
             target=self._keepalive_loop, name="disagg-keepalive", daemon=True
         )
@@ -270,14 +276,22 @@ class ConsumerService(ConnectorService):
         self._wake.set()
 
     # -- loads (engine thread; never waits past a deadline) ------------------------------
-    def dispatch(self, load: Load) -> None:
-        """Ask the producer to push the leased pages into our slots. A failure marks the
-        load failed (reported by the adapter), it never raises into the engine."""
-        assert self.data is not None and load.dst_slots is not None
+    def dispatch(self, load: Load, layerwise: bool = False) -> None:
+        """Ask the producer to push the leased pages into our slots (``layerwise``: layer by
+        layer into the per-layer groups, see ``wait_layer``). A failure marks the load
+        failed (reported by the adapter), it never raises into the engine."""
+        assert self.data is not None and load.dst_slots is not None and self.pool is not None
         load.transfer_id = next(self._transfer_ids)
         load.token = secrets.token_bytes(16)
         load.dispatched = True
-        pages_by_group = [sum(1 for s in g if s >= 0) for g in load.dst_slots]
+        load.deadline = time.monotonic() + self.ccfg.load_timeout_s
+        slots_by_group = list(load.dst_slots)
+        if layerwise:
+            by_layer = [load.dst_slots[self.pool.group_of_layer(la)] for la in self.pool.layers]
+            slots_by_group = [[] for _ in load.dst_slots] + by_layer
+            counts = np.cumsum([sum(1 for s in g if s >= 0) for g in by_layer])
+            load.layer_marks = dict(zip(self.pool.layers, counts.tolist()))
+        pages_by_group = [sum(1 for s in g if s >= 0) for g in slots_by_group]
         try:
             self.data.expect(
                 load.transfer_id,
@@ -285,7 +299,7 @@ class ConsumerService(ConnectorService):
                 load.token,
                 pages_by_group,
                 self.ccfg.load_timeout_s,
-                slots_by_group=load.dst_slots,
+                slots_by_group=slots_by_group,
             )
             self._call(
                 load.claimed.link,
@@ -299,6 +313,7 @@ class ConsumerService(ConnectorService):
                     first_block=0,
                     num_blocks=load.claimed.num_blocks,
                     dst_slots=load.dst_slots,
+                    layerwise=layerwise,
                 ),
             )
             self.metrics["loads_started"] += 1
@@ -327,6 +342,28 @@ class ConsumerService(ConnectorService):
         elif st.state is TransferState.FAILED:
             self.fail(load, st.error or "transfer failed")
         return load.done
+
+    def wait_layer(self, load: Load, layer: int) -> None:
+        """Layer-wise synchronous mode: wait (until the load's deadline) for ``layer``'s
+        pages; the last layer waits for the whole transfer (its checksum included)."""
+        assert self.data is not None and load.layer_marks is not None
+        last = layer == max(load.layer_marks)
+        need = load.layer_marks.get(layer)
+        if need is None:
+            return
+        delay = 0.00005
+        while not load.done:
+            st = self.data.poll(load.transfer_id)
+            if st.state is TransferState.FAILED or st.state is TransferState.DONE:
+                self.poll(load)
+                return
+            if not last and st.pages >= need:
+                return
+            if time.monotonic() > load.deadline:
+                self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.001)
 
     def wait(self, load: Load) -> None:
         """Synchronous mode: wait until the load is over, bounded by its deadline."""

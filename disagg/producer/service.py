@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..config import DisaggConfig
-from ..pages import PagePool
+from ..pages import PagePool, gather_rows
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
@@ -312,13 +312,7 @@ class ProducerService(ConnectorService):
         entries = lease.entries[msg.first_block : msg.first_block + msg.num_blocks]
         try:
             rows = self.store.wait_stored(entries, deadline)
-            pages = []
-            for g, geo in enumerate(self.pool.groups):
-                dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
-                keep = dst >= 0  # -1: the consumer has no page there (outside its window)
-                if not keep.any():
-                    continue
-                pages.append((g, self._rows(rows[keep], g, geo.page_bytes), dst[keep].tolist()))
+            pages = self._layer_pages(rows, msg) if msg.layerwise else self._group_pages(rows, msg)
             handle = self.data.post_push(
                 msg.data_endpoint,
                 msg.transfer_id,
@@ -333,6 +327,7 @@ class ProducerService(ConnectorService):
             if not state.done:
                 raise RuntimeError(state.error or "push deadline passed")
             self.metrics["pushes_done"] += 1
+            self.metrics["pushes_layerwise"] += int(msg.layerwise)
             self.metrics["pages_pushed"] += sum(len(p[2]) for p in pages)
             self.metrics["bytes_pushed"] += state.nbytes
         except Exception as exc:  # the consumer's transfer fails (deadline or report)
@@ -344,15 +339,46 @@ class ProducerService(ConnectorService):
         finally:
             self._unpin_push(lease, msg)
 
-    def _rows(self, rows: np.ndarray, group: int, page_bytes: int) -> torch.Tensor:
-        """Source pages of one group: a view when the rows are one run (zero copy), else
-        one batched gather."""
-        off = self.pool.page_offsets[group] if self.pool else 0
-        cols = self.store.slab[:, off : off + page_bytes]
+    def _group_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
+        """Whole group pages, one entry per layer group (``-1`` destinations skipped: the
+        consumer has no page there, outside its window)."""
+        assert self.pool is not None
+        pages = []
+        for g, geo in enumerate(self.pool.groups):
+            dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
+            keep = dst >= 0
+            if keep.any():
+                cols = [(self.pool.page_offsets[g], geo.page_bytes)]
+                pages.append((g, self._rows(rows[keep], cols), dst[keep].tolist()))
+        return pages
+
+    def _layer_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
+        """Layer by layer in the order the engine runs them, into the receiver's per-layer
+        groups (``PagePool.data_plane_groups``): layer i's bytes arrive before layer i+1's."""
+        assert self.pool is not None
+        pages, base = [], len(self.pool.groups)
+        for i, layer in enumerate(self.pool.layers):
+            g = self.pool.group_of_layer(layer)
+            dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
+            keep = dst >= 0
+            if keep.any():
+                cols = self.pool.layer_store_columns(layer)
+                pages.append((base + i, self._rows(rows[keep], cols), dst[keep].tolist()))
+        return pages
+
+    def _rows(self, rows: np.ndarray, cols: list[tuple[int, int]]) -> torch.Tensor:
+        """Source bytes ``[len(rows), sum(lengths)]`` from store columns: a view when the
+        rows are one run and the columns one span (zero copy), else one batched gather."""
         r0 = int(rows[0])
-        if np.array_equal(rows, np.arange(r0, r0 + len(rows))):
-            return cols[r0 : r0 + len(rows)]
-        return cols.index_select(0, torch.from_numpy(rows))
+        run = np.array_equal(rows, np.arange(r0, r0 + len(rows)))
+        parts = []
+        for off, length in cols:
+            view = self.store.slab[:, off : off + length]
+            if run:
+                parts.append(view[r0 : r0 + len(rows)])
+            else:
+                parts.append(gather_rows(view, torch.from_numpy(rows)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     # -- timeouts -----------------------------------------------------------------------
     def _sweep_loop(self) -> None:

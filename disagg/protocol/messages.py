@@ -125,6 +125,9 @@ class Push(Message, frozen=True, tag="push"):
         msgspec.Meta(max_length=MAX_GROUPS),
     ]
     token: Token = b""
+    # Send layer by layer (ascending layer ids) into the receiver's per-layer groups, so a
+    # synchronous consumer can compute layer i while later layers are still in flight.
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         for g, slots in enumerate(self.dst_slots):

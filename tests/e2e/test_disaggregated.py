@@ -58,6 +58,8 @@ def test_tokens_and_pages_match_monolithic(case, load_mode):
         for where, data in c.loaded_pages.items():
             assert data == p.computed_pages[where], f"page {where} differs from the producer's"
     assert csvc.metrics["pages_loaded"] > 0 and psvc.metrics["pages_pushed"] > 0
+    # synchronous loads stream layer by layer, asynchronous ones as whole pages
+    assert (psvc.metrics["pushes_layerwise"] > 0) == (load_mode == "sync")
     # every lease comes back once the requests finished
     assert wait_for(lambda: psvc.leases.active() == 0)
     assert psvc.store.pinned_blocks() == 0
@@ -188,3 +190,45 @@ def test_health_turns_unhealthy_when_a_guarding_part_stops():
     assert "data plane" in psvc.health()[1]
     csvc.close()
     assert csvc.health() == (False, "the consumer service is closed")
+
+
+def test_layerwise_load_releases_each_layer_as_its_pages_land():
+    """Layer 0 may compute once its pages landed, while layer 1's are still missing; a
+    layer that never lands fails the load at the deadline (never a silent completion)."""
+    import secrets
+
+    import torch
+    import zmq
+
+    from disagg.consumer.service import Claimed, Load
+    from disagg.protocol import PageBatch, encode
+
+    cfg = EngineConfig(**SHAPE)  # 2 layers, one group
+    cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], load_timeout_s=0.5)
+    pool = csvc.pool
+    slots = [5, 6, 7]
+    load = Load(1, Claimed(csvc.links[0], 1, 3), first_block=0, dst_slots=[slots])
+    load.transfer_id, load.token, load.dispatched = 77, secrets.token_bytes(16), True
+    load.deadline = time.monotonic() + 0.5
+    load.layer_marks = {0: 3, 1: 6}
+    csvc.data.expect(77, 1, load.token, [0, 3, 3], 0.5, slots_by_group=[[], slots, slots])
+    width = sum(r.shape[1] for r in pool.layer_regions(0))
+    layer0 = torch.randint(0, 256, (3, width), dtype=torch.uint8)
+    # what a layer-wise push puts on the wire first: layer 0's pages (group G + 0), and
+    # nothing more yet (the sender is still copying later layers)
+    tx = zmq.Context.instance().socket(zmq.PUSH)
+    tx.setsockopt(zmq.LINGER, 0)
+    tx.connect(csvc.data.endpoint)
+    try:
+        head = PageBatch(
+            transfer_id=77, lease_id=1, token=load.token, group=1, runs=[(5, 3)], page_bytes=width
+        )
+        tx.send_multipart([encode(head), layer0.numpy().tobytes()])
+        csvc.wait_layer(load, 0)
+        assert not load.done and load.error is None
+        landed = torch.cat([r[slots] for r in pool.layer_regions(0)], dim=1)
+        assert torch.equal(landed, layer0)
+        csvc.wait_layer(load, 1)  # layer 1 never comes
+        assert load.error is not None and "load_timeout_s" in load.error
+    finally:
+        tx.close()
