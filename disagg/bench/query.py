@@ -148,9 +148,9 @@ def _drain_releases(svc: Any) -> None:
     deadline = time.monotonic() + 5
     while svc._releases and time.monotonic() < deadline:
         time.sleep(0.0001)
-    for link in svc.links:  # an in-flight Release holds its link's lock
-        if link.lock.acquire(timeout=5):
-            link.lock.release()
+    for link in svc.links:  # an in-flight Release holds its channel's lock
+        if link.bg.lock.acquire(timeout=5):
+            link.bg.lock.release()
 
 
 def run(

@@ -8,7 +8,9 @@ destination slots, ``expect``s the transfer, tells the producer to push (a pipe 
 in for the control Push), and times go -> receiver DONE. Pages are verified afterwards
 (each landed slot starts with its source index). Peers (NIXL, Mooncake) move the same
 pages with their own APIs (peers.py); a peer that cannot run keeps its row, with the
-error. Medium ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc.
+error. Medium ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a
+device-to-device copy for ``ucx-cuda`` (store and pool on cuda:0, two processes on the
+same GPU; without a CUDA device its rows say so instead of a figure).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import numpy as np
 from . import ceilings
 from .units import fmt_size, median, parse_size, parse_sizes
 
-ALL_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ucx-tcp", "ucx-shm", "nixl", "mooncake")
+ALL_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ucx-tcp", "ucx-shm", "ucx-cuda", "nixl", "mooncake")
 # transport -> (reported transport, channel, medium whose ceiling applies)
 SPEC = {
     "zmq-tcp": ("zmq", "tcp", "tcp"),
     "zmq-ipc": ("zmq", "ipc", "ipc"),
     "ucx-tcp": ("ucx", "tcp", "tcp"),
     "ucx-shm": ("ucx", "shm", "shm"),
+    "ucx-cuda": ("ucx", "cuda", "d2d"),  # device memory both sides: UCX cuda_ipc
     "nixl": ("nixl", "ucx", "shm"),  # nixl picks its UCX transports itself (shm locally)
     "mooncake": ("mooncake", "tcp", "tcp"),
 }
@@ -54,7 +57,13 @@ def _make_plane(name: str) -> Any:
         return ZmqDataPlane(f"ipc://{path}")
     from ..transport.ucx_plane import UcxDataPlane
 
+    if name == "ucx-cuda":  # worker-address endpoints: UCX picks cuda_ipc on one node
+        return UcxDataPlane(channel="shm", cuda=True)
     return UcxDataPlane(channel=name.split("-", 1)[1])
+
+
+def _device(name: str) -> str:
+    return "cuda" if name == "ucx-cuda" else "cpu"
 
 
 def _store(n: int, page_bytes: int) -> np.ndarray:
@@ -77,7 +86,7 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
             return
         # the consumer's first message on the pipe: the plane is up
         plane = _make_plane(name)
-        rows = torch.from_numpy(_store(n, page_bytes))
+        rows = torch.from_numpy(_store(n, page_bytes)).to(_device(name))
         conn.send(("ready", None))
         while True:
             msg = conn.recv()
@@ -104,7 +113,7 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
         slots = 2 * n
-        pool = torch.empty(slots, page_bytes, dtype=torch.uint8)
+        pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=_device(name))
         pool.fill_(0)  # prefault
         rng = np.random.default_rng(1234)
         if name in ("nixl", "mooncake"):
@@ -126,7 +135,8 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                 reply = conn.recv()
                 if not st.done:
                     raise RuntimeError(f"transfer failed: {st.error}; producer: {reply[1]}")
-                got = pool.numpy()[dst, :8].copy().view(np.int64).reshape(-1)
+                got = pool[torch.as_tensor(dst, device=pool.device), :8].cpu().numpy()
+                got = got.copy().view(np.int64).reshape(-1)
                 if not np.array_equal(got, np.arange(n)):
                     raise RuntimeError("pages landed in the wrong slots or corrupted")
                 if rep:
@@ -204,6 +214,7 @@ def run(
         "ipc": ceilings.socket_gbps("unix", total, repeats),
     }
     gpu = ceilings.gpu_ceilings(total, repeats)
+    ceil_of: dict[str, float | None] = {**ceil, "d2d": gpu.get("d2d")}
     print(
         f"ceilings ({fmt_size(total)}): "
         + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, **gpu}.items()),
@@ -214,16 +225,24 @@ def run(
         transport, channel, medium = SPEC[name]
         for pb in page_sizes:
             n = max(1, total // pb)
-            gbps, err = measure(name, pb, n, repeats, timeout_s)
+            ceiling = ceil_of[medium]
+            gbps: float | None
+            err: str | None
+            if medium == "d2d" and ceiling is None:
+                gbps, err = None, "no CUDA device"
+            else:
+                gbps, err = measure(name, pb, n, repeats, timeout_s)
             row = {
                 "transport": transport,
                 "channel": channel,
                 "page_bytes": pb,
                 "pages": n,
                 "gbps": gbps,
-                "ceiling_gbps": ceil[medium],
-                "ceiling": {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix"}[medium],
-                "ratio": (gbps / ceil[medium]) if gbps is not None else None,
+                "ceiling_gbps": ceiling,
+                "ceiling": {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix", "d2d": "d2d"}[
+                    medium
+                ],
+                "ratio": (gbps / ceiling) if gbps is not None and ceiling else None,
             }
             if err:
                 row["error"] = err
@@ -252,9 +271,10 @@ def table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         g = f"{r['gbps']:.2f}" if r["gbps"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        cg = f"{r['ceiling_gbps']:6.2f}" if r["ceiling_gbps"] is not None else f"{'-':>6s}"
         line = (
             f"{r['transport']:10s} {r['channel']:7s} {fmt_size(r['page_bytes']):>7s} {g:>7s} "
-            f"{r['ceiling']:>9s} {r['ceiling_gbps']:6.2f} {ratio:>6s}"
+            f"{r['ceiling']:>9s} {cg} {ratio:>6s}"
         )
         if r.get("error"):
             line += f"  error: {r['error']}"

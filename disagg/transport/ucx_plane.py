@@ -23,8 +23,12 @@ Wire (all tagged messages on one UCX worker per plane):
   header alone, so both sides agree without saying more: a run of at least
   ``DIRECT_MIN`` bytes is its own segment (split at ``SEG_BYTES``), smaller runs are
   packed together up to ``SEG_BYTES``. Segment ``k`` of a transfer goes under tag
-  ``_data_tag(transfer_id, k)`` (top bit set). The sender posts a whole push's messages
-  back to back.
+  ``_data_tag(key, transfer_id, k)``: top bit set, 63 bits of BLAKE2b keyed with the
+  transfer's token (16 random bytes only the consumer and the producer it authenticated
+  know). Headers are checked against the token, and so, through their tags, are payload
+  segments: a peer that can reach the endpoint and knows the transfer id but not the
+  token cannot name a segment the receiver waits for, so its messages are discarded.
+  The sender posts a whole push's messages back to back.
 - The receiver takes arrived data messages with one masked probe
   (``tag_probe(remove=True)`` over every tag with the top bit), looks the tag up among
   the segments announced by accepted headers, and only then posts the receive: it knows
@@ -45,6 +49,21 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
   peer that dies mid-transfer is then noticed by the deadline only.
 
+CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A run
+segment for one contiguous CUDA region is received straight into the device rows (ucxx
+``Array`` over ``__cuda_array_interface__``); other segments land in device scratch and
+are scattered with ``pages.scatter_rows`` (batched 8-byte ``index_copy_``) on the plane's
+own stream, waited for before the scratch is reused; non-run source rows are gathered on
+the device. UCX needs ``cuda_ipc`` (same node) and ``cuda_copy`` in ``UCX_TLS``: unset
+(all transports) is right; an explicit list lacking them gets them added (without
+cuda_ipc UCX stages device memory through host at ~0.5 GB/s, deps.md §8). Use worker-
+address endpoints (``shm``/``auto``) so cuda_ipc is reachable. The progress thread makes
+the device's context current before creating the UCX context. Checked on an H200 (tests
+``test_cuda_*``): UCX picks ``cuda_ipc`` ("zero-copy flushed write to remote"), pages are
+byte-exact; throughput 11/20/40 GB/s at 64 KiB/1 MiB/4 MiB pages (256 MiB, bench
+``ucx-cuda``) against a 1.9 TB/s D2D copy: per-segment rendezvous, one scatter + stream
+sync at a time and Python planning dominate, not the copy engine.
+
 Threads: one progress thread owns the worker and makes every UCX call; the caller's
 threads only queue work and read state, so ``poll`` never blocks on the network. The
 thread sleeps in ``poll()`` on the worker's event fd and a wake-up pipe whenever UCX has
@@ -59,6 +78,7 @@ waits for the receives already matched to finish, so no byte of it is written af
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import select
@@ -74,10 +94,11 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from ..pages import gather_rows, scatter_rows
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from .dataplane import DataPlane, PageSource, TransferState, TransferStatus
-from .receiver import BookedReceiver, ReceiverBook, Rx, runs_slots
+from .dataplane import DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+from .receiver import BookedReceiver, Group, ReceiverBook, Rx, build_groups, runs_slots
 
 # ucxx reads these at import / context creation; its own defaults collapse TCP
 # rendezvous to ~0.5 GB/s (deps.md pitfall 1). Caller-set values win.
@@ -104,12 +125,22 @@ _HDR_MAX = 1 << 20
 _IDLE_WAIT_S = 0.05
 _BUSY_WAIT_S = 0.002  # safety net only: UCX signals the event fd when work arrives
 _DATA_BIT = 1 << 63
+_U64 = (1 << 64) - 1
 _ABORT_WAIT_S = 5.0
 
 
-def _data_tag(transfer_id: int, seq: int) -> int:
-    """Unique per (transfer, segment): top bit set, 43 bits of id, 20 bits of sequence."""
-    return (1 << 63) | ((transfer_id & ((1 << 43) - 1)) << 20) | (seq & 0xFFFFF)
+def _tag_key(token: bytes) -> bytes:
+    return token if len(token) <= 64 else hashlib.blake2b(token).digest()
+
+
+def _data_tag(key: bytes, transfer_id: int, seq: int) -> int:
+    """The tag of segment ``seq`` of a transfer: top bit set, 63 bits of a keyed hash
+    (BLAKE2b keyed with the transfer's token, ``_tag_key``) of (transfer id, seq). Only
+    the consumer and the producer it authenticated know the token, so nobody else can
+    name a segment the receiver is waiting for, even knowing endpoint and transfer id."""
+    msg = struct.pack("<QQ", transfer_id & _U64, seq & _U64)
+    digest = hashlib.blake2b(msg, key=key, digest_size=8).digest()
+    return _DATA_BIT | (int.from_bytes(digest, "little") & (_DATA_BIT - 1))
 
 
 @dataclass(frozen=True)
@@ -157,6 +188,20 @@ def segments(runs: Sequence[tuple[int, int]], page_bytes: int) -> list[Segment]:
     return out
 
 
+def _cuda_env() -> None:
+    """UCX must be allowed cuda_ipc (same node) and cuda_copy, or it stages CUDA memory
+    through host buffers at ~0.5 GB/s (deps.md §8). Unset ``UCX_TLS`` (all transports)
+    includes them; an explicit list without them gets them added."""
+    tls = os.environ.get("UCX_TLS")
+    if not tls or tls.startswith("^") or tls == "all":
+        return
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    missing = [t for t in ("cuda_ipc", "cuda_copy") if t not in names and "cuda" not in names]
+    if missing:
+        os.environ["UCX_TLS"] = ",".join(names + missing)
+        log.info("UCX_TLS=%s lacked %s for CUDA memory: added", tls, ",".join(missing))
+
+
 def _frame(msg: m.Message) -> np.ndarray:
     body = m.encode(msg)
     return np.frombuffer(struct.pack("<I", len(body)) + body, dtype=np.uint8)
@@ -188,7 +233,7 @@ class PushHandle:
     transfer_id: int
     endpoint: str
     deadline: float
-    plan: list[tuple[np.ndarray, int]]  # (buffer, tag) in send order
+    plan: list[tuple[Any, int]]  # (buffer: numpy, or torch on a device, tag) in send order
     pages: int
     keep: list[object]
     state: TransferState = TransferState.PENDING
@@ -207,7 +252,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     channel; ``advertise``: the address peers should use instead (``tcp://host[:port]``
     or a full ``ucx+...`` endpoint); ``channel``: ``tcp`` (listener), ``shm`` (worker
     address; shared memory between processes of one host), or ``auto`` (worker address;
-    UCX picks shared memory locally and TCP otherwise)."""
+    UCX picks shared memory locally and TCP otherwise). ``cuda``: accept CUDA regions and
+    CUDA source rows (see "CUDA memory" in the module docstring); ``None`` turns it on when
+    this process has already initialised CUDA. Use ``shm``/``auto`` for CUDA peers on one
+    node: cuda_ipc needs worker-address endpoints."""
 
     def __init__(
         self,
@@ -215,12 +263,25 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         *,
         advertise: str | None = None,
         channel: str = "tcp",
+        cuda: bool | None = None,
     ) -> None:
         if channel not in ("tcp", "shm", "auto"):
             raise ValueError(f"channel must be tcp, shm or auto, not {channel!r}")
+        if cuda is None:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda and not torch.cuda.is_available():
+            raise RuntimeError("UcxDataPlane(cuda=True) but no CUDA device is available")
         self.channel = channel
+        self.cuda = bool(cuda)
+        self._cuda_device = torch.cuda.current_device() if self.cuda else -1
         self.stats: Counter[str] = Counter()
-        self._book = ReceiverBook(self.stats, host_only=True, rx_factory=_UcxRx)
+        self._book = ReceiverBook(self.stats, rx_factory=_UcxRx)
+        # per registered group (set with book.groups, under book.lock): its CUDA device
+        # (None: host) and, for one contiguous CUDA region, that region (runs land in it)
+        self._gdev: list[torch.device | None] = []
+        self._gdirect: list[torch.Tensor | None] = []
+        self._dscratch: dict[torch.device, list[torch.Tensor]] = {}  # free device scratch
+        self._streams: dict[torch.device, Any] = {}  # device scatter streams
         self._pending: dict[int, _PendingSeg] = {}  # by data tag
         self._held: deque[tuple[Any, _PendingSeg]] = deque()  # arrived, awaiting scratch
         self._stop = threading.Event()
@@ -245,6 +306,57 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     def endpoint(self) -> str:
         return self._endpoint
 
+    def register_regions(
+        self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
+    ) -> None:
+        specs = [
+            [r if isinstance(r, RegionSpec) else RegionSpec(r) for r in g] for g in group_regions
+        ]
+        gdev: list[torch.device | None] = []
+        gdirect: list[torch.Tensor | None] = []
+        for g, regs in enumerate(specs):
+            devs = {r.tensor.device for r in regs}
+            if len(devs) > 1:
+                raise ValueError(f"layer group {g} has regions on several devices: {devs}")
+            dev = next(iter(devs), None)
+            if dev is None or dev.type == "cpu":
+                gdev.append(None)
+                gdirect.append(None)
+                continue
+            if dev.type != "cuda":
+                raise ValueError(f"layer group {g}: regions on {dev} (host or CUDA only)")
+            if not self.cuda:
+                raise ValueError("CUDA regions need a plane made with cuda=True")
+            gdev.append(dev)
+            one = len(regs) == 1 and regs[0].contiguous
+            gdirect.append(regs[0].tensor if one else None)
+            if dev not in self._dscratch:
+                self._dscratch[dev] = [
+                    torch.empty(SEG_BYTES, dtype=torch.uint8, device=dev)
+                    for _ in range(_SCRATCH_BUFS)
+                ]
+                self._streams[dev] = torch.cuda.Stream(dev)
+        groups = build_groups(specs)
+        with self._book.lock:
+            self._book.groups = groups
+            self._gdev, self._gdirect = gdev, gdirect
+
+    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
+        """Sleep on the book's condition (notified as pages land and transfers end), not
+        in the base class's backoff, whose sleeps grow to 10 ms: that much late on a
+        10-30 ms transfer was a third of its time."""
+        end = time.monotonic() + timeout_s
+        book = self._book
+        while True:
+            st = self.poll(transfer_id)
+            left = end - time.monotonic()
+            if st.final or left <= 0:
+                return st
+            with book.cond:
+                rx = book.rx.get(transfer_id)
+                if rx is not None and not rx.state.final:
+                    book.cond.wait(min(left, _BUSY_WAIT_S * 5))
+
     # ================================= sender ===========================================
     def post_push(
         self,
@@ -257,16 +369,21 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     ) -> PushHandle:
         if not endpoint.startswith(("ucx+tcp://", "ucx+shm://", "ucx+addr://")):
             raise ValueError(f"not a UCX data endpoint: {endpoint!r}")
-        plan: list[tuple[np.ndarray, int]] = []
+        plan: list[tuple[Any, int]] = []
         keep: list[object] = []
         npages = 0
         seq = 0
+        devices = {rows.device for _, rows, _ in pages if rows.device.type == "cuda"}
+        if devices and not self.cuda:
+            raise ValueError("CUDA source rows need a plane made with cuda=True")
         for group, rows, dst_slots in pages:
             msgs, n, seq = _plan_group(
                 transfer_id, lease_id, bytes(token), group, rows, dst_slots, seq, keep
             )
             plan.extend(msgs)
             npages += n
+        for dev in devices:  # the rows' producers and our gathers end before UCX reads
+            torch.cuda.current_stream(dev).synchronize()
         done = m.TransferDone(transfer_id=transfer_id, lease_id=lease_id, token=bytes(token))
         plan.append((_frame(done), _HDR_TAG))
         handle = PushHandle(
@@ -321,6 +438,12 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._teardown()
 
     def _setup(self) -> None:
+        if self.cuda:
+            _cuda_env()
+            # UCX's cuda transports want the device's context current in the thread
+            # that creates the context/worker and makes every UCX call (this one).
+            torch.cuda.set_device(self._cuda_device)
+            torch.empty(1, device=f"cuda:{self._cuda_device}")
         self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
@@ -328,7 +451,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._accepted: list[Any] = []  # endpoints the listener made (kept alive)
         self._dead_eps: list[Any] = []
         self._tx_active: list[PushHandle] = []
-        self._rx_reqs: list[tuple[Any, _PendingSeg, np.ndarray | None]] = []
+        self._rx_reqs: list[tuple[Any, _PendingSeg, Any]] = []  # scratch: np / torch / None
         self._discards: list[Any] = []
         self._scratch_free = [np.empty(SEG_BYTES, dtype=np.uint8) for _ in range(_SCRATCH_BUFS)]
         for b in self._scratch_free:
@@ -449,6 +572,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             assert isinstance(rx, _UcxRx)
             if isinstance(msg, m.TransferDone):
                 book.on_done(rx, msg, rx.queued)
+                book.cond.notify_all()
                 return
             assert isinstance(msg, m.PageBatch)
             segs = segments(msg.runs, msg.page_bytes)
@@ -457,8 +581,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             if book.accept_batch(rx, msg) is not None:
                 return  # refused: its segments arrive under unknown tags, discarded
             rx.queued += len(segs)
+            key = _tag_key(rx.token)
             for i, seg in enumerate(segs):
-                tag = _data_tag(rx.transfer_id, seq0 + i)
+                tag = _data_tag(key, rx.transfer_id, seq0 + i)
                 self._pending[tag] = _PendingSeg(
                     rx, msg.group, tag, seg, seg.pages * msg.page_bytes
                 )
@@ -467,9 +592,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         """Post receives for announced segments whose messages have arrived: one masked
         probe per arrived message (never a probe per pending segment), headers first so
         a segment's header is always known when the segment is."""
-        while self._held and self._scratch_free:
-            probe, p = self._held.popleft()
-            self._post(probe, p)
+        while self._held and self._post(*self._held[0]):
+            self._held.popleft()
         worker = self._worker
         any_data, mask = ucx_api.UCXXTag(_DATA_BIT), ucx_api.UCXXTagMask(_DATA_BIT)
         while True:
@@ -480,9 +604,12 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             if pend is None:  # a refused batch's payload, a stale or a foreign message
                 self._discard(probe)
                 continue
-            self._post(probe, pend)
+            if self._held or not self._post(probe, pend):
+                self._held.append((probe, pend))  # the message waits in UCX for a buffer
 
-    def _post(self, probe: Any, p: _PendingSeg) -> None:
+    def _post(self, probe: Any, p: _PendingSeg) -> bool:
+        """Post the receive of an arrived segment (or discard it); False when it needs a
+        scratch buffer and none is free."""
         book = self._book
         with book.cond:
             rx = p.rx
@@ -492,27 +619,32 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     rx, f"segment of {probe.length} bytes where the batch announced {p.nbytes}"
                 )
                 live = False
-            grp = book.groups[p.group] if live else None
-            direct = grp is not None and p.seg.direct and grp.direct is not None
-            if live and not direct and not self._scratch_free:
-                self._held.append((probe, p))  # the message waits in UCX for a buffer
-                return
+            dst: Any = None
+            pool: list[Any] | None = None
+            if live:
+                grp, dev = book.groups[p.group], self._gdev[p.group]
+                start, count = p.seg.runs[0]
+                if p.seg.direct and grp.direct is not None:  # host rows, in place
+                    dst = grp.direct[start : start + count].reshape(-1)
+                elif p.seg.direct and (ddst := self._gdirect[p.group]) is not None:
+                    dst = ddst[start : start + count].reshape(-1)  # device rows, in place
+                else:
+                    pool = self._scratch_free if dev is None else self._dscratch[dev]
+                    if not pool:
+                        return False
             rx.queued -= 1
             if not live:
                 self._discard(probe)
                 book.cond.notify_all()
-                return
+                return True
             scratch = None
-            if direct:
-                assert grp is not None and grp.direct is not None
-                start, count = p.seg.runs[0]
-                dst = grp.direct[start : start + count].reshape(-1)
-            else:
-                scratch = self._scratch_free.pop()
+            if pool is not None:
+                scratch = pool.pop()
                 dst = scratch[: p.nbytes]
             req = self._worker.tag_recv_with_handle(Array(dst), probe)
             rx.inflight += 1
         self._rx_reqs.append((req, p, scratch))
+        return True
 
     def _sweep(self, now: float) -> None:
         """Deadlines; forget announced segments of transfers that ended (should their
@@ -554,17 +686,35 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 if err is not None:
                     book.fail(rx, err)
                 elif not rx.state.final:
-                    if scratch is not None:
+                    if isinstance(scratch, torch.Tensor):
+                        self._scatter_dev(book.groups[p.group], p, scratch)
+                    elif scratch is not None:
                         grp = book.groups[p.group]
                         src = scratch[: p.nbytes].reshape(p.seg.pages, grp.page_bytes)
                         grp.scatter(runs_slots(p.seg.runs), src)
                     book.landed(rx, p.group, p.seg.pages, p.nbytes)
                 rx.inflight -= 1
-                if scratch is not None:
+                if isinstance(scratch, torch.Tensor):
+                    self._dscratch[scratch.device].append(scratch)
+                elif scratch is not None:
                     self._scratch_free.append(scratch)
                 book.maybe_finish(rx, rx.queued)
                 book.cond.notify_all()
         self._rx_reqs = still
+
+    def _scatter_dev(self, grp: Group, p: _PendingSeg, scratch: torch.Tensor) -> None:
+        """Scatter a segment received into device scratch: one batched ``index_copy_``
+        over 8-byte elements per region (``scatter_rows``) on this plane's stream, waited
+        for before the scratch is reused or the pages count as landed."""
+        stream = self._streams[scratch.device]
+        slots = torch.from_numpy(runs_slots(p.seg.runs))
+        src = scratch[: p.nbytes].view(p.seg.pages, grp.page_bytes)
+        with torch.cuda.stream(stream):
+            col = 0
+            for region in grp.regions:
+                scatter_rows(region.tensor, slots, src[:, col : col + region.size])
+                col += region.size
+        stream.synchronize()
 
     # ----------------------------------- send -------------------------------------------
     def _close_ep(self, ep: Any) -> None:
@@ -658,10 +808,13 @@ def _plan_group(
     dst_slots: Sequence[int],
     seq: int,
     keep: list[object],
-) -> tuple[list[tuple[np.ndarray, int]], int, int]:
+) -> tuple[list[tuple[Any, int]], int, int]:
     """One group's messages: runs coalesced (vectorised) where destination slots and
     source rows are both adjacent, cut into batches and segments; a segment whose source
-    rows are not one range is gathered once. Returns (messages, pages, next seq)."""
+    rows are not one range is gathered once (on the rows' device: CUDA rows are sent
+    from device memory, gathered with a batched ``index_select``). Returns (messages,
+    pages, next seq)."""
+    key = _tag_key(token)
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
         raise ValueError(
@@ -670,9 +823,11 @@ def _plan_group(
         )
     if (slots < -1).any():
         raise ValueError(f"group {group}: destination slots must be >= -1")
-    if rows.device.type != "cpu":
-        rows = rows.cpu()
-    arr = rows.contiguous().numpy()
+    arr: Any
+    if rows.device.type == "cuda":
+        arr = rows.contiguous()  # stays on the device; sent from there
+    else:
+        arr = rows.cpu().contiguous().numpy()
     keep.append(arr)
     pb = int(arr.shape[1])
     if pb < 1:
@@ -688,7 +843,7 @@ def _plan_group(
     runs_all = list(zip(dst[starts].tolist(), counts.tolist(), strict=True))
 
     per_batch = max(1, BATCH_BYTES // pb)
-    msgs: list[tuple[np.ndarray, int]] = []
+    msgs: list[tuple[Any, int]] = []
     i = 0
     while i < len(runs_all):
         # a batch: up to RUNS_PER_BATCH runs and about BATCH_BYTES (a big run splits)
@@ -724,9 +879,13 @@ def _plan_group(
             r0 = int(rows_of[0])
             if int(rows_of[-1]) - r0 + 1 == seg.pages:  # one source range: zero copy
                 buf = arr[r0 : r0 + seg.pages].reshape(-1)
+            elif isinstance(arr, torch.Tensor):  # device rows: gather on the device
+                ridx = torch.from_numpy(rows_of).to(arr.device)
+                buf = gather_rows(arr, ridx).reshape(-1)
+                keep.append(buf)
             else:
                 buf = arr[rows_of].reshape(-1)  # one gather for this message
                 keep.append(buf)
-            msgs.append((buf, _data_tag(transfer_id, seq)))
+            msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
     return msgs, int(idx.size), seq
