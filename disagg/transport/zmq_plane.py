@@ -1,20 +1,26 @@
 """ZMQ implementation of the DataPlane (the fallback when UCX is not available).
 
 Wire: each data message is one multipart zmq message ``[PageBatch header, payload...]``
-on a PUSH -> PULL connection; the payload holds each run's ``count * page_bytes`` bytes
-split into frames of at most FRAME_BYTES, and a frame never spans two runs, so a run
-bound for a contiguous region is received with ``recv_into`` straight into the page
-slots. Other runs land in a scratch buffer and are scattered with one ``index_copy_``
-per region per message. A transfer ends with a ``TransferDone`` message.
+on a PUSH -> PULL connection. The payload is the batch's pages in run order, split
+into frames of at most FRAME_BYTES that start on a page boundary and hold whole pages
+(a page larger than FRAME_BYTES is split over several frames, none spanning two
+pages); a frame does span runs. Frames are read zero-copy (``recv(copy=False)``) and
+written with one numpy row assignment each, straight into the page slots of a directly
+registered region; other groups gather into a scratch buffer and are scattered with
+one copy per region per message. Receivers accept any framing within the batch's
+bytes (checked before each write). A transfer ends with a ``TransferDone`` message.
 
-Threads: one receiver thread owns the PULL socket; one sender thread owns all PUSH
-sockets (cached per endpoint). Sender sockets use IMMEDIATE so a dead or absent peer
-shows up as "cannot send" and the push fails at its deadline.
+Threads: one receiver thread owns the PULL socket; one sender thread per peer owns its
+PUSH socket. Sender sockets use IMMEDIATE so a dead or absent peer shows up as "cannot
+send" and the push fails at its deadline.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,13 +36,40 @@ import zmq
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
 from .dataplane import FRAME_BYTES, DataPlane, PageSource, TransferState, TransferStatus
-from .receiver import BookedReceiver, ReceiverBook, Rx
+from .receiver import BookedReceiver, ReceiverBook, Rx, runs_slots
 
 log = logging.getLogger(__name__)
 
 MSG_BYTES = 8 << 20  # payload per zmq message: bounds what libzmq buffers per message
 _HWM = 64  # messages queued per socket (each <= MSG_BYTES)
 _POLL_MS = 20
+
+
+# glibc malloc for libzmq's receive buffers (one malloc per frame, freed by the reader):
+# with the defaults each 1 MiB frame is a fresh mmap or a re-grown heap top, so every
+# received page faults in and is zeroed (~11k faults per 128 MiB, a third more CPU).
+# Frames up to MALLOC_MMAP_BYTES come from the heap, and up to MALLOC_TRIM_BYTES of free
+# heap top is kept for the next ones. Skipped when MALLOC_*_ environment knobs are set.
+MALLOC_MMAP_BYTES = 4 << 20
+MALLOC_TRIM_BYTES = 64 << 20
+_malloc_tuned = False
+
+
+def _tune_malloc() -> None:
+    global _malloc_tuned
+    if _malloc_tuned:
+        return
+    _malloc_tuned = True
+    if any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return  # not glibc
+    # M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1
+    if not (mallopt(-3, MALLOC_MMAP_BYTES) and mallopt(-1, MALLOC_TRIM_BYTES)):
+        log.debug("mallopt refused the data plane's malloc thresholds")
 
 
 # Sender lanes: at most this many peers at once; a lane idle this long is retired.
@@ -91,6 +124,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         context: zmq.Context | None = None,
         checksum: bool = True,
     ) -> None:
+        _tune_malloc()
         self._ctx = context or zmq.Context.instance()
         self.checksum = checksum
         self.stats: Counter[str] = Counter()
@@ -151,6 +185,21 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             with self._book.lock:
                 self._book.fail_all("data plane closed")
 
+    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
+        """Like ``DataPlane.wait``, but woken by the receiver thread the moment the
+        transfer ends (no sleep-poll backoff added to every transfer's latency)."""
+        end = time.monotonic() + timeout_s
+        book = self._book
+        while True:
+            st = self.poll(transfer_id)  # also expires a transfer past its deadline
+            left = end - time.monotonic()
+            if st.final or left <= 0:
+                return st
+            with book.cond:
+                rx = book.rx.get(transfer_id)
+                if rx is not None and not rx.state.final:
+                    book.cond.wait(min(left, 0.05))
+
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:
         while sock.get(zmq.RCVMORE):
@@ -175,47 +224,47 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                     if error is not None:
                         self.stats["rejected_batch"] += 1
                         book.fail(rx, error)
+            if rx is not None and rx.state.final:
+                book.cond.notify_all()  # wake wait()
             self._drain(sock)
 
     def _receive(self, sock: zmq.Socket, rx: Rx, h: m.PageBatch) -> str | None:
         grp = self._book.groups[h.group]
         pb = h.page_bytes
-        total = sum(c for _, c in h.runs)
-        scatter_idx: list[np.ndarray] = []
-        scratch_mv = None
-        if grp.direct is None:
-            if self._scratch.numel() < total * pb:
+        slots = runs_slots(h.runs)  # bounds and promises were checked by accept_batch
+        total = int(slots.size) * pb
+        direct = grp.direct
+        scratch = None
+        if direct is None:
+            if self._scratch.numel() < total:
                 pin = torch.cuda.is_available()  # pinned host memory copies to a GPU faster
-                self._scratch = torch.empty(total * pb, dtype=torch.uint8, pin_memory=pin)
-            scratch_mv = memoryview(self._scratch.numpy())  # type: ignore[arg-type]
-        soff = 0
+                self._scratch = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            scratch = self._scratch.numpy()
+        hasher = rx.hasher
+        off = 0
         more = sock.get(zmq.RCVMORE)
-        for start, count in h.runs:
-            nbytes = count * pb
-            if grp.direct is not None:
-                buf = memoryview(grp.direct[start : start + count].reshape(-1))  # type: ignore[arg-type]
-            else:
-                assert scratch_mv is not None
-                buf = scratch_mv[soff : soff + nbytes]
-                soff += nbytes
-                scatter_idx.append(np.arange(start, start + count))
-            off = 0
-            while off < nbytes:
-                if not more:
-                    return f"batch for group {h.group} ended {nbytes - off} bytes short"
-                n = sock.recv_into(buf[off:])
-                more = sock.get(zmq.RCVMORE)
-                if n > nbytes - off:
-                    return f"a payload frame of {n} bytes overruns its run"
-                if rx.hasher is not None:
-                    rx.hasher.update(buf[off : off + n])
-                off += n
-        if more:
-            return "batch has more payload frames than its runs"
-        if scatter_idx:
-            src = self._scratch[: total * pb].view(total, pb)
-            grp.scatter(np.concatenate(scatter_idx), src)
-        self._book.landed(rx, h.group, total, total * pb)
+        while more:
+            if off >= total:
+                return "batch has more payload frames than its runs"
+            frame = sock.recv(copy=False)
+            more = frame.more
+            buf = frame.buffer
+            n = len(buf)
+            if n > total - off:
+                return f"a payload frame of {n} bytes overruns its runs ({total - off} left)"
+            if hasher is not None:
+                hasher.update(buf)
+            src = np.frombuffer(buf, dtype=np.uint8)
+            if scratch is not None:
+                scratch[off : off + n] = src
+            elif direct is not None and n:
+                _place(direct, slots, pb, off, src)
+            off += n
+        if off < total:
+            return f"batch for group {h.group} ended {total - off} bytes short"
+        if scratch is not None:
+            grp.scatter(slots, self._scratch[:total].view(-1, pb))
+        self._book.landed(rx, h.group, int(slots.size), total)
         return None
 
     # ================================= sender ===========================================
@@ -401,8 +450,10 @@ def _plan_group(
     rows: torch.Tensor,
     dst_slots: Sequence[int],
 ) -> tuple[list[tuple[bytes, list[memoryview]]], int, np.ndarray]:
-    """Split one group's pages into messages: coalesce rows whose destination slots (and
-    source rows) are adjacent into runs, vectorised; loop only over runs and frames."""
+    """Split one group's pages into messages of at most MSG_BYTES: each names its pages'
+    destination runs (consecutive slots coalesced) and carries them, in that order, as
+    page-aligned frames over the contiguous spans of source rows. Vectorised; loops only
+    over runs, spans and frames."""
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
         raise ValueError(
@@ -421,20 +472,34 @@ def _plan_group(
     if idx.size == 0:
         return [], 0, arr
     dst = slots[idx]
-    brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    counts = np.diff(np.concatenate((starts, [idx.size])))
-    src_rows, dst_starts = idx[starts], dst[starts]
-
     per_msg = max(1, MSG_BYTES // pb)  # pages per message
+    # whole pages per frame, or one page in several frames when pages exceed FRAME_BYTES
+    step = (FRAME_BYTES // pb) * pb or FRAME_BYTES
     flat = arr.reshape(-1)
     msgs: list[tuple[bytes, list[memoryview]]] = []
-    runs: list[tuple[int, int]] = []
-    frames: list[memoryview] = []
-    in_msg = 0
-
-    def flush() -> None:
-        nonlocal runs, frames, in_msg
+    # destination runs: where the slots stop being consecutive
+    dst_brk = np.flatnonzero(np.diff(dst) != 1) + 1
+    # contiguous source spans: where the chosen rows stop being consecutive (-1 gaps)
+    src_brk = np.flatnonzero(np.diff(idx) != 1) + 1
+    for m0 in range(0, int(idx.size), per_msg):
+        m1 = min(m0 + per_msg, int(idx.size))
+        cuts = dst_brk[(dst_brk > m0) & (dst_brk < m1)]
+        starts = np.concatenate(([m0], cuts))
+        counts = np.diff(np.concatenate((starts, [m1])))
+        runs = list(zip(dst[starts].tolist(), counts.tolist(), strict=True))
+        frames: list[memoryview] = []
+        edges = np.concatenate(([m0], src_brk[(src_brk > m0) & (src_brk < m1)], [m1]))
+        for a, b in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
+            lo = int(idx[a]) * pb
+            mv = memoryview(flat[lo : lo + (b - a) * pb])  # type: ignore[arg-type]
+            if pb > FRAME_BYTES:  # never let a frame span two pages
+                frames.extend(
+                    mv[p + o : p + min(o + FRAME_BYTES, pb)]
+                    for p in range(0, len(mv), pb)
+                    for o in range(0, pb, FRAME_BYTES)
+                )
+            else:
+                frames.extend(mv[o : o + step] for o in range(0, len(mv), step))
         header = m.PageBatch(
             transfer_id=transfer_id,
             lease_id=lease_id,
@@ -444,18 +509,27 @@ def _plan_group(
             page_bytes=pb,
         )
         msgs.append((m.encode(header), frames))
-        runs, frames, in_msg = [], [], 0
-
-    for src, dst0, cnt in zip(src_rows.tolist(), dst_starts.tolist(), counts.tolist(), strict=True):
-        while cnt:
-            take = min(cnt, per_msg - in_msg)
-            mv = memoryview(flat[src * pb : (src + take) * pb])  # type: ignore[arg-type]
-            frames.extend(mv[o : o + FRAME_BYTES] for o in range(0, len(mv), FRAME_BYTES))
-            runs.append((dst0, take))
-            in_msg += take
-            src, dst0, cnt = src + take, dst0 + take, cnt - take
-            if in_msg >= per_msg:
-                flush()
-    if runs:
-        flush()
     return msgs, int(idx.size), arr
+
+
+def _place(direct: np.ndarray, slots: np.ndarray, pb: int, off: int, src: np.ndarray) -> None:
+    """Write ``src``, the batch payload's bytes from ``off``, into the rows of ``direct``
+    (``[num_slots, pb]``) that the batch's pages ``slots`` (in payload order) name."""
+    p0, r0 = divmod(off, pb)
+    n = src.size
+    if r0 == 0 and n % pb == 0:  # whole pages: the sender's framing
+        k = n // pb
+        s = slots[p0 : p0 + k]
+        rows = src.reshape(k, pb)
+        first = int(s[0])
+        if k == 1 or (int(s[-1]) - first == k - 1 and bool((np.diff(s) == 1).all())):
+            direct[first : first + k] = rows
+        else:
+            direct[s] = rows
+        return
+    i = 0  # part of one page (pages > FRAME_BYTES), or any other framing a peer chose
+    while i < n:
+        p, r = divmod(off + i, pb)
+        take = min(pb - r, n - i)
+        direct[int(slots[p]), r : r + take] = src[i : i + take]
+        i += take

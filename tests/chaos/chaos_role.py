@@ -116,7 +116,7 @@ def run_producer(spec: dict[str, Any]) -> None:
 def run_consumer(spec: dict[str, Any]) -> None:
     eng, svc = build(spec)
     if spec.get("hold"):
-        svc.dispatch = lambda load: None  # claim, never ask for the pages
+        svc.dispatch = lambda load, layerwise=False: None  # claim, never ask for the pages
     emit({"event": "ready"})
     ids: list[int] = []
     for line in sys.stdin:

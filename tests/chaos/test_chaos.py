@@ -242,9 +242,9 @@ def test_producer_killed_after_claim_fails_by_name(children, mono):
     eng, csvc = in_process(consumer_conf(f"cc{next(_ids)}", [ep]))
     dispatch = csvc.dispatch
 
-    def kill_then_dispatch(load):  # claims answered; the producer dies before the push
+    def kill_then_dispatch(load, layerwise=False):  # claims answered; the producer dies
         p.kill()
-        dispatch(load)
+        dispatch(load, layerwise)
 
     csvc.dispatch = kill_then_dispatch
     results, took = run_consumer(eng, deadline_s=LOAD_TIMEOUT_S + 10)

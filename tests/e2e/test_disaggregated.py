@@ -204,14 +204,14 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
     from disagg.protocol import PageBatch, encode
 
     cfg = EngineConfig(**SHAPE)  # 2 layers, one group
-    cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], load_timeout_s=0.5)
+    cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], load_timeout_s=5.0)
     pool = csvc.pool
     slots = [5, 6, 7]
     load = Load(1, Claimed(csvc.links[0], 1, 3), first_block=0, dst_slots=[slots])
     load.transfer_id, load.token, load.dispatched = 77, secrets.token_bytes(16), True
-    load.deadline = time.monotonic() + 0.5
+    load.deadline = time.monotonic() + 5.0
     load.layer_marks = {0: 3, 1: 6}
-    csvc.data.expect(77, 1, load.token, [0, 3, 3], 0.5, slots_by_group=[[], slots, slots])
+    csvc.data.expect(77, 1, load.token, [0, 3, 3], 5.0, slots_by_group=[[], slots, slots])
     width = sum(r.shape[1] for r in pool.layer_regions(0))
     layer0 = torch.randint(0, 256, (3, width), dtype=torch.uint8)
     # what a layer-wise push puts on the wire first: layer 0's pages (group G + 0), and
@@ -228,6 +228,7 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
         assert not load.done and load.error is None
         landed = torch.cat([r[slots] for r in pool.layer_regions(0)], dim=1)
         assert torch.equal(landed, layer0)
+        load.deadline = time.monotonic() + 0.3
         csvc.wait_layer(load, 1)  # layer 1 never comes
         assert load.error is not None and "load_timeout_s" in load.error
     finally:

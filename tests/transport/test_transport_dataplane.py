@@ -246,3 +246,39 @@ def test_across_processes(tmp_path):
         assert torch.equal(pool, expect)
     finally:
         rx.close()
+
+
+def test_any_framing_lands_and_extra_frames_refused(planes):
+    """Frames need not follow page or run boundaries (ours are page-aligned and span
+    runs): every byte still lands in its page's slot; a frame past the batch is refused."""
+    import xxhash
+
+    rx, _ = planes
+    pool = torch.zeros(8, 16, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(rx.endpoint)
+    try:
+        payload = bytes(range(48))  # pages for slots 6, 1, 2 (runs (6, 1), (1, 2))
+        h = PageBatch(
+            transfer_id=30, lease_id=1, token=b"t", group=0, runs=[(6, 1), (1, 2)], page_bytes=16
+        )
+        rx.expect(30, 1, b"t", [3], 5.0, slots_by_group=[[6, 1, 2]])
+        s.send_multipart([encode(h), payload[:7], payload[7:27], payload[27:]])
+        done = TransferDone(
+            transfer_id=30, lease_id=1, token=b"t", checksum=xxhash.xxh3_64_intdigest(payload)
+        )
+        s.send(encode(done))
+        assert rx.wait(30, 3.0).done
+        want = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(3, 16)
+        assert torch.equal(pool[6], want[0]) and torch.equal(pool[1:3], want[1:])
+        assert int(pool[[0, 3, 4, 5, 7]].sum()) == 0
+
+        h = PageBatch(transfer_id=31, lease_id=1, token=b"t", group=0, runs=[(4, 1)], page_bytes=16)
+        rx.expect(31, 1, b"t", [1], 5.0)
+        s.send_multipart([encode(h), b"e" * 16, b"f" * 16])
+        st = rx.wait(31, 3.0)
+        assert st.failed and "more payload frames" in st.error
+    finally:
+        s.close()
