@@ -49,7 +49,8 @@ _POLL_MS = 20
 # with the defaults each 1 MiB frame is a fresh mmap or a re-grown heap top, so every
 # received page faults in and is zeroed (~11k faults per 128 MiB, a third more CPU).
 # Frames up to MALLOC_MMAP_BYTES come from the heap, and up to MALLOC_TRIM_BYTES of free
-# heap top is kept for the next ones. Skipped when MALLOC_*_ environment knobs are set.
+# heap top is kept for the next ones. Skipped when MALLOC_*_ environment knobs are set,
+# or with DISAGG_ZMQ_MALLOC_TUNING=0 (for hosts whose allocator must stay untouched).
 MALLOC_MMAP_BYTES = 4 << 20
 MALLOC_TRIM_BYTES = 64 << 20
 _malloc_tuned = False
@@ -61,6 +62,8 @@ def _tune_malloc() -> None:
         return
     _malloc_tuned = True
     if any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    if os.environ.get("DISAGG_ZMQ_MALLOC_TUNING", "1") == "0":
         return
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
