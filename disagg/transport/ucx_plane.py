@@ -19,8 +19,8 @@ Wire (all tagged messages on one UCX worker per plane):
 
 - Headers travel under tag ``_HDR_TAG``: 4-byte little-endian length + a msgpack
   ``PageBatch`` or ``TransferDone`` (protocol/messages.py, unchanged).
-- Each PageBatch's payload is cut into *segments* by ``segments()``, a function of the
-  header alone, so both sides agree without saying more: a run of at least
+- Each PageBatch's payload (host rows; CUDA rows: see "CUDA memory") is cut into
+  *segments* by ``segments()``, a function of the header alone, so both sides agree without saying more: a run of at least
   ``DIRECT_MIN`` bytes is its own segment (split at ``SEG_BYTES``), smaller runs are
   packed together up to ``SEG_BYTES``. Segment ``k`` of a transfer goes under tag
   ``_data_tag(key, transfer_id, k)``: top bit set, 63 bits of BLAKE2b keyed with the
@@ -49,20 +49,37 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
   peer that dies mid-transfer is then noticed by the deadline only.
 
-CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A run
-segment for one contiguous CUDA region is received straight into the device rows (ucxx
-``Array`` over ``__cuda_array_interface__``); other segments land in device scratch and
-are scattered with ``pages.scatter_rows`` (batched 8-byte ``index_copy_``) on the plane's
-own stream, waited for before the scratch is reused; non-run source rows are gathered on
-the device. UCX needs ``cuda_ipc`` (same node) and ``cuda_copy`` in ``UCX_TLS``: unset
-(all transports) is right; an explicit list lacking them gets them added (without
-cuda_ipc UCX stages device memory through host at ~0.5 GB/s, deps.md §8). Use worker-
-address endpoints (``shm``/``auto``) so cuda_ipc is reachable. The progress thread makes
-the device's context current before creating the UCX context. Checked on an H200 (tests
-``test_cuda_*``): UCX picks ``cuda_ipc`` ("zero-copy flushed write to remote"), pages are
-byte-exact; throughput 11/20/40 GB/s at 64 KiB/1 MiB/4 MiB pages (256 MiB, bench
-``ucx-cuda``) against a 1.9 TB/s D2D copy: per-segment rendezvous, one scatter + stream
-sync at a time and Python planning dominate, not the copy engine.
+CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
+sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
+(both header tags are taken with one masked probe, so headers and TransferDone keep
+their order) and the batch's payload follows as ONE message (up to ``BATCH_BYTES``),
+its rows gathered with one batched ``index_select`` (``pages.gather_rows``), or sent in
+place when they are one range; one stream sync per push. The receiver takes it with an
+exact-tag probe right after accepting the header (the copy overlaps decoding the next
+header), straight into the device rows when the batch is one run of a contiguous
+region, else into one of ``_BIG_BUFS`` lazily allocated device scratch buffers per
+device, scattered with one batched ``index_copy_`` per region (``pages.scatter_rows``)
+on the plane's own stream. Scatters are not waited for one by one: an event per scatter
+is polled, pages count as landed (and the scratch is reused, and ``abort`` stops
+waiting) only once it has passed, and the thread syncs outstanding scatters before it
+sleeps. While CUDA requests are in flight the thread keeps progressing instead of
+sleeping on the event fd (UCX polls cuda_ipc completions; poll() cannot sleep < 1 ms).
+Host rows into CUDA regions keep the segmented wire (device scratch of ``SEG_BYTES``).
+Batch planning is vectorised (``_batches``: a Python step per batch, not per run).
+UCX needs ``cuda_ipc`` (same node) and ``cuda_copy`` in ``UCX_TLS``: unset (all
+transports) is right; an explicit list lacking them gets them added (without cuda_ipc
+UCX stages device memory through host at ~0.5 GB/s, deps.md §8). Use worker-address
+endpoints (``shm``/``auto``) so cuda_ipc is reachable. The progress thread makes the
+device's context current before creating the UCX context. Checked on an H200 (tests
+``test_cuda_*``, byte-exact; ``UCX_PROTO_INFO=y``: "rendezvous zero-copy flushed write
+to remote, cuda_ipc/cuda"): bench ``ucx-cuda``, 1 GiB, 46/189/259 GB/s at 64 KiB/1 MiB/
+4 MiB pages (was 11/20/40 at 256 MiB) against a ~2 TB/s D2D copy (0.02/0.10/0.13x). In
+isolation on that GPU a 1 GiB gather runs at 1.66-1.81 TB/s and a 1 GiB ``index_copy_``
+scatter at 1.67-1.79 TB/s (not the ~380 GB/s of deps.md §8), so each of gather, send and
+scatter is roughly one D2D copy: ~0.33x is the ceiling of this pipeline, and the gap to
+it is fixed per-transfer cost (~2 ms: 256 MiB of 4 MiB pages still takes 2.5 ms) and
+Python per run (msgspec decode of tuples, ``accept_batch``: ~1 us a run, 16k runs at 64
+KiB), not the copy engine.
 
 Threads: one progress thread owns the worker and makes every UCX call; the caller's
 threads only queue work and read state, so ``poll`` never blocks on the network. The
@@ -88,7 +105,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import chain
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -120,7 +138,11 @@ DIRECT_MIN = 256 << 10  # runs at least this big go zero-copy into the rows
 RUNS_PER_BATCH = 2048  # keeps headers ~<32 KiB
 BATCH_BYTES = 256 << 20
 _SCRATCH_BUFS = 4  # scratch segments in flight at once (each SEG_BYTES)
-_HDR_TAG = 1
+_HDR_TAG = 1  # header of a batch whose payload follows in segments (host rows)
+_HDR_WHOLE_TAG = 2  # header of a batch whose payload follows as one message (CUDA rows)
+_HDR_MASK_TAGS = 3  # both header tags are probed with one mask, so they stay in order
+_BIG_BUFS = 2  # whole-batch device scratch buffers per device (receive k+1, scatter k)
+_BIG_ALIGN = 2 << 20
 _HDR_MAX = 1 << 20
 _IDLE_WAIT_S = 0.05
 _BUSY_WAIT_S = 0.002  # safety net only: UCX signals the event fd when work arrives
@@ -216,13 +238,27 @@ class _UcxRx(Rx):
 
 @dataclass
 class _PendingSeg:
-    """A segment announced by an accepted header, waiting for its message to arrive."""
+    """A segment announced by an accepted header, waiting for its message to arrive;
+    ``whole``: the batch's entire payload in one message (any size, CUDA senders)."""
 
     rx: _UcxRx
     group: int
     tag: int
     seg: Segment
     nbytes: int
+    whole: bool = False
+    slots: np.ndarray | None = None  # destination slot of each page (whole batches)
+
+
+@dataclass
+class _Scatter:
+    """A device scatter launched from scratch on the plane's stream, not yet finished:
+    its pages count as landed (and the scratch is reused) once ``event`` has passed."""
+
+    event: Any
+    p: _PendingSeg
+    scratch: torch.Tensor
+    pool: list[torch.Tensor]
 
 
 # =================================== sender state ======================================
@@ -281,6 +317,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._gdev: list[torch.device | None] = []
         self._gdirect: list[torch.Tensor | None] = []
         self._dscratch: dict[torch.device, list[torch.Tensor]] = {}  # free device scratch
+        self._big_free: dict[torch.device, list[torch.Tensor]] = {}  # whole-batch scratch
+        self._big_count: Counter[torch.device] = Counter()  # allocated, free or in use
+        self._scatters: deque[_Scatter] = deque()  # launched device scatters, in order
         self._streams: dict[torch.device, Any] = {}  # device scatter streams
         self._pending: dict[int, _PendingSeg] = {}  # by data tag
         self._held: deque[tuple[Any, _PendingSeg]] = deque()  # arrived, awaiting scratch
@@ -451,7 +490,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._accepted: list[Any] = []  # endpoints the listener made (kept alive)
         self._dead_eps: list[Any] = []
         self._tx_active: list[PushHandle] = []
-        self._rx_reqs: list[tuple[Any, _PendingSeg, Any]] = []  # scratch: np / torch / None
+        # (request, segment, scratch: np / torch / None, the free list it goes back to)
+        self._rx_reqs: list[tuple[Any, _PendingSeg, Any, Any]] = []
         self._discards: list[Any] = []
         self._scratch_free = [np.empty(SEG_BYTES, dtype=np.uint8) for _ in range(_SCRATCH_BUFS)]
         for b in self._scratch_free:
@@ -514,6 +554,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._rx_headers()
             self._rx_segments()
             self._rx_reap()
+            self._scatter_reap(block=False)
             self._tx_reap()
             now = time.monotonic()
             if now - last_sweep > 0.01:
@@ -521,10 +562,19 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 self._sweep(now)
             if self._jobs:
                 continue
+            if self._scatters:  # short device work that does not signal the event fd
+                self._scatter_reap(block=True)
+                continue
             # Blocking progress: sleep on the worker's event fd even with data in flight
             # (UCX signals it on every completion / arrival), so this thread never spins
             # against the peer process or the engine on a small host.
             busy = bool(self._rx_reqs or self._tx_active or self._pending or self._held)
+            if self.cuda and (self._rx_reqs or self._tx_active):
+                # cuda_ipc copy completions are polled by UCX, not signalled on the fd
+                # (and poll() cannot sleep under 1 ms): keep progressing while requests
+                # are in flight, yielding the GIL each turn
+                time.sleep(0)
+                continue
             if worker.arm():
                 poller.poll((_BUSY_WAIT_S if busy else _IDLE_WAIT_S) * 1000)
                 try:
@@ -538,10 +588,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     # ---------------------------------- receive -----------------------------------------
     def _rx_headers(self) -> None:
         worker = self._worker
+        any_hdr = ucx_api.UCXXTag(0)
+        mask = ucx_api.UCXXTagMask(_U64 ^ _HDR_MASK_TAGS)
         while True:
-            probe = worker.tag_probe(ucx_api.UCXXTag(_HDR_TAG), remove=True)
+            probe = worker.tag_probe(any_hdr, mask, remove=True)
             if not probe.matched:
                 return
+            whole = int(probe.sender_tag.value) == _HDR_WHOLE_TAG
             n = int(probe.length)
             buf = np.empty(max(n, 1), dtype=np.uint8)
             req = worker.tag_recv_with_handle(Array(buf), probe)
@@ -561,9 +614,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             except ProtocolError as e:
                 self.stats["rejected_" + e.code.name] += 1
                 continue
-            self._rx_header(msg)
+            self._rx_header(msg, whole)
 
-    def _rx_header(self, msg: m.Message) -> None:
+    def _rx_header(self, msg: m.Message, whole: bool = False) -> None:
         book = self._book
         with book.lock:
             rx = book.authenticate(msg)
@@ -575,18 +628,34 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 return
             assert isinstance(msg, m.PageBatch)
-            segs = segments(msg.runs, msg.page_bytes)
+            slots = None
+            if whole:  # the whole batch in one message (the sender's rows are on a GPU)
+                flat = chain.from_iterable(msg.runs)
+                ra = np.fromiter(flat, dtype=np.int64, count=2 * len(msg.runs)).reshape(-1, 2)
+                pages = int(ra[:, 1].sum())
+                segs = [Segment(tuple(msg.runs[:1]), 0, pages, len(msg.runs) == 1)]
+                if pages > 1 and pages * msg.page_bytes > BATCH_BYTES:
+                    rx.seq += 1
+                    book.fail(rx, f"batch of {pages * msg.page_bytes} bytes in one message")
+                    book.cond.notify_all()
+                    return
+            else:
+                segs = segments(msg.runs, msg.page_bytes)
             seq0 = rx.seq
             rx.seq += len(segs)  # keep numbering in step with the sender even if refused
             if book.accept_batch(rx, msg) is not None:
                 return  # refused: its segments arrive under unknown tags, discarded
             rx.queued += len(segs)
             key = _tag_key(rx.token)
+            if whole and len(msg.runs) > 1:
+                slots = runs_slots(ra)
             for i, seg in enumerate(segs):
                 tag = _data_tag(key, rx.transfer_id, seq0 + i)
                 self._pending[tag] = _PendingSeg(
-                    rx, msg.group, tag, seg, seg.pages * msg.page_bytes
+                    rx, msg.group, tag, seg, seg.pages * msg.page_bytes, whole, slots
                 )
+        if whole:  # start its receive now, not after every queued header is decoded
+            self._rx_one(tag)
 
     def _rx_segments(self) -> None:
         """Post receives for announced segments whose messages have arrived: one masked
@@ -606,6 +675,19 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 continue
             if self._held or not self._post(probe, pend):
                 self._held.append((probe, pend))  # the message waits in UCX for a buffer
+
+    def _rx_one(self, tag: int) -> None:
+        """Post the receive of one announced segment if its message has arrived (an
+        exact-tag probe: nothing else is taken), so its transfer overlaps the decoding
+        of the headers behind it."""
+        if self._held:
+            return
+        probe = self._worker.tag_probe(ucx_api.UCXXTag(tag), remove=True)
+        if not probe.matched:
+            return
+        pend = self._pending.pop(tag)
+        if not self._post(probe, pend):
+            self._held.append((probe, pend))
 
     def _post(self, probe: Any, p: _PendingSeg) -> bool:
         """Post the receive of an arrived segment (or discard it); False when it needs a
@@ -628,6 +710,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     dst = grp.direct[start : start + count].reshape(-1)
                 elif p.seg.direct and (ddst := self._gdirect[p.group]) is not None:
                     dst = ddst[start : start + count].reshape(-1)  # device rows, in place
+                elif p.whole:
+                    if dev is None:  # CUDA rows into host pages (staged by UCX): one-off
+                        pool = []
+                    else:
+                        pool = self._big_pool(dev, p.nbytes)
+                        if pool is None:
+                            return False
                 else:
                     pool = self._scratch_free if dev is None else self._dscratch[dev]
                     if not pool:
@@ -639,12 +728,31 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 return True
             scratch = None
             if pool is not None:
-                scratch = pool.pop()
+                scratch = pool.pop() if pool else np.empty(p.nbytes, dtype=np.uint8)
                 dst = scratch[: p.nbytes]
             req = self._worker.tag_recv_with_handle(Array(dst), probe)
             rx.inflight += 1
-        self._rx_reqs.append((req, p, scratch))
+        self._rx_reqs.append((req, p, scratch, pool))
         return True
+
+    def _big_pool(self, dev: torch.device, nbytes: int) -> list[torch.Tensor] | None:
+        """The free list of whole-batch device scratch with a buffer of at least
+        ``nbytes`` at its end (allocated, or grown, while fewer than ``_BIG_BUFS`` exist
+        or a free one is too small), or None when all are in use."""
+        free = self._big_free.setdefault(dev, [])
+        for i, b in enumerate(free):
+            if b.numel() >= nbytes:
+                free.append(free.pop(i))
+                return free
+        if free:  # too small: replace it with a bigger one
+            free.pop(0)
+            self._big_count[dev] -= 1
+        if self._big_count[dev] >= _BIG_BUFS:
+            return None
+        size = -(-nbytes // _BIG_ALIGN) * _BIG_ALIGN
+        free.append(torch.empty(size, dtype=torch.uint8, device=dev))
+        self._big_count[dev] += 1
+        return free
 
     def _sweep(self, now: float) -> None:
         """Deadlines; forget announced segments of transfers that ended (should their
@@ -671,9 +779,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         if not self._rx_reqs:
             return
         still = []
-        for req, p, scratch in self._rx_reqs:
+        for req, p, scratch, pool in self._rx_reqs:
             if not req.completed:
-                still.append((req, p, scratch))
+                still.append((req, p, scratch, pool))
                 continue
             try:
                 req.check_error()
@@ -686,35 +794,68 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 if err is not None:
                     book.fail(rx, err)
                 elif not rx.state.final:
-                    if isinstance(scratch, torch.Tensor):
-                        self._scatter_dev(book.groups[p.group], p, scratch)
-                    elif scratch is not None:
+                    if isinstance(scratch, torch.Tensor):  # lands when the scatter has
+                        ev = self._scatter_dev(book.groups[p.group], p, scratch)
+                        self._scatters.append(_Scatter(ev, p, scratch, pool))
+                        continue
+                    if scratch is not None:
                         grp = book.groups[p.group]
                         src = scratch[: p.nbytes].reshape(p.seg.pages, grp.page_bytes)
                         grp.scatter(runs_slots(p.seg.runs), src)
                     book.landed(rx, p.group, p.seg.pages, p.nbytes)
                 rx.inflight -= 1
-                if isinstance(scratch, torch.Tensor):
-                    self._dscratch[scratch.device].append(scratch)
-                elif scratch is not None:
-                    self._scratch_free.append(scratch)
+                if pool is not None and scratch is not None:
+                    pool.append(scratch)
                 book.maybe_finish(rx, rx.queued)
                 book.cond.notify_all()
         self._rx_reqs = still
 
-    def _scatter_dev(self, grp: Group, p: _PendingSeg, scratch: torch.Tensor) -> None:
-        """Scatter a segment received into device scratch: one batched ``index_copy_``
-        over 8-byte elements per region (``scatter_rows``) on this plane's stream, waited
-        for before the scratch is reused or the pages count as landed."""
-        stream = self._streams[scratch.device]
-        slots = torch.from_numpy(runs_slots(p.seg.runs))
+    def _scatter_reap(self, block: bool) -> None:
+        """Finish device scatters whose events have passed (all of them when ``block``:
+        the thread is about to sleep, and a scatter does not wake it): their pages
+        land, their scratch is free again."""
+        book = self._book
+        while self._scatters:
+            s = self._scatters[0]
+            if block:
+                s.event.synchronize()
+            elif not s.event.query():
+                return
+            self._scatters.popleft()
+            with book.cond:
+                rx = s.p.rx
+                if not rx.state.final:
+                    book.landed(rx, s.p.group, s.p.seg.pages, s.p.nbytes)
+                rx.inflight -= 1
+                s.pool.append(s.scratch)
+                book.maybe_finish(rx, rx.queued)
+                book.cond.notify_all()
+
+    def _scatter_dev(self, grp: Group, p: _PendingSeg, scratch: torch.Tensor) -> Any:
+        """Launch the scatter of a segment received into device scratch: one batched
+        ``index_copy_`` over 8-byte elements per region (``scatter_rows``; a slice copy
+        for a single run) on this plane's stream, the slot indices copied to the device
+        once. Returns an event recorded after it: the scratch is reused and the pages
+        count as landed only once it has passed (``_scatter_reap``), never a stream sync
+        per segment."""
+        dev = scratch.device
+        stream = self._streams[dev]
         src = scratch[: p.nbytes].view(p.seg.pages, grp.page_bytes)
+        runs = p.seg.runs
         with torch.cuda.stream(stream):
+            slots: torch.Tensor
+            if p.seg.direct:  # one run: a slice copy
+                slots = torch.arange(runs[0][0], runs[0][0] + runs[0][1])
+            else:
+                host = p.slots if p.slots is not None else runs_slots(runs)
+                slots = torch.from_numpy(host).to(dev, non_blocking=True)
             col = 0
             for region in grp.regions:
                 scatter_rows(region.tensor, slots, src[:, col : col + region.size])
                 col += region.size
-        stream.synchronize()
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
 
     # ----------------------------------- send -------------------------------------------
     def _close_ep(self, ep: Any) -> None:
@@ -750,7 +891,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             ep = self._connect(h.endpoint)
             for buf, tag in h.plan:
                 h.requests.append(ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)))
-                if tag != _HDR_TAG:
+                if tag & _DATA_BIT:
                     h.nbytes += buf.nbytes
         except Exception as exc:
             self._tx_fail(h, f"send to {h.endpoint} failed: {type(exc).__name__}: {exc}")
@@ -799,6 +940,44 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._tx_active = still
 
 
+def _batches(
+    dst: np.ndarray, idx: np.ndarray, pb: int
+) -> list[tuple[list[tuple[int, int]], np.ndarray]]:
+    """Cut a group's pages (destination slots ``dst``, source rows ``idx``, both in page
+    order, ``idx`` increasing) into batches: runs where slots and rows are both adjacent,
+    up to ``RUNS_PER_BATCH`` runs and ``BATCH_BYTES`` per batch (a run splits at the
+    byte limit). Vectorised: a Python step per batch, none per run or page. Returns
+    (runs, source row of each page) per batch."""
+    brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    counts = np.diff(np.concatenate((starts, [idx.size])))
+    ends = np.cumsum(counts)  # page index just past each run
+    run_dst = dst[starts]
+    per_batch = max(1, BATCH_BYTES // pb)
+    total = int(idx.size)
+    out = []
+    page = r = off = 0  # next page; its run; pages of that run already sent
+    while page < total:
+        end = min(page + per_batch, total)
+        r_end = int(np.searchsorted(ends, end, side="left"))  # run holding page end-1
+        r_last = min(r_end, r + RUNS_PER_BATCH - 1)
+        if r_last < r_end:
+            end = int(ends[r_last])  # the run limit ends the batch first
+        b_dst = run_dst[r : r_last + 1].copy()
+        b_cnt = counts[r : r_last + 1].copy()
+        b_dst[0] += off
+        b_cnt[0] -= off
+        b_cnt[-1] -= int(ends[r_last]) - end
+        runs = cast(list[tuple[int, int]], np.stack((b_dst, b_cnt), axis=1).tolist())
+        out.append((runs, idx[page:end]))  # lists encode like tuples
+        if int(ends[r_last]) == end:
+            r, off = r_last + 1, 0
+        else:
+            r, off = r_last, end - (int(ends[r_last]) - int(counts[r_last]))
+        page = end
+    return out
+
+
 def _plan_group(
     transfer_id: int,
     lease_id: int,
@@ -809,11 +988,11 @@ def _plan_group(
     seq: int,
     keep: list[object],
 ) -> tuple[list[tuple[Any, int]], int, int]:
-    """One group's messages: runs coalesced (vectorised) where destination slots and
-    source rows are both adjacent, cut into batches and segments; a segment whose source
-    rows are not one range is gathered once (on the rows' device: CUDA rows are sent
-    from device memory, gathered with a batched ``index_select``). Returns (messages,
-    pages, next seq)."""
+    """One group's messages: batches of runs (``_batches``). Host rows: each batch cut
+    into segments (``segments``), a segment whose source rows are not one range gathered
+    once with numpy. CUDA rows (whole mode, header under ``_HDR_WHOLE_TAG``): each batch
+    is one message, its rows gathered with one batched ``index_select`` on the device
+    (or sent in place when they are one range). Returns (messages, pages, next seq)."""
     key = _tag_key(token)
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
@@ -824,7 +1003,8 @@ def _plan_group(
     if (slots < -1).any():
         raise ValueError(f"group {group}: destination slots must be >= -1")
     arr: Any
-    if rows.device.type == "cuda":
+    whole = rows.device.type == "cuda"
+    if whole:
         arr = rows.contiguous()  # stays on the device; sent from there
     else:
         arr = rows.cpu().contiguous().numpy()
@@ -835,32 +1015,8 @@ def _plan_group(
     idx = np.flatnonzero(slots >= 0)
     if idx.size == 0:
         return [], 0, seq
-    dst = slots[idx]
-    brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    counts = np.diff(np.concatenate((starts, [idx.size])))
-    src_rows = idx[starts].tolist()
-    runs_all = list(zip(dst[starts].tolist(), counts.tolist(), strict=True))
-
-    per_batch = max(1, BATCH_BYTES // pb)
     msgs: list[tuple[Any, int]] = []
-    i = 0
-    while i < len(runs_all):
-        # a batch: up to RUNS_PER_BATCH runs and about BATCH_BYTES (a big run splits)
-        runs: list[tuple[int, int]] = []
-        srcs: list[int] = []
-        pages = 0
-        while i < len(runs_all) and len(runs) < RUNS_PER_BATCH and pages < per_batch:
-            d, c = runs_all[i]
-            take = min(c, per_batch - pages)
-            runs.append((d, take))
-            srcs.append(src_rows[i])
-            pages += take
-            if take < c:
-                runs_all[i] = (d + take, c - take)
-                src_rows[i] += take
-            else:
-                i += 1
+    for runs, page_src in _batches(slots[idx], idx, pb):
         header = m.PageBatch(
             transfer_id=transfer_id,
             lease_id=lease_id,
@@ -869,20 +1025,24 @@ def _plan_group(
             runs=runs,
             page_bytes=pb,
         )
+        if whole:
+            msgs.append((_frame(header), _HDR_WHOLE_TAG))
+            r0, n = int(page_src[0]), int(page_src.size)
+            if int(page_src[-1]) - r0 + 1 == n:  # one source range: zero copy
+                buf = arr[r0 : r0 + n].reshape(-1)
+            else:
+                ridx = torch.from_numpy(page_src).to(arr.device)
+                buf = gather_rows(arr, ridx).reshape(-1)
+                keep.append(buf)
+            msgs.append((buf, _data_tag(key, transfer_id, seq)))
+            seq += 1
+            continue
         msgs.append((_frame(header), _HDR_TAG))
-        # source row of each page of the batch, in page order
-        page_src = np.concatenate(
-            [np.arange(s, s + c) for s, (_, c) in zip(srcs, runs, strict=True)]
-        )
         for seg in segments(runs, pb):
             rows_of = page_src[seg.first : seg.first + seg.pages]
             r0 = int(rows_of[0])
             if int(rows_of[-1]) - r0 + 1 == seg.pages:  # one source range: zero copy
                 buf = arr[r0 : r0 + seg.pages].reshape(-1)
-            elif isinstance(arr, torch.Tensor):  # device rows: gather on the device
-                ridx = torch.from_numpy(rows_of).to(arr.device)
-                buf = gather_rows(arr, ridx).reshape(-1)
-                keep.append(buf)
             else:
                 buf = arr[rows_of].reshape(-1)  # one gather for this message
                 keep.append(buf)

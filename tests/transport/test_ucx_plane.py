@@ -411,3 +411,27 @@ def test_cuda_push_throughput_1gib_of_64kib_pages():
         assert state == "done" and exact and clean, (err, stats)
     gbps = [nb / dt / 1e9 for *_, nb, dt in results[1:]]
     print(f"\nUCX cuda same-GPU, 1 GiB of scattered 64 KiB pages: {sorted(gbps)} GB/s")
+
+
+def test_batches_vectorised_limits():
+    """``_batches`` (vectorised planning): runs where slots and rows are both adjacent,
+    at most RUNS_PER_BATCH runs and BATCH_BYTES per batch, every page once, in order."""
+    from disagg.transport.receiver import runs_slots
+
+    rng = np.random.default_rng(9)
+    pb = 4096
+    for n, rpb, bb in [(5000, 2048, 256 << 20), (300, 7, 40 * pb), (64, 3, 5 * pb + 1)]:
+        dst = rng.permutation(3 * n)[:n]
+        dst[: n // 3] = np.arange(n // 3) + 3 * n  # a long contiguous run first
+        idx = np.arange(n) * (1 + (np.arange(n) % 5 == 0))  # a few source gaps
+        old = ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES
+        ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES = rpb, bb
+        try:
+            out = ucx_plane._batches(dst, idx, pb)
+        finally:
+            ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES = old
+        assert np.array_equal(np.concatenate([runs_slots(r) for r, _ in out]), dst)
+        assert np.array_equal(np.concatenate([s for _, s in out]), idx)
+        for runs, src in out:
+            assert 1 <= len(runs) <= rpb and len(src) * pb <= max(bb, pb)
+            assert all(c >= 1 for _, c in runs)
