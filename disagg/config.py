@@ -26,7 +26,9 @@ Schema (all sections are plain mappings; unknown keys are refused)::
       save_timeout_s: 30
       push_timeout_s: 30
     consumer:                                # required when role = consumer, refused otherwise
-      producers: [endpoint, ...]             # required, >= 1, tcp://host:port or ipc://path
+      producers: [endpoint, ...]             # required, >= 1, tcp://host:port or ipc://path;
+                                             # TP > 1: rank r of a producer is at port + r,
+                                             # or list its ranks: [[rank0_ep, rank1_ep], ...]
       data: endpoint to bind                 # incoming pages, default tcp://127.0.0.1:0
       advertise_host: str | null             # host producers use to reach a wildcard bind
       load_mode: async | sync                # default async
@@ -373,7 +375,9 @@ class ProducerConfig:
 class ConsumerConfig:
     """Section ``consumer`` (role = consumer)."""
 
-    producers: tuple[str, ...]
+    # One entry per producer instance: its rank-0 control endpoint (rank r at port + r,
+    # ``service_base.rank_endpoint``), or a tuple of its ranks' endpoints in rank order.
+    producers: tuple[str | tuple[str, ...], ...]
     data: str = "tcp://127.0.0.1:0"
     advertise_host: str | None = None
     load_mode: str = "async"
@@ -393,13 +397,31 @@ class ConsumerConfig:
                 "needs at least one producer control endpoint, "
                 "e.g. producers: [tcp://prefill-0:5557]",
             )
-        urls = []
+        urls: list[str | tuple[str, ...]] = []
+        flat: list[str] = []
         for i, ep in enumerate(producers):
-            urls.append(
-                parse_endpoint(ep, f"{p}producers[{i}]", schemes=("tcp", "ipc"), connect=True).url
-            )
-        if len(set(urls)) != len(urls):
-            dup = next(u for u in urls if urls.count(u) > 1)
+            if isinstance(ep, (list, tuple)):  # one producer's TP ranks, in rank order
+                if not ep:
+                    raise _err(
+                        f"{p}producers[{i}]",
+                        "an empty list: list the producer's rank endpoints in rank order",
+                    )
+                ranks = tuple(
+                    parse_endpoint(
+                        e, f"{p}producers[{i}][{r}]", schemes=("tcp", "ipc"), connect=True
+                    ).url
+                    for r, e in enumerate(ep)
+                )
+                urls.append(ranks)
+                flat.extend(ranks)
+            else:
+                url = parse_endpoint(
+                    ep, f"{p}producers[{i}]", schemes=("tcp", "ipc"), connect=True
+                ).url
+                urls.append(url)
+                flat.append(url)
+        if len(set(flat)) != len(flat):
+            dup = next(u for u in flat if flat.count(u) > 1)
             raise _err(p + "producers", f"{dup!r} is listed twice; list each producer once")
         _set(self, "producers", tuple(urls))
         _set(self, "data", parse_endpoint(self.data, p + "data").url)

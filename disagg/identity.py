@@ -31,9 +31,14 @@ def model_id_of(llm_args: Any, configured: str | None) -> str:
 
 
 def tp_of(llm_args: Any) -> tuple[int, int]:
+    """``(tp_size, tp_rank)``: ``tensor_parallel_size``, and the rank from ``tp_rank`` or,
+    failing that, ``rank`` (the reference engine's per-worker stand-in for ``mpi_rank()``;
+    with TP only, the global rank is the TP rank)."""
     size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
-    rank = int(getattr(llm_args, "tp_rank", 0) or 0)
-    return size, rank
+    rank = getattr(llm_args, "tp_rank", None)
+    if rank is None:
+        rank = getattr(llm_args, "rank", 0)
+    return size, int(rank or 0)
 
 
 def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) -> Fingerprint:

@@ -1,5 +1,19 @@
 """What the producer and consumer services share: who they are (model, TP shard, key
-namespace, fingerprint), one service per instance id and process, metrics."""
+namespace, fingerprint), one service per (instance id, TP rank) and process, metrics.
+
+Tensor parallelism (homogeneous: producer and consumer run the same TP size N). Every rank
+of an instance has its own service: its own page pool (the rank's KV-head shard), and on a
+producer its own store, lease table and control server. Rank r's fingerprint and key
+namespace carry ``tp_rank=r``, so its keys differ from every other rank's: a block asked of
+the wrong rank reads as a miss, and a handshake pairing consumer rank r with producer rank
+s != r is refused (``INCOMPATIBLE_PEER`` naming ``tp_rank``). The leader-only scheduler of
+rank 0 derives every rank's fingerprint and key seed from its own (``fingerprint_for``,
+``namespace_seed(..., tp_rank=r)``): shards of a homogeneous TP cache have equal geometry.
+
+Control endpoints per rank (``rank_endpoint``): rank 0 binds the configured endpoint, rank r
+binds the same host with port + r (``ipc://path`` becomes ``ipc://path.r``); port 0 means any
+free port on every rank, so consumers then list the ranks' endpoints explicitly.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +21,8 @@ import logging
 import threading
 from collections import Counter
 from typing import Any, Generic, TypeVar
+
+import msgspec
 
 from .config import DisaggConfig
 from .identity import fingerprint_of, model_id_of, namespace_of, tp_of
@@ -18,31 +34,63 @@ log = logging.getLogger("disagg")
 S = TypeVar("S", bound="ConnectorService")
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Rank ``rank``'s control endpoint, given rank 0's: ``tcp://host:port`` -> port + rank
+    (port 0 stays 0: any free port), ``ipc://path`` -> ``ipc://path.rank``. Rank 0 is the
+    endpoint itself."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        p = int(port)
+        return f"tcp://{host}:{p + rank if p else 0}"
+    return f"{endpoint}.{rank}"
+
+
 class Registry(Generic[S]):
-    """One live service per instance id in this process. The scheduler and the worker of
-    an instance are built concurrently and must find the same one."""
+    """One live service per (instance id, TP rank) in this process (``by_rank``). The
+    scheduler (rank 0) and the workers of an instance are built concurrently and must find
+    their rank's one. ``services`` maps an instance id to its lowest rank's service here (a
+    real TP deployment runs one rank per process, so that is the process's only one)."""
 
     def __init__(self) -> None:
+        self.by_rank: dict[tuple[str, int], S] = {}
         self.services: dict[str, S] = {}
         self._lock = threading.Lock()
 
     def get(self, cls: type[S], config: DisaggConfig, llm_args: Any) -> S:
+        key = (str(config.instance_id), tp_of(llm_args)[1])
         with self._lock:
-            svc = self.services.get(str(config.instance_id))
+            svc = self.by_rank.get(key)
             if svc is None or svc.closed:
                 svc = cls(config, llm_args)
-                self.services[svc.name] = svc
+                self.by_rank[svc.key] = svc
+                first = self.services.get(svc.name)
+                if first is None or first.closed or svc.tp_rank < first.tp_rank:
+                    self.services[svc.name] = svc
             return svc
 
-    def live(self) -> list[S]:
-        """A snapshot of the open services (safe from any thread)."""
+    def ranks(self, name: str) -> list[S]:
+        """Every rank's service of instance ``name`` in this process, rank order."""
         with self._lock:
-            return [s for s in self.services.values() if not s.closed]
+            return sorted(
+                (s for (n, _), s in self.by_rank.items() if n == name), key=lambda s: s.tp_rank
+            )
+
+    def live(self) -> list[S]:
+        """A snapshot of the open services, every rank (safe from any thread)."""
+        with self._lock:
+            return [s for s in self.by_rank.values() if not s.closed]
 
     def forget(self, svc: S) -> None:
         with self._lock:
+            if self.by_rank.get(svc.key) is svc:
+                del self.by_rank[svc.key]
             if self.services.get(svc.name) is svc:
                 del self.services[svc.name]
+                rest = [s for (n, _), s in self.by_rank.items() if n == svc.name and not s.closed]
+                if rest:
+                    self.services[svc.name] = min(rest, key=lambda s: s.tp_rank)
 
 
 class ConnectorService:
@@ -57,16 +105,17 @@ class ConnectorService:
         self.name: str = config.instance_id
         self.model_id = model_id_of(llm_args, config.model_id)
         self.tp_size, self.tp_rank = tp_of(llm_args)
-        if self.tp_size != 1:
-            raise NotImplementedError(
-                f"disagg {self.role}: tensor_parallel_size={self.tp_size} is not supported "
-                f"yet; run {self.shard_hint} with TP=1"
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"disagg {self.role}: tp rank {self.tp_rank} is outside "
+                f"tensor_parallel_size={self.tp_size}"
             )
+        self.key = (self.name, self.tp_rank)  # the registry's key
         self.pool: PagePool | None = None
         self.fingerprint: Fingerprint | None = None
         self.metrics: Counter[str] = Counter()
         self.closed = False
-        self._seeds: dict[str | None, bytes] = {}
+        self._seeds: dict[tuple[str | None, int], bytes] = {}
 
     def _attach_pool(self, pool: PagePool) -> None:
         """Registration: remember the engine's pages and who that makes us."""
@@ -82,10 +131,20 @@ class ConnectorService:
             except OSError as exc:  # a busy port must not take the connector down
                 log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
 
-    def namespace_seed(self, cache_salt: str | None) -> bytes:
-        """The key-chain seed for this cache and ``cache_salt`` (cached per salt)."""
-        seed = self._seeds.get(cache_salt)
+    def fingerprint_for(self, tp_rank: int) -> Fingerprint:
+        """Rank ``tp_rank``'s fingerprint: ours with that rank (homogeneous TP: every shard
+        has the same geometry). The leader uses it to speak for every rank."""
+        assert self.fingerprint is not None, "no KV cache registered yet"
+        if tp_rank == self.fingerprint.tp_rank:
+            return self.fingerprint
+        return msgspec.structs.replace(self.fingerprint, tp_rank=tp_rank)
+
+    def namespace_seed(self, cache_salt: str | None, tp_rank: int | None = None) -> bytes:
+        """The key-chain seed for ``cache_salt`` on rank ``tp_rank`` (default: ours),
+        cached per (salt, rank). Keys differ per rank (DESIGN §3)."""
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        seed = self._seeds.get((cache_salt, rank))
         if seed is None:
-            assert self.fingerprint is not None, "no KV cache registered yet"
-            seed = self._seeds[cache_salt] = namespace_of(self.fingerprint, cache_salt).seed()
+            fp = self.fingerprint_for(rank)
+            seed = self._seeds[(cache_salt, rank)] = namespace_of(fp, cache_salt).seed()
         return seed

@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from disagg.consumer.service import _registry as consumer_registry
 from disagg.consumer.service import _services as consumer_services
 from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
+from disagg.producer.service import _registry as producer_registry
 from disagg.producer.service import _services as producer_services
 
 _ids = itertools.count()
@@ -40,7 +42,7 @@ def prompts(n: int = 3, length: int = 200, seed: int = 1) -> list[list[int]]:
 
 
 def close_all_services() -> None:
-    for svc in [*producer_services.values(), *consumer_services.values()]:
+    for svc in [*producer_registry.live(), *consumer_registry.live()]:  # every TP rank
         svc.close()
 
 
@@ -73,15 +75,29 @@ def make_producer(
     return _engine(cfg, "producer", conf), producer_services[name]
 
 
+def rank_services(svc: Any) -> list[Any]:
+    """Every TP rank's service of ``svc``'s instance (rank order), ``svc`` being rank 0's."""
+    reg = producer_registry if svc.role == "producer" else consumer_registry
+    ranks = reg.ranks(svc.name)
+    assert [s.tp_rank for s in ranks] == list(range(svc.tp_size))
+    return ranks
+
+
+def rank_endpoints(psvc: Any) -> list[str]:
+    """A TP producer's control endpoints, rank order (for ``consumer.producers`` entries)."""
+    return [s.endpoint for s in rank_services(psvc)]
+
+
 def make_consumer(
     cfg: EngineConfig,
-    endpoints: list[str],
+    endpoints: list[Any],
     model_id: str | None = None,
     security: dict[str, Any] | None = None,
     transport: str | None = None,
     **section: Any,
 ) -> tuple[Engine, Any]:
-    """A consumer engine claiming from ``endpoints``, and its service."""
+    """A consumer engine claiming from ``endpoints`` (each an endpoint, or a TP producer's
+    rank endpoints as a list), and its rank-0 service."""
     name = f"c{next(_ids)}"
     conf: dict[str, Any] = {
         "role": "consumer",

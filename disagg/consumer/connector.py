@@ -5,6 +5,15 @@ holds, captures destination slots from the allocation callback, and hands loads 
 worker in the metadata. Worker: asks the producer to push, reports completion through
 ``get_finished``, and raises an error naming the request before any forward pass could
 read pages whose load failed (there is no API to report a failed load).
+
+Tensor parallelism (TP=N): the scheduler runs on rank 0 only. It computes every rank's keys
+and claims on every rank of a producer (``ConsumerService.claim``); the metadata carries,
+per load, the producer and each rank's lease id (``LoadPlan``), and the requests whose
+loads were dropped since the last metadata. Rank 0's worker shares the scheduler's ``Load``;
+rank r's worker builds its own from the plan and asks producer rank r to push into its own
+shard's slots (the slots are the same on every rank). Each rank's ``get_finished`` reports
+its own load, a failure on any rank raises naming the request before a forward pass on that
+rank reads the pages, and rank 0's keepalive renews and releases every rank's leases.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from ..pages import PagePool
 from ..protocol.keys import block_keys
-from .service import ConsumerService, Load, service_for
+from .service import Claimed, ConsumerService, Load, service_for
 
 log = logging.getLogger("disagg.consumer")
 
@@ -29,9 +38,23 @@ class KvLoadFailedError(RuntimeError):
 
 
 @dataclass
+class LoadPlan:
+    """TP > 1: what a rank other than 0 needs to start its shard's load of a request."""
+
+    request_id: int
+    producer: int  # index into consumer.producers
+    lease_ids: list[int]  # per producer rank, rank order
+    num_blocks: int
+    first_block: int
+    dst_slots: list[list[int]]
+
+
+@dataclass
 class ConsumerMeta:
     loads: list[int] = field(default_factory=list)  # request ids whose load starts now
     scheduled: list[int] = field(default_factory=list)  # every request computed this pass
+    plans: list[LoadPlan] = field(default_factory=list)  # TP > 1: the loads, for ranks > 0
+    dropped: list[int] = field(default_factory=list)  # TP > 1: loads released since last
 
 
 class ConsumerScheduler(KvCacheConnectorScheduler):
@@ -42,6 +65,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
         self.is_async = self.service.ccfg.load_mode == "async"
+        self._dropped: list[int] = []  # TP > 1: told to the other ranks in the next metadata
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -64,12 +88,14 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         if offerable <= first:
             return 0, False
         try:
-            keys = block_keys(
-                svc.namespace_seed(getattr(request, "cache_salt", None)),
-                prompt[: offerable * tpb],
-                tpb,
-            )
-            claimed = svc.claim(rid, keys[first:offerable])
+            salt = getattr(request, "cache_salt", None)
+            keys = [  # every rank's keys (its namespace carries its tp_rank)
+                block_keys(svc.namespace_seed(salt, tp_rank=r), prompt[: offerable * tpb], tpb)[
+                    first:offerable
+                ]
+                for r in range(svc.tp_size)
+            ]
+            claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d failed; recomputing", rid)
             return 0, False
@@ -108,9 +134,24 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 for rd in [*scheduler_output.new_requests, *scheduler_output.cached_requests]
             ]
         )
+        tp = self.service.tp_size > 1
+        if tp:
+            meta.dropped, self._dropped = self._dropped, []
         for rid, load in self.service.loads.items():
             if not load.dispatched and load.dst_slots is not None and not load.done:
                 meta.loads.append(rid)
+                if tp:
+                    c = load.claimed
+                    meta.plans.append(
+                        LoadPlan(
+                            rid,
+                            c.link.index,
+                            [r.lease_id for r in c.all_ranks()],
+                            c.num_blocks,
+                            load.first_block,
+                            load.dst_slots,
+                        )
+                    )
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -137,6 +178,8 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         load = self.service.loads.pop(rid, None)
         if load is not None:
             self.service.release(load.claimed)
+            if self.service.tp_size > 1:
+                self._dropped.append(rid)
 
 
 class ConsumerWorker(KvCacheConnectorWorker):
@@ -150,6 +193,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         self._loading: set[int] = set()  # ids handed in through get_finished
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []
+        self._cancelled: set[int] = set()  # TP, ranks > 0: parked loads the leader dropped
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -166,6 +210,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, ConsumerMeta):
             return
+        if self.service.tp_rank != 0:
+            self._adopt_plans(meta)
         for rid in meta.loads:
             load = self.service.loads.get(rid)
             if load is None or load.dispatched:
@@ -175,6 +221,25 @@ class ConsumerWorker(KvCacheConnectorWorker):
             self.service.dispatch(load, layerwise=not self.is_async)
             if not self.is_async:
                 self._sync_pending.append(load)
+
+    def _adopt_plans(self, meta: ConsumerMeta) -> None:
+        """Ranks > 0: forget loads the leader dropped, and build this rank's ``Load`` of each
+        planned one (this rank's lease on producer rank r, the same destination slots)."""
+        svc, rank = self.service, self.service.tp_rank
+        for rid in meta.dropped:
+            load = svc.loads.pop(rid, None)
+            if load is not None and rid in self._loading and not load.done:
+                self._cancelled.add(rid)
+        for plan in meta.plans:
+            self._cancelled.discard(plan.request_id)
+            old = svc.loads.get(plan.request_id)
+            if old is not None and old.claimed.lease_id == plan.lease_ids[rank]:
+                continue  # seen already
+            link = svc.links[plan.producer]
+            claimed = Claimed(link, plan.lease_ids[rank], plan.num_blocks)
+            svc.loads[plan.request_id] = Load(
+                plan.request_id, claimed, plan.first_block, [list(g) for g in plan.dst_slots]
+            )
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before each layer: synchronous loads wait (bounded) for this layer's pages, and
@@ -212,7 +277,10 @@ class ConsumerWorker(KvCacheConnectorWorker):
         done = []
         for rid in list(self._loading):
             load = self.service.loads.get(rid)
+            if load is None and self.service.tp_rank != 0 and rid not in self._cancelled:
+                continue  # TP: this rank has not seen the leader's plan for it yet
             if load is None:  # released while parked: its pages were never (fully) written
+                self._cancelled.discard(rid)
                 done.append(rid)
                 self._failed[rid] = "its load was cancelled before the pages landed"
                 continue

@@ -20,6 +20,19 @@ granted TTL (``min(heartbeat_s, ttl / 3)``); a Renew is also the owner's heartbe
 consumer that dies loses its leases after the producer's OWNER_DEAD_AFTER or LEASE_TTL.
 Releases are queued and sent by the same thread; a failed one is counted and left to
 the producer's TTL.
+
+Tensor parallelism (TP=N on both sides, see ``service_base``): one service per rank. Each
+configured producer has N control endpoints (``consumer.producers``: rank 0's endpoint with
+rank r at port + r, or an explicit list of the ranks' endpoints). Rank r's service links to
+rank r of every producer (``links``), for the pushes into its own head shard. Rank 0's
+service, which the leader-only scheduler uses, also links to every rank of every producer
+(``rank_links[p][r]``, greeting rank r with rank r's fingerprint) and claims on all of them:
+a block is offered only if every rank holds it (the minimum of the grants; a rank granted
+more is re-claimed for exactly that many, then its longer lease released). The claim's
+rank leases travel to the other ranks in the (picklable) metadata; renewals and releases of
+every rank's leases are sent by rank 0's keepalive. A rank grant that fails or times out
+makes the whole claim a miss (the granted leases are released; one that answers after the
+deadline expires by its TTL).
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,7 +53,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import Fingerprint
 from ..protocol.version import PROTOCOL_VERSION
-from ..service_base import ConnectorService, Registry
+from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlClient
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
@@ -68,7 +81,9 @@ _PEER_FAULTS = frozenset(
 )
 
 _registry: Registry[ConsumerService] = Registry()
-_services = _registry.services  # instance id -> live service (serve and metrics read it)
+# instance id -> its lowest rank's live service here (serve reads it); every rank's:
+# ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
+_services = _registry.services
 
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
@@ -91,10 +106,18 @@ class ProducerLink:
     behind a release (a release's unpin of a long prefix takes a while)."""
 
     def __init__(
-        self, endpoint: str, owner: str, timeout_s: float, curve: CurveClientKeys | None = None
+        self,
+        endpoint: str,
+        owner: str,
+        timeout_s: float,
+        curve: CurveClientKeys | None = None,
+        index: int = 0,
+        tp_rank: int = 0,
     ):
         self.endpoint = endpoint
         self.owner = owner
+        self.index = index  # which configured producer
+        self.tp_rank = tp_rank  # which of its ranks (greeted with that rank's fingerprint)
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
@@ -138,6 +161,11 @@ class Claimed:
     lease_id: int
     num_blocks: int
     ttl_s: float = 30.0  # as granted: the producer may cap what we asked for
+    # TP > 1, on the leader: the same blocks leased on the producer's ranks 1..N-1
+    ranks: list[Claimed] = field(default_factory=list)
+
+    def all_ranks(self) -> list[Claimed]:
+        return [self, *self.ranks]
 
 
 @dataclass
@@ -168,21 +196,40 @@ class ConsumerService(ConnectorService):
         self.ccfg = config.consumer
         self.owner = self.name  # the owner of our leases, as producers know us
         curve = client_keys_from(config.security)  # one key pair for every producer
-        self.links = [
-            ProducerLink(ep, self.owner, self.ccfg.claim_timeout_s, curve)
-            for ep in self.ccfg.producers
+        timeout = self.ccfg.claim_timeout_s
+        # rank_links[p][r]: producer p's rank r. Every rank links to its own rank; rank 0
+        # (the leader's) links to every rank, since the scheduler claims on all of them.
+        ranks = range(self.tp_size) if self.tp_rank == 0 else [self.tp_rank]
+        self.rank_links: list[dict[int, ProducerLink]] = [
+            {
+                r: ProducerLink(self._rank_endpoint(p, ep, r), self.owner, timeout, curve, p, r)
+                for r in ranks
+            }
+            for p, ep in enumerate(self.ccfg.producers)
         ]
+        self.links = [rl[self.tp_rank] for rl in self.rank_links]
         self.data: DataPlane | None = None
         self.loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
         self._releases: list[tuple[ProducerLink, int]] = []
         self._lock = threading.Lock()
         self._lookups = ThreadPoolExecutor(
-            max(1, len(self.links)), thread_name_prefix="disagg-lookup"
+            max(1, len(self.links) * len(ranks)), thread_name_prefix="disagg-lookup"
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
+
+    def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
+        """Producer ``p``'s rank ``rank``: listed explicitly, or rank 0's port + rank."""
+        if isinstance(ep, tuple):
+            if len(ep) != self.tp_size:
+                raise ValueError(
+                    f"consumer.producers[{p}] lists {len(ep)} rank endpoint(s), but this "
+                    f"consumer runs tensor_parallel_size={self.tp_size}: list one per rank"
+                )
+            return ep[rank]
+        return rank_endpoint(ep, rank)
 
     def attach(self, pool: PagePool) -> None:
         self._attach_pool(pool)
@@ -211,16 +258,24 @@ class ConsumerService(ConnectorService):
         if not ch.lock.acquire(timeout=timeout):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
-            return link.call(ch, msg, self.fingerprint, self.data.endpoint, timeout)
+            fp = self.fingerprint_for(link.tp_rank)
+            return link.call(ch, msg, fp, self.data.endpoint, timeout)
         finally:
             ch.lock.release()
 
     # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
-    def claim(self, request_id: int, keys: list[bytes]) -> Claimed | None:
+    def claim(
+        self, request_id: int, keys: list[bytes], rank_keys: list[list[bytes]] | None = None
+    ) -> Claimed | None:
         """Lease the longest run of ``keys`` any producer holds; None on a miss or on any
-        failure (a miss: the engine recomputes)."""
+        failure (a miss: the engine recomputes). TP > 1 (leader only): ``keys`` are rank 0's
+        and ``rank_keys[r - 1]`` rank r's keys of the same blocks; every rank of the chosen
+        producer is claimed and the run every rank holds is leased (``_claim_ranks``)."""
         if self.fingerprint is None or not keys:
             return None
+        if self.tp_size > 1:
+            if self.tp_rank != 0 or rank_keys is None or len(rank_keys) != self.tp_size - 1:
+                raise ValueError("a TP claim needs the leader and every rank's keys")
         links = [lk for lk in self.links if lk.usable()]
         if not links:
             self.metrics["claims_no_producer"] += 1
@@ -228,6 +283,12 @@ class ConsumerService(ConnectorService):
         if len(links) > 1:
             links = self._rank_by_lookup(links, keys)
         for link in links:
+            if self.tp_size > 1:
+                assert rank_keys is not None
+                got = self._claim_ranks(link.index, request_id, [keys, *rank_keys])
+                if got is not None:
+                    return got
+                continue
             try:
                 ok = self._call(
                     link,
@@ -257,6 +318,87 @@ class ConsumerService(ConnectorService):
         self.metrics["claims_miss"] += 1
         return None
 
+    def _claim_ranks(self, p: int, request_id: int, keys: list[list[bytes]]) -> Claimed | None:
+        """TP: claim ``keys[r]`` on producer ``p``'s rank r, all ranks in parallel; lease the
+        shortest run granted (a block is offered only if every rank holds it). A rank that
+        granted more is re-claimed for exactly that run, then its longer lease released (the
+        blocks stay pinned throughout). Any rank failing is a miss; granted leases go back."""
+        links = [self.rank_links[p][r] for r in range(self.tp_size)]
+        if not all(lk.usable() for lk in links):
+            self.metrics["claims_rank_down"] += 1
+            return None
+        grants = self._claim_all(links, request_id, keys)
+        if grants is not None:
+            n = min(g.num_blocks for g in grants)
+            if 0 < n < max(g.num_blocks for g in grants):
+                self.metrics["claims_rank_short"] += 1
+                longer = [r for r, g in enumerate(grants) if g.num_blocks > n]
+                again = self._claim_all(
+                    [links[r] for r in longer], request_id, [keys[r][:n] for r in longer]
+                )
+                for r in longer:  # the longer lease: its blocks are pinned by the new one
+                    self.release(grants[r])
+                    grants[r] = Claimed(links[r], 0, 0)
+                if again is not None:
+                    for r, g in zip(longer, again):
+                        grants[r] = g
+            if all(g.num_blocks == n > 0 for g in grants):
+                self.metrics["claims_hit"] += 1
+                ttl = min(g.ttl_s for g in grants)
+                if ttl < self._renew_ttl_s:  # renew often enough for the granted TTL
+                    self._renew_ttl_s = ttl
+                    self._wake.set()
+                first = grants[0]
+                return Claimed(first.link, first.lease_id, n, ttl, ranks=grants[1:])
+            for g in grants:
+                if g.lease_id:
+                    self.release(g)
+        self.metrics["claims_miss"] += 1
+        return None
+
+    def _claim_all(
+        self, links: list[ProducerLink], request_id: int, keys: list[list[bytes]]
+    ) -> list[Claimed] | None:
+        """``Claim(keys[i])`` on ``links[i]``, in parallel, each bounded by its own deadline
+        (and the whole by three times ``claim_timeout_s``: lock, Hello, call). None if any
+        failed (what the others granted is released)."""
+        futs = [
+            self._lookups.submit(
+                self._call,
+                lk,
+                m.Claim(
+                    v=V,
+                    owner=self.owner,
+                    request_id=str(request_id),
+                    keys=k,
+                    ttl_s=self.ccfg.lease_ttl_s,
+                ),
+            )
+            for lk, k in zip(links, keys)
+        ]
+        wait(futs, timeout=3 * self.ccfg.claim_timeout_s)
+        grants: list[Claimed] = []
+        failed = False
+        for lk, f in zip(links, futs):
+            exc = f.exception() if f.done() else TimeoutError("no answer within the deadline")
+            if exc is None:
+                ok = f.result()
+                grants.append(Claimed(lk, ok.lease_id, ok.num_blocks, ok.ttl_s))
+                continue
+            failed = True
+            self.metrics["claims_failed"] += 1
+            if isinstance(exc, ProtocolError) and exc.code is ErrorCode.INCOMPATIBLE_PEER:
+                self.metrics["handshake_refused"] += 1
+                log.warning("producer %s refused us: %s", lk.endpoint, exc.message)
+            else:
+                log.info("claim on %s failed (a miss): %s", lk.endpoint, exc)
+        if failed:
+            for g in grants:
+                if g.lease_id:
+                    self.release(g)
+            return None
+        return grants
+
     def _rank_by_lookup(self, links: list[ProducerLink], keys: list[bytes]) -> list[ProducerLink]:
         """Ask every producer in parallel how much it holds; best first, misses dropped."""
         msg = m.Lookup(v=V, owner=self.owner, keys=keys)
@@ -270,9 +412,12 @@ class ConsumerService(ConnectorService):
         return [lk for _, lk in held]
 
     def release(self, claimed: Claimed) -> None:
-        """Queue the release; the keepalive thread sends it (never the engine thread)."""
+        """Queue the release (of every rank's lease, TP > 1); the keepalive thread sends it
+        (never the engine thread)."""
         with self._lock:
-            self._releases.append((claimed.link, claimed.lease_id))
+            for c in claimed.all_ranks():
+                if c.lease_id:
+                    self._releases.append((c.link, c.lease_id))
         self._wake.set()
 
     # -- loads (engine thread; never waits past a deadline) ------------------------------
@@ -395,9 +540,12 @@ class ConsumerService(ConnectorService):
                 log.exception("keepalive pass failed")
 
     def _renew_held(self) -> None:
+        if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
+            return
         held: dict[ProducerLink, list[int]] = {}
         for load in list(self.loads.values()):
-            held.setdefault(load.claimed.link, []).append(load.claimed.lease_id)
+            for c in load.claimed.all_ranks():
+                held.setdefault(c.link, []).append(c.lease_id)
         for link, ids in held.items():
             try:
                 ok = self._call(
@@ -439,8 +587,9 @@ class ConsumerService(ConnectorService):
         self._wake.set()
         self._send_releases()
         self.closed = True
-        for link in self.links:
-            link.close()
+        for rl in self.rank_links:
+            for link in rl.values():
+                link.close()
         if self.data is not None:
             self.data.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)

@@ -4,6 +4,14 @@ Thin on purpose: the scheduler turns ``SchedulerOutput`` deltas into save plans 
 completed blocks, under which content keys, from which page slots); the worker copies
 those pages into the block store layer by layer and commits them. Everything else
 (store, leases, control server, pushes) is engine-neutral and lives in ``service.py``.
+
+Tensor parallelism (TP=N): the scheduler runs on rank 0 only and plans every rank's saves:
+the same blocks and page slots on every rank (slots are rank-independent), under each
+rank's own keys (the namespace carries ``tp_rank``; ``SaveOp.keys_for(rank)``). Every rank's
+worker copies its own head shard into its own rank's store. ``request_finished`` answers for
+all ranks: with N > 1 it holds the pages of any request that had a save planned, and each
+rank's ``get_finished`` reports the request once that rank's own saves landed (the runtime
+intersects the ranks' answers).
 """
 
 from __future__ import annotations
@@ -27,11 +35,18 @@ log = logging.getLogger("disagg.producer")
 
 @dataclass
 class SaveOp:
-    """Save ``keys`` (consecutive completed blocks of one request) from these page slots."""
+    """Save ``keys`` (consecutive completed blocks of one request) from these page slots.
+    ``keys`` are rank 0's; ``rank_keys[r - 1]`` are rank r's keys of the same blocks (TP > 1:
+    empty with TP = 1)."""
 
     request_id: int
     keys: list[bytes]
     slots: list[list[int]]  # [group][i]: the page slot of keys[i] in that group
+    rank_keys: list[list[bytes]] = field(default_factory=list)
+
+    def keys_for(self, rank: int) -> list[bytes]:
+        """Rank ``rank``'s keys of these blocks."""
+        return self.keys if rank == 0 else self.rank_keys[rank - 1]
 
 
 @dataclass
@@ -44,8 +59,9 @@ class _RequestState:
     cache_salt: str | None
     tokens: list[int] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)  # per group, per block ordinal
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[list[bytes]] = field(default_factory=list)  # per TP rank, per block ordinal
     planned: int = 0  # blocks [0, planned) were considered for saving
+    saved: bool = False  # a save was planned (TP > 1: request_finished holds its pages)
 
 
 class ProducerScheduler(KvCacheConnectorScheduler):
@@ -81,11 +97,14 @@ class ProducerScheduler(KvCacheConnectorScheduler):
             return meta
         tpb = ns_fp.tokens_per_block
         groups = len(ns_fp.groups)
+        ranks = self.service.tp_size
         for rd in [*scheduler_output.new_requests, *scheduler_output.cached_requests]:
             st = self._requests.get(rd.request_id)
             if st is None:
                 st = _RequestState(
-                    getattr(rd, "cache_salt", None), slots=[[] for _ in range(groups)]
+                    getattr(rd, "cache_salt", None),
+                    slots=[[] for _ in range(groups)],
+                    keys=[[] for _ in range(ranks)],
                 )
                 self._requests[rd.request_id] = st
             st.tokens.extend(rd.new_tokens)
@@ -94,25 +113,31 @@ class ProducerScheduler(KvCacheConnectorScheduler):
             full = end // tpb
             if full <= st.planned:
                 continue
-            if len(st.keys) < full:
-                seed = self.service.namespace_seed(st.cache_salt)
-                prev = st.keys[-1] if st.keys else None
-                st.keys.extend(
-                    block_keys(
-                        seed, st.tokens[: full * tpb], tpb, start_block=len(st.keys), prev=prev
+            for rank, keys in enumerate(st.keys):  # every rank's own key chain
+                if len(keys) < full:
+                    seed = self.service.namespace_seed(st.cache_salt, tp_rank=rank)
+                    prev = keys[-1] if keys else None
+                    keys.extend(
+                        block_keys(
+                            seed, st.tokens[: full * tpb], tpb, start_block=len(keys), prev=prev
+                        )
                     )
-                )
             op = _save_op(rd.request_id, st, st.planned, full)
             st.planned = full
             if op is not None:
+                st.saved = True
                 meta.saves.append(op)
                 self.service.note_saving(rd.request_id, len(op.keys))
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Once at the end: ``True`` while this request's saves are in flight (its pages are
-        still being read); ``get_finished`` reports it once they landed."""
-        self._requests.pop(request.request_id, None)
+        still being read); ``get_finished`` reports it once they landed. With TP > 1 the
+        other ranks' saves are not visible here: any request that had a save planned is
+        held, and every rank reports it once its own saves landed."""
+        st = self._requests.pop(request.request_id, None)
+        if self.service.tp_size > 1 and st is not None and st.saved:
+            return True
         return self.service.saves_in_flight(request.request_id)
 
     def request_finished_by_layer_group(
@@ -138,11 +163,8 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     keep = [i for i in range(start, end) if all(i < len(g) and g[i] >= 0 for g in st.slots)]
     if not keep:
         return None
-    return SaveOp(
-        request_id,
-        [st.keys[i] for i in keep],
-        [[g[i] for i in keep] for g in st.slots],
-    )
+    keys = [[k[i] for i in keep] for k in st.keys]
+    return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -225,7 +247,8 @@ class _PassPlan:
 
     @classmethod
     def build(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:
-        keys = [k for op in saves for k in op.keys]
+        rank = service.tp_rank
+        keys = [k for op in saves for k in op.keys_for(rank)]
         groups = len(saves[0].slots)
         slots = np.array(
             [[s for op in saves for s in op.slots[g]] for g in range(groups)], dtype=np.int64

@@ -1,7 +1,15 @@
 """The producer's engine-neutral core: block store, leases, control server, pushes.
 
-One service per producer instance and process; the scheduler and the worker of that
-instance share it (they are built concurrently, so ``service_for`` is locked). Threads:
+One service per producer instance, TP rank and process; the scheduler (rank 0 only) and
+rank 0's worker share rank 0's (they are built concurrently, so ``service_for`` is locked).
+
+Tensor parallelism (TP=N, see ``service_base``): each rank's service holds its own shard:
+its own store (keys namespaced by its ``tp_rank``), lease table and control server, bound
+at ``rank_endpoint(producer.control, rank)`` (port + rank). The rank-0 scheduler plans every
+rank's saves (``SaveOp.keys_by_rank``); each rank's worker stores its shard under its own
+keys and accounts its own saves in flight. Consumers claim on every rank and push from rank
+r to rank r. Only rank 0 publishes store events (``producer.events``): the ranks' stores hold
+the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
 
 - the control server answers peers (handshake, lookup, claim, renew, release, push);
 - a push pool waits (bounded) for leased blocks to be STORED and streams them through the
@@ -45,7 +53,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
-from ..service_base import ConnectorService, Registry
+from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
 from ..transport.dataplane import DataPlane
 from ..transport.events import EventPublisher
@@ -58,7 +66,9 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
-_services = _registry.services  # instance id -> live service (serve and metrics read it)
+# instance id -> its lowest rank's live service here (serve reads it); every rank's:
+# ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
+_services = _registry.services
 
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
@@ -98,7 +108,7 @@ class ProducerService(ConnectorService):
     def attach(self, pool: PagePool) -> None:
         """Called by the worker's registration: size the store and start serving."""
         self._attach_pool(pool)
-        if self.pcfg.events:
+        if self.pcfg.events and self.tp_rank == 0:
             self.events = EventPublisher(self.pcfg.events, producer=self.name, curve=self._curve)
         self.store = BlockStore(
             pool.block_bytes,
@@ -114,13 +124,16 @@ class ProducerService(ConnectorService):
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
         )
         self.data = make_data_plane(self.config.transport)
-        self.server = ControlServer(self.pcfg.control, self._handle, curve=self._curve)
+        control = rank_endpoint(self.pcfg.control, self.tp_rank)
+        self.server = ControlServer(control, self._handle, curve=self._curve)
         self.server.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
         self._sweeper.start()
         log.info(
-            "producer %s serving on %s: store %d blocks of %d B",
+            "producer %s rank %d/%d serving on %s: store %d blocks of %d B",
             self.name,
+            self.tp_rank,
+            self.tp_size,
             self.server.endpoint,
             self.store.capacity,
             pool.block_bytes,
@@ -147,7 +160,13 @@ class ProducerService(ConnectorService):
             self._in_flight[request_id] += n
 
     def note_planned(self, saves: list[Any], kept: dict[int, int]) -> None:
-        """Saves the store deduplicated or dropped are not in flight."""
+        """Saves the store deduplicated or dropped are not in flight. Rank 0's scheduler
+        counted every planned save already (``note_saving``); the other ranks have no
+        scheduler, so their worker counts only what its store kept."""
+        if self.tp_rank != 0:
+            with self._in_flight_lock:
+                self._in_flight.update({rid: n for rid, n in kept.items() if n > 0})
+            return
         planned: Counter[int] = Counter()
         for op in saves:
             planned[op.request_id] += len(op.keys)

@@ -146,3 +146,20 @@ def metric(text: str, name: str) -> float:
             found = True
     assert found, f"{name} not in metrics"
     return total
+
+
+def wait_prefix_route(proxy_url: str, tokens: list[int], timeout_s: float = 15.0) -> None:
+    """Repeat a prompt until the proxy routes it by prefix: the producer's stored events
+    (and the proxy's discovery of its event stream) reach the proxy asynchronously."""
+    import time
+
+    routed = 'disagg_proxy_routing_total{reason="prefix"}'
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = post(f"{proxy_url}/v1/completions", {"prompt": tokens, "max_tokens": 2})
+        assert status == 200, body
+        _, px = get(f"{proxy_url}/metrics")
+        if routed in px and metric(px, routed) >= 1:
+            return
+        assert time.monotonic() < deadline, "the proxy never routed by prefix"
+        time.sleep(0.2)
