@@ -226,7 +226,7 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
         tx.send_multipart([encode(head), layer0.numpy().tobytes()])
         csvc.wait_layer(load, 0)
         assert not load.done and load.error is None
-        landed = torch.cat([r[slots] for r in pool.layer_regions(0)], dim=1)
+        landed = torch.cat([r[slots].cpu() for r in pool.layer_regions(0)], dim=1)
         assert torch.equal(landed, layer0)
         load.deadline = time.monotonic() + 0.3
         csvc.wait_layer(load, 1)  # layer 1 never comes
