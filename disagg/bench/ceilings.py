@@ -116,13 +116,21 @@ def gpu_ceilings(nbytes: int, repeats: int) -> dict[str, float]:
         ("pinned_d2h", lambda: host.copy_(dev, non_blocking=True)),
         ("d2d", lambda: dev2.copy_(dev)),
     ):
-        times = []
-        for i in range(repeats + 1):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t)
-        out[name] = nbytes / median(times) / 1e9
+        out[name] = nbytes / cuda_time(fn, repeats) / 1e9
     return out
+
+
+def cuda_time(fn: Any, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, the device
+    synchronised around each run (so queued GPU work is timed, not just its launch)."""
+    import torch
+
+    times = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t)
+    return median(times)

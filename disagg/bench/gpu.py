@@ -20,38 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
-from .units import median, parse_size
-
-
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    import torch
-
-    times = []
-    for i in range(repeats + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t)
-    return median(times)
-
-
-def _ceilings(nbytes: int, repeats: int) -> dict[str, float]:
-    import torch
-
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty_like(dev)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return {
-        "pinned_d2h": nbytes / _time(lambda: host.copy_(dev, non_blocking=True), repeats) / 1e9,
-        "pinned_h2d": nbytes / _time(lambda: dev.copy_(host, non_blocking=True), repeats) / 1e9,
-        "d2d": nbytes / _time(lambda: dev2.copy_(dev), repeats) / 1e9,
-    }
+from .ceilings import cuda_time, gpu_ceilings
+from .units import parse_size
 
 
 def _pool(n_slots: int, page_bytes: int, layers: int) -> Any:
@@ -117,17 +89,17 @@ def bench_page_size(
         land(copy, slab)
 
     host_store = torch.empty((n, page), dtype=torch.uint8, pin_memory=True)
-    row("save pool->pinned store", _time(lambda: save(host_store, rows), repeats), "pinned_d2h")
+    row("save pool->pinned store", cuda_time(lambda: save(host_store, rows), repeats), "pinned_d2h")
     scattered_rows = torch.randperm(n, generator=gen)  # a store with scattered free rows
     row(
         "save pool->pinned store (rows scattered)",
-        _time(lambda: save(host_store, scattered_rows), repeats),
+        cuda_time(lambda: save(host_store, scattered_rows), repeats),
         "pinned_d2h",
     )
     got = host_store.index_select(0, scattered_rows).cuda()
     assert torch.equal(got, pool.read_pages(0, slots)), "scattered save corrupted pages"
     dev_store = torch.empty((n, page), dtype=torch.uint8, device="cuda")
-    row("save pool->device store", _time(lambda: save(dev_store, rows), repeats), "d2d")
+    row("save pool->device store", cuda_time(lambda: save(dev_store, rows), repeats), "d2d")
     save(host_store, rows)
     # byte check: the store rows hold exactly the pool pages
     assert torch.equal(host_store.cuda(), pool.read_pages(0, slots)), "save path corrupted pages"
@@ -135,7 +107,7 @@ def bench_page_size(
     pages = host_store
     row(
         "load pinned->device slots",
-        _time(lambda: pool.write_pages(0, slots, pages), repeats),
+        cuda_time(lambda: pool.write_pages(0, slots, pages), repeats),
         "pinned_h2d",
     )
     assert torch.equal(pool.read_pages(0, slots).cpu(), pages), "load path corrupted pages"
@@ -149,7 +121,7 @@ def bench_page_size(
         src_rows = rows.cuda()
         row(
             "ipc remote store->device slots",
-            _time(lambda: pool.write_pages(0, slots, gather_rows(remote, src_rows)), repeats),
+            cuda_time(lambda: pool.write_pages(0, slots, gather_rows(remote, src_rows)), repeats),
             "d2d",
         )
         assert torch.equal(pool.read_pages(0, slots), remote), "ipc path corrupted pages"
@@ -174,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     total = parse_size(args.total)
     sizes = [parse_size(s) for s in args.page_sizes.split(",") if s.strip()]
-    ceil = _ceilings(total, args.repeats)
+    ceil = gpu_ceilings(total, args.repeats)
     rows: list[dict[str, Any]] = []
     print(
         f"{torch.cuda.get_device_name()}: ceilings (GB/s) "
