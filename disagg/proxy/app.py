@@ -54,6 +54,19 @@ class UpstreamError(Exception):
         self.url, self.status, self.message, self.retryable = url, status, message, retryable
 
 
+def _all_failed(role: str, last: UpstreamError) -> web.Response:
+    """502 naming the last upstream of ``role`` that failed, and how."""
+    return _err_json(
+        f"every {role} failed; last: {role} {last.url}"
+        + (f" answered {last.status}" if last.status else "")
+        + f": {last.message}",
+        502,
+        "upstream_error",
+        upstream=last.url,
+        upstream_status=last.status,
+    )
+
+
 def _err_json(message: str, status: int, type_: str, **extra: Any) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": type_, "code": status, **extra}}, status=status
@@ -291,15 +304,7 @@ class ProxyState:
                 extra={"request_id": rid, "upstream": up.url, "status": status, "error": msg},
             )
         assert last is not None
-        return _err_json(
-            f"every producer failed; last: producer {last.url}"
-            + (f" answered {last.status}" if last.status else "")
-            + f": {last.message}",
-            502,
-            "upstream_error",
-            upstream=last.url,
-            upstream_status=last.status,
-        )
+        return _all_failed("producer", last)
 
     async def decode(
         self, request: web.Request, body: dict[str, Any], rid: str
@@ -339,15 +344,7 @@ class ProxyState:
                 upstream=last.url,
                 upstream_status=last.status,
             )
-        return _err_json(
-            f"every consumer failed; last: consumer {last.url}"
-            + (f" answered {last.status}" if last.status else "")
-            + f": {last.message}",
-            502,
-            "upstream_error",
-            upstream=last.url,
-            upstream_status=last.status,
-        )
+        return _all_failed("consumer", last)
 
     async def _decode_on(
         self, request: web.Request, up: Upstream, body: dict[str, Any], rid: str
