@@ -14,7 +14,7 @@ Schema (all sections are plain mappings; unknown keys are refused)::
     role: producer | consumer                # required
     instance_id: str                         # default "<role>-<hostname>-<pid>"
     model_id: str | null                     # overrides the model fingerprint source
-    transport: zmq | ucx                     # data plane, default zmq
+    transport: zmq | ucx | ipc               # data plane, default zmq (ipc: one host only)
     producer:                                # required when role = producer, refused otherwise
       control: endpoint to bind              # default tcp://127.0.0.1:0
       events: endpoint to bind | null        # stored/removed event stream (PUB), default off
@@ -87,7 +87,7 @@ __all__ = [
 
 ENV_VARS: tuple[str, ...] = ("TRTLLM_DISAGG_CONFIG", "DISAGG_CONFIG")
 ROLES: tuple[str, ...] = ("producer", "consumer")
-TRANSPORTS: tuple[str, ...] = ("zmq", "ucx")
+TRANSPORTS: tuple[str, ...] = ("zmq", "ucx", "ipc")
 STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
 LOAD_MODES: tuple[str, ...] = ("async", "sync")
 DEFAULT_HEARTBEAT_S = 5.0

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transport", choices=["zmq", "ucx"], default="zmq")
+    p.add_argument("--transport", choices=["zmq", "ucx", "ipc"], default="zmq")
     p.add_argument("--kv-manager", choices=["v1", "v2"], default="v2")
     p.add_argument(
         "--windows",

@@ -8,9 +8,12 @@ in the same run (CUDA only; CI has no GPU, so this runs on a lent H200).
 - **load** (consumer): pages from pinned host memory scattered into device page slots with
   ``PagePool.write_pages`` (ceiling pinned host->device).
 - **ipc** (same GPU, another process): a producer process's device store opened through
-  CUDA IPC, pages gathered from it and scattered into this process's device slots (ceiling
-  device->device). This is the medium a same-node plane uses; disagg's shipped data planes
-  (ZMQ, UCX) move host memory, so across processes on one GPU they stage through the host.
+  CUDA IPC, pages gathered from it and scattered into this process's device slots with
+  torch's index kernels (ceiling device->device): the medium alone.
+- **ipc plane** (same GPU, another process): the shipped same-host data plane
+  (``transport: ipc``) end to end: post_push in the producer process, the consumer's
+  checks, one Triton copy from the producer's store into random slots, the ack. With
+  ``--ipc-depths 1,4,8``, that many pushes of ``--total`` bytes each are in flight at once.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up, in GB/s (1e9 B/s).
 """
@@ -44,6 +47,106 @@ def _ipc_owner(q: Any, done: Any, rows: int, page_bytes: int) -> None:
     store = torch.randint(0, 255, (rows, page_bytes), dtype=torch.uint8, device="cuda")
     q.put(store)
     done.wait()
+
+
+def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -> None:
+    """Child: a producer process whose device store the ipc data plane exports. For each
+    round the parent names, it posts ``depth`` pushes of the same pages and times the
+    round until the receiver acked them all."""
+    import time
+
+    import torch
+
+    from ..transport.dataplane import StoreRows
+    from ..transport.ipc_plane import IpcDataPlane
+
+    plane = IpcDataPlane()
+    store = plane.register_source(
+        torch.randint(0, 255, (rows, page_bytes), dtype=torch.uint8, device="cuda")
+    )
+    q.put(store)  # for the parent's byte check (CUDA IPC through torch)
+    endpoint, src_rows, dst_slots, rounds = go.get()
+    pages = [(0, StoreRows(store, src_rows, ((0, page_bytes),)), dst_slots)]
+    tid, times = 0, []
+    try:
+        for depth in rounds:
+            t0 = time.perf_counter()
+            handles = []
+            for _ in range(depth):
+                tid += 1
+                handles.append(plane.post_push(endpoint, tid, 1, b"bench", pages))
+            for h in handles:
+                st = plane.wait_push(h, 60)
+                if not st.done:
+                    raise RuntimeError(f"push {h.transfer_id} failed: {st.error}")
+            times.append((depth, time.perf_counter() - t0))
+        out.put(("ok", times))
+    except Exception as exc:  # report, never hang the parent
+        out.put(("error", repr(exc)))
+    finally:
+        plane.close()
+
+
+def bench_ipc_plane(
+    page_bytes: int, total: int, repeats: int, ceil: dict[str, float], depths: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """The ipc data plane between two processes on one GPU: ``total`` bytes of pages
+    drawn at random from a store twice that size into random slots of a pool twice that
+    size, timed from the first post_push to the last ack. With depth d, d such pushes
+    are in flight at once (throughput; the receiver checks one push while the GPU copies
+    another). Median of ``repeats`` rounds per depth after one warm-up push."""
+    import statistics
+
+    import numpy as np
+    import torch
+    import torch.multiprocessing as mp
+
+    from ..transport.ipc_plane import IpcDataPlane
+
+    n = max(1, total // page_bytes)
+    gen = np.random.default_rng(page_bytes)
+    src_rows = gen.permutation(2 * n)[:n]
+    dst_slots = gen.permutation(2 * n)[:n]
+    pool = torch.zeros((2 * n, page_bytes), dtype=torch.uint8, device="cuda")
+    plane = IpcDataPlane()
+    plane.register_regions([[pool]])
+    rounds = [1] + [d for d in depths for _ in range(repeats)]  # first: warm-up
+    promised = [dst_slots.tolist()]
+    for tid in range(1, sum(rounds) + 1):
+        plane.expect(tid, 1, b"bench", [n], 300.0, promised)
+    ctx = mp.get_context("spawn")
+    q, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_plane_producer, args=(q, go, out, 2 * n, page_bytes))
+    child.start()
+    try:
+        store = q.get(timeout=120)
+        go.put((plane.endpoint, src_rows, dst_slots, rounds))
+        status, times = out.get(timeout=600)
+        if status != "ok":
+            raise RuntimeError(f"ipc plane producer: {times}")
+        want = store[torch.from_numpy(src_rows).cuda()]
+        got = pool[torch.from_numpy(dst_slots).cuda()]
+        assert torch.equal(got, want), "ipc plane corrupted pages"
+        del store, want, got
+    finally:
+        plane.close()
+        child.join(60)
+    rows = []
+    for depth in depths:
+        seconds = statistics.median(t for d, t in times[1:] if d == depth)
+        gbps = depth * n * page_bytes / seconds / 1e9
+        rows.append(
+            {
+                "path": f"ipc plane, {depth} push{'es' if depth > 1 else ''} in flight",
+                "page_bytes": page_bytes,
+                "pages": n,
+                "gbps": round(gbps, 2),
+                "ceiling": "d2d",
+                "ceiling_gbps": round(ceil["d2d"], 2),
+                "ratio": round(gbps / ceil["d2d"], 3),
+            }
+        )
+    return rows
 
 
 def bench_page_size(
@@ -137,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total", default="1GiB", help="bytes moved per timed run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layers", type=int, default=8, help="layers per page (save is layer-wise)")
+    p.add_argument("--ipc-only", action="store_true", help="only the ipc data plane rows")
+    p.add_argument("--ipc-depths", default="1,4", help="ipc plane rows: pushes in flight at once")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import torch
@@ -152,12 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}: ceilings (GB/s) "
         + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items())
     )
-    print(f"{'path':34} {'page':>8} {'GB/s':>8} {'ceiling':>12} {'ratio':>6}")
+    print(f"{'path':40} {'page':>8} {'GB/s':>8} {'ceiling':>12} {'ratio':>6}")
     for size in sizes:
-        for r in bench_page_size(size, total, args.repeats, args.layers, ceil):
+        found = (
+            [] if args.ipc_only else bench_page_size(size, total, args.repeats, args.layers, ceil)
+        )
+        depths = tuple(int(d) for d in args.ipc_depths.split(","))
+        for r in [*found, *bench_ipc_plane(size, total, args.repeats, ceil, depths)]:
             rows.append(r)
             print(
-                f"{r['path']:34} {r['page_bytes'] >> 10:>6}Ki {r['gbps']:>8.1f} "
+                f"{r['path']:40} {r['page_bytes'] >> 10:>6}Ki {r['gbps']:>8.1f} "
                 f"{r['ceiling']:>12} {r['ratio']:>6.2f}"
             )
     if args.json:

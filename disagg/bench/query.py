@@ -1,18 +1,22 @@
 """``disagg bench query``: ``get_num_new_matched_tokens`` latency, end to end.
 
 What is timed per call is what the consumer scheduler does (consumer/connector.py):
-``block_keys`` over the prompt, then ``ConsumerService.claim`` (a Claim round trip over
-the ZMQ control channel to a real ``ProducerService`` in another process on loopback,
-whose BlockStore holds every block of the prompt). The lease is released after each
-call, outside the timed section, and the next call starts only once the producer has
-answered that Release (so a claim is never timed waiting behind a release on the link).
-Each prompt is a fresh random token sequence. The first ``--warmup`` calls per prompt are
-not timed; p50/p99 are over ``--iters`` timed calls (default 200).
+``block_key_blob`` over the prompt (an int64 array), then ``ConsumerService.claim`` (a
+Claim round trip over the ZMQ control channel to a real ``ProducerService`` in another
+process on loopback, whose BlockStore holds every block of the prompt, saved as an engine
+saves them: passes of at most ``PASS_TOKENS`` tokens, each taking the next chunk of every
+prompt). The lease is released after each call, outside the timed section, and the next
+call starts only once the producer has answered that Release (so a claim is never timed
+waiting behind a release on the link). Each prompt is a fresh random token sequence. The
+first ``--warmup`` calls per prompt are not timed; p50/p99 are over ``--iters`` timed
+calls (default 200).
 
 In the same run, for each prompt size: the **floor**, a raw ZMQ DEALER->ROUTER round trip
 carrying a frame of the Claim's encoded size to a bare echo loop in another process (what
 the claim round trip costs with no work on either side), and a local breakdown: the
-Claim's MessagePack encode+decode and a ``BlockStore.pin`` of that many blocks.
+Claim's MessagePack encode+decode, a ``BlockStore.pin`` of that many blocks, and the keys
+of the same prompt handed over as a Python list of ints (how engines pass a request's
+tokens; the conversion to int64 is then part of the keys' cost).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ import numpy as np
 from .units import percentile
 
 _NS = "bench-model"
+# Tokens per forward pass when the producer saves the prompts (TensorRT-LLM's default
+# max_num_tokens): a long prompt's blocks come from several passes, each shared with the
+# other prompts' chunks, as chunked prefill of concurrent requests stores them.
+PASS_TOKENS = 8192
 
 
 def _config(role: str, tpb: int, producers: str | None = None, store_blocks: int = 0) -> Any:
@@ -56,21 +64,29 @@ def _pool(tpb: int) -> Any:
 
 def _producer(tpb: int, prompts: list[np.ndarray], conn: Any) -> None:
     from ..producer.service import ProducerService
-    from ..protocol.keys import block_keys
+    from ..protocol.keys import block_key_blob
 
     blocks = sum(len(p) // tpb for p in prompts)
     svc = ProducerService(_config("producer", tpb, store_blocks=blocks + 16), None)
     svc.attach(_pool(tpb))
-    seed = svc.namespace_seed(None)
-    for p in prompts:
-        keys = block_keys(seed, p, tpb)
-        rows = svc.store.plan(keys)
-        assert (rows >= 0).all(), "store too small for the benchmark prompts"
-        svc.store.mark_staging(keys)
-        svc.store.commit(keys)
+    _save(svc.store, [block_key_blob(svc.namespace_seed(None), p, tpb) for p in prompts], tpb)
     conn.send(svc.endpoint)
     conn.recv()  # until told to stop
     svc.close()
+
+
+def _save(store: Any, prompts_keys: list[Any], tpb: int) -> None:
+    """Store every prompt's blocks in passes of ``PASS_TOKENS`` tokens: pass j plans the
+    j-th chunk of every prompt still going, in prompt order (one ``plan`` per pass)."""
+    chunk = max(1, PASS_TOKENS // tpb)
+    for j in range(max(len(k) for k in prompts_keys) // chunk + 1):
+        keys = [k for pk in prompts_keys for k in pk[j * chunk : (j + 1) * chunk]]
+        if not keys:
+            continue
+        rows = store.plan(keys)
+        assert (rows >= 0).all(), "store too small for the benchmark prompts"
+        store.mark_staging(keys)
+        store.commit(keys)
 
 
 def _echo(conn: Any) -> None:
@@ -113,17 +129,17 @@ def _floor_ms(endpoint: str, nbytes: int, iters: int, warmup: int) -> list[float
 
 
 def _local_breakdown(seed: bytes, prompt: np.ndarray, tpb: int, iters: int) -> dict[str, float]:
-    """Encode+decode of the Claim, and pin+unpin on a local store of its blocks (p50 ms)."""
+    """Encode+decode of the Claim, pin+unpin on a local store of its blocks, and the keys
+    of the prompt as a list of ints (p50 ms)."""
     from ..producer.store import BlockStore
     from ..protocol import messages as m
-    from ..protocol.keys import block_keys
+    from ..protocol.keys import block_key_blob
 
-    keys = block_keys(seed, prompt, tpb)
+    keys = block_key_blob(seed, prompt, tpb)
     store = BlockStore(64, 64 * (len(keys) + 1))
-    store.plan(keys)
-    store.mark_staging(keys)
-    store.commit(keys)
-    codec, pin, unpin = [], [], []
+    _save(store, [keys], tpb)
+    as_list = prompt.tolist()
+    codec, pin, unpin, list_keys = [], [], [], []
     for i in range(min(iters, 100) + 3):
         t0 = time.perf_counter()
         m.decode(m.encode(m.Claim(owner="bench-consumer", request_id=str(i), keys=keys)))
@@ -132,14 +148,18 @@ def _local_breakdown(seed: bytes, prompt: np.ndarray, tpb: int, iters: int) -> d
         t2 = time.perf_counter()
         store.unpin(keys, entries)
         t3 = time.perf_counter()
+        block_key_blob(seed, as_list, tpb)
+        t4 = time.perf_counter()
         if i >= 3:
             codec.append((t1 - t0) * 1e3)
             pin.append((t2 - t1) * 1e3)
             unpin.append((t3 - t2) * 1e3)
+            list_keys.append((t4 - t3) * 1e3)
     return {
         "codec_p50_ms": percentile(codec, 50),
         "pin_p50_ms": percentile(pin, 50),
         "unpin_p50_ms": percentile(unpin, 50),
+        "list_keys_p50_ms": percentile(list_keys, 50),
     }
 
 
@@ -158,7 +178,7 @@ def run(
 ) -> dict[str, Any]:
     from ..consumer.service import ConsumerService
     from ..protocol import messages as m
-    from ..protocol.keys import block_keys
+    from ..protocol.keys import block_key_blob
 
     log = log or sys.stderr
     rng = np.random.default_rng(0)
@@ -183,7 +203,7 @@ def run(
             tot, keyt, claimt = [], [], []
             for i in range(iters + warmup):
                 t0 = time.perf_counter()
-                keys = block_keys(seed, prompt, tpb)
+                keys = block_key_blob(seed, prompt, tpb)
                 t1 = time.perf_counter()
                 claimed = svc.claim(i, keys)
                 t2 = time.perf_counter()
@@ -257,19 +277,20 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"{'prompt':>8s} {'blocks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'keys p50':>9s} "
         f"{'claim p50':>10s} {'claim p99':>10s} {'floor p50':>10s} {'floor p99':>10s} "
-        f"{'codec p50':>10s} {'pin p50':>8s}"
+        f"{'codec p50':>10s} {'pin p50':>8s} {'keys(list) p50':>15s}"
     ]
     for r in report["results"]:
         lines.append(
             f"{r['prompt_tokens']:8d} {r['blocks']:7d} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
             f"{r['keys_p50_ms']:9.3f} {r['claim_p50_ms']:10.3f} {r['claim_p99_ms']:10.3f} "
             f"{r['floor_p50_ms']:10.3f} {r['floor_p99_ms']:10.3f} {r['codec_p50_ms']:10.3f} "
-            f"{r['pin_p50_ms']:8.3f}"
+            f"{r['pin_p50_ms']:8.3f} {r['list_keys_p50_ms']:15.3f}"
         )
     lines.append(
         f"(ms; {report['iters']} timed calls per prompt after {report['warmup']} warm-up; "
         "floor: raw ZMQ round trip of the Claim's size to a bare echo process; codec: Claim "
-        "encode+decode; pin: BlockStore.pin of the prompt's blocks, both local)"
+        "encode+decode; pin: BlockStore.pin of the prompt's blocks; keys(list): the keys "
+        "of the prompt given as a list of ints, as engines pass tokens; all three local)"
     )
     return "\n".join(lines)
 

@@ -9,8 +9,10 @@ in for the control Push), and times go -> receiver DONE. Pages are verified afte
 (each landed slot starts with its source index). Peers (NIXL, Mooncake) move the same
 pages with their own APIs (peers.py); a peer that cannot run keeps its row, with the
 error. Medium ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a
-device-to-device copy for ``ucx-cuda`` (store and pool on cuda:0, two processes on the
-same GPU; without a CUDA device its rows say so instead of a figure).
+device-to-device copy for ``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two
+processes on the same GPU; without a CUDA device their rows say so instead of a figure).
+``ipc-shm``/``ipc-cuda`` are the same-host plane: the consumer copies from the producer's
+store (/dev/shm or CUDA IPC), so the medium is one copy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ import numpy as np
 from . import ceilings
 from .units import fmt_size, median, parse_size, parse_sizes
 
-ALL_TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ucx-tcp", "ucx-shm", "ucx-cuda", "nixl", "mooncake")
+ALL_TRANSPORTS = (
+    "zmq-tcp",
+    "zmq-ipc",
+    "ucx-tcp",
+    "ucx-shm",
+    "ucx-cuda",
+    "ipc-shm",
+    "ipc-cuda",
+    "nixl",
+    "mooncake",
+)
 # transport -> (reported transport, channel, medium whose ceiling applies)
 SPEC = {
     "zmq-tcp": ("zmq", "tcp", "tcp"),
@@ -40,6 +52,8 @@ SPEC = {
     "ucx-tcp": ("ucx", "tcp", "tcp"),
     "ucx-shm": ("ucx", "shm", "shm"),
     "ucx-cuda": ("ucx", "cuda", "d2d"),  # device memory both sides: UCX cuda_ipc
+    "ipc-shm": ("ipc", "shm", "shm"),  # the consumer copies out of the store's /dev/shm
+    "ipc-cuda": ("ipc", "cuda", "d2d"),  # ... out of the store's CUDA IPC mapping
     "nixl": ("nixl", "ucx", "shm"),  # nixl picks its UCX transports itself (shm locally)
     "mooncake": ("mooncake", "tcp", "tcp"),
 }
@@ -55,6 +69,10 @@ def _make_plane(name: str) -> Any:
 
         path = os.path.join(tempfile.gettempdir(), f"disagg-bench-{os.getpid()}.ipc")
         return ZmqDataPlane(f"ipc://{path}")
+    if name.startswith("ipc-"):
+        from ..transport.ipc_plane import IpcDataPlane
+
+        return IpcDataPlane()
     from ..transport.ucx_plane import UcxDataPlane
 
     if name == "ucx-cuda":  # worker-address endpoints: UCX picks cuda_ipc on one node
@@ -63,7 +81,7 @@ def _make_plane(name: str) -> Any:
 
 
 def _device(name: str) -> str:
-    return "cuda" if name == "ucx-cuda" else "cpu"
+    return "cuda" if name.endswith("-cuda") else "cpu"
 
 
 def _store(n: int, page_bytes: int) -> np.ndarray:
@@ -87,6 +105,9 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
         # the consumer's first message on the pipe: the plane is up
         plane = _make_plane(name)
         rows = torch.from_numpy(_store(n, page_bytes)).to(_device(name))
+        register = getattr(plane, "register_source", None)
+        if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
+            rows = register(rows)
         conn.send(("ready", None))
         while True:
             msg = conn.recv()

@@ -27,7 +27,7 @@ import torch
 from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from ..pages import PagePool
-from ..protocol.keys import block_keys
+from ..protocol.keys import block_key_blob
 from .service import Claimed, ConsumerService, Load, service_for
 
 log = logging.getLogger("disagg.consumer")
@@ -89,10 +89,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return 0, False
         try:
             salt = getattr(request, "cache_salt", None)
-            keys = [  # every rank's keys (its namespace carries its tp_rank)
-                block_keys(svc.namespace_seed(salt, tp_rank=r), prompt[: offerable * tpb], tpb)[
-                    first:offerable
-                ]
+            # every rank's keys (its namespace carries its tp_rank), packed; the prompt
+            # is hashed as is (a block past `offerable` at most, cheaper than a copy)
+            keys = [
+                block_key_blob(svc.namespace_seed(salt, tp_rank=r), prompt, tpb)[first:offerable]
                 for r in range(svc.tp_size)
             ]
             claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)

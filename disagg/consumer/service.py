@@ -41,6 +41,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import Fingerprint
+from ..protocol.keys import KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlClient
@@ -113,9 +115,11 @@ class ProducerLink:
         curve: CurveClientKeys | None = None,
         index: int = 0,
         tp_rank: int = 0,
+        transport: str = "zmq",
     ):
         self.endpoint = endpoint
         self.owner = owner
+        self.transport = transport  # our data plane: the producer refuses another one
         self.index = index  # which configured producer
         self.tp_rank = tp_rank  # which of its ranks (greeted with that rank's fingerprint)
         self.fg = _Channel(endpoint, timeout_s, curve)
@@ -137,6 +141,7 @@ class ProducerLink:
                         role="consumer",
                         fingerprint=fingerprint,
                         data_endpoint=data_endpoint,
+                        transport=self.transport,
                     ),
                     timeout_s=timeout_s,
                 )
@@ -202,7 +207,15 @@ class ConsumerService(ConnectorService):
         ranks = range(self.tp_size) if self.tp_rank == 0 else [self.tp_rank]
         self.rank_links: list[dict[int, ProducerLink]] = [
             {
-                r: ProducerLink(self._rank_endpoint(p, ep, r), self.owner, timeout, curve, p, r)
+                r: ProducerLink(
+                    self._rank_endpoint(p, ep, r),
+                    self.owner,
+                    timeout,
+                    curve,
+                    p,
+                    r,
+                    transport=config.transport,
+                )
                 for r in ranks
             }
             for p, ep in enumerate(self.ccfg.producers)
@@ -265,17 +278,24 @@ class ConsumerService(ConnectorService):
 
     # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
     def claim(
-        self, request_id: int, keys: list[bytes], rank_keys: list[list[bytes]] | None = None
+        self,
+        request_id: int,
+        keys: KeyBlob | Sequence[bytes],
+        rank_keys: Sequence[KeyBlob | Sequence[bytes]] | None = None,
     ) -> Claimed | None:
         """Lease the longest run of ``keys`` any producer holds; None on a miss or on any
         failure (a miss: the engine recomputes). TP > 1 (leader only): ``keys`` are rank 0's
         and ``rank_keys[r - 1]`` rank r's keys of the same blocks; every rank of the chosen
-        producer is claimed and the run every rank holds is leased (``_claim_ranks``)."""
+        producer is claimed and the run every rank holds is leased (``_claim_ranks``).
+        Keys travel packed (``KeyBlob``, e.g. from ``block_key_blob``); a list is packed."""
         if self.fingerprint is None or not keys:
             return None
+        keys = KeyBlob.of(keys)
+        ranks: list[KeyBlob] = []
         if self.tp_size > 1:
             if self.tp_rank != 0 or rank_keys is None or len(rank_keys) != self.tp_size - 1:
                 raise ValueError("a TP claim needs the leader and every rank's keys")
+            ranks = [KeyBlob.of(k) for k in rank_keys]
         links = [lk for lk in self.links if lk.usable()]
         if not links:
             self.metrics["claims_no_producer"] += 1
@@ -284,8 +304,7 @@ class ConsumerService(ConnectorService):
             links = self._rank_by_lookup(links, keys)
         for link in links:
             if self.tp_size > 1:
-                assert rank_keys is not None
-                got = self._claim_ranks(link.index, request_id, [keys, *rank_keys])
+                got = self._claim_ranks(link.index, request_id, [keys, *ranks])
                 if got is not None:
                     return got
                 continue
@@ -318,7 +337,7 @@ class ConsumerService(ConnectorService):
         self.metrics["claims_miss"] += 1
         return None
 
-    def _claim_ranks(self, p: int, request_id: int, keys: list[list[bytes]]) -> Claimed | None:
+    def _claim_ranks(self, p: int, request_id: int, keys: list[KeyBlob]) -> Claimed | None:
         """TP: claim ``keys[r]`` on producer ``p``'s rank r, all ranks in parallel; lease the
         shortest run granted (a block is offered only if every rank holds it). A rank that
         granted more is re-claimed for exactly that run, then its longer lease released (the
@@ -357,7 +376,7 @@ class ConsumerService(ConnectorService):
         return None
 
     def _claim_all(
-        self, links: list[ProducerLink], request_id: int, keys: list[list[bytes]]
+        self, links: list[ProducerLink], request_id: int, keys: list[KeyBlob]
     ) -> list[Claimed] | None:
         """``Claim(keys[i])`` on ``links[i]``, in parallel, each bounded by its own deadline
         (and the whole by three times ``claim_timeout_s``: lock, Hello, call). None if any
@@ -399,7 +418,7 @@ class ConsumerService(ConnectorService):
             return None
         return grants
 
-    def _rank_by_lookup(self, links: list[ProducerLink], keys: list[bytes]) -> list[ProducerLink]:
+    def _rank_by_lookup(self, links: list[ProducerLink], keys: KeyBlob) -> list[ProducerLink]:
         """Ask every producer in parallel how much it holds; best first, misses dropped."""
         msg = m.Lookup(v=V, owner=self.owner, keys=keys)
         futs = {self._lookups.submit(self._call, lk, msg): lk for lk in links}

@@ -13,9 +13,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.keys import KeyBlob
 from .store import BlockStore, Entry
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -27,11 +31,13 @@ class Lease:
     lease_id: int
     owner: str
     request_id: str
-    keys: list[bytes]
+    keys: Sequence[bytes]  # as claimed: a KeyBlob (packed) from the wire, or a list
     entries: list[Entry]
     ttl_s: float
     deadline: float
     pushes: int = 0
+    rows: np.ndarray | None = None  # entries[i].row (from the claim's pin)
+    unique_rows: bool = False  # no entry listed twice (a vectorised unpin is exact)
 
 
 @dataclass
@@ -68,17 +74,28 @@ class LeaseTable:
         with self._lock:
             self._last_seen[owner] = time.monotonic() if now is None else now
 
-    def grant(self, owner: str, request_id: str, keys: list[bytes], ttl_s: float) -> Lease | None:
-        """Pin the longest held prefix of ``keys``; None when not even one block is held."""
+    def grant(
+        self, owner: str, request_id: str, keys: KeyBlob | Sequence[bytes], ttl_s: float
+    ) -> Lease | None:
+        """Pin the longest held prefix of ``keys`` (packed keys, as a Claim carries them, are
+        looked up a stored run at a time); None when not even one block is held."""
         now = time.monotonic()
         ttl = min(max(ttl_s, 0.1), self.max_ttl_s)
-        entries = self.store.pin(keys)
+        entries, rows, unique = self.store.pin_rows(keys)
         if not entries:
             return None
         with self._lock:
             self._last_seen[owner] = now
             lease = Lease(
-                next(self._ids), owner, request_id, keys[: len(entries)], entries, ttl, now + ttl
+                next(self._ids),
+                owner,
+                request_id,
+                keys[: len(entries)],
+                entries,
+                ttl,
+                now + ttl,
+                rows=rows,
+                unique_rows=unique,
             )
             self._leases[lease.lease_id] = lease
             self.stats.granted += 1
@@ -107,7 +124,12 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.owner == owner:
                 end = first + n
-                self.store.pin_entries(lease.keys[first:end], lease.entries[first:end])
+                self.store.pin_entries(
+                    lease.keys[first:end],
+                    lease.entries[first:end],
+                    None if lease.rows is None else lease.rows[first:end],
+                    lease.unique_rows,
+                )
                 return lease
         return self.get(owner, lease_id)  # raises the typed error (unknown or foreign)
 
@@ -132,7 +154,7 @@ class LeaseTable:
             if self._leases.pop(lease_id, None) is None:
                 return
             self.stats.released += 1
-        self.store.unpin(lease.keys, lease.entries)
+        self.store.unpin(lease.keys, lease.entries, lease.rows, lease.unique_rows)
 
     def sweep(self, now: float | None = None) -> int:
         """Free expired leases and every lease of owners silent past OWNER_DEAD_AFTER."""
@@ -154,7 +176,7 @@ class LeaseTable:
                     continue
                 freed.append(self._leases.pop(lid))
         for lease in freed:
-            self.store.unpin(lease.keys, lease.entries)
+            self.store.unpin(lease.keys, lease.entries, lease.rows, lease.unique_rows)
         return len(freed)
 
     def active(self) -> int:

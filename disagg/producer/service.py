@@ -48,14 +48,14 @@ import numpy as np
 import torch
 
 from ..config import DisaggConfig
-from ..pages import PagePool, gather_rows
+from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
-from ..transport.dataplane import DataPlane
+from ..transport.dataplane import DataPlane, StoreRows
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
@@ -124,6 +124,9 @@ class ProducerService(ConnectorService):
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
         )
         self.data = make_data_plane(self.config.transport)
+        register = getattr(self.data, "register_source", None)
+        if register is not None:  # a plane that reads the store where it lies (ipc)
+            self.store.slab = register(self.store.slab)
         control = rank_endpoint(self.pcfg.control, self.tp_rank)
         self.server = ControlServer(control, self._handle, curve=self._curve)
         self.server.start()
@@ -234,7 +237,8 @@ class ProducerService(ConnectorService):
         if isinstance(msg, m.Lookup):
             return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
         if isinstance(msg, m.Claim):
-            lease = self.leases.grant(owner, msg.request_id, list(msg.keys), msg.ttl_s)
+            # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
+            lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1
             if lease is None:
                 return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=msg.ttl_s)
@@ -266,6 +270,12 @@ class ProducerService(ConnectorService):
             )
         try:
             check_compatible(self.fingerprint, msg.fingerprint)
+            if msg.transport != self.config.transport:
+                raise ProtocolError(
+                    ErrorCode.INCOMPATIBLE_PEER,
+                    f"the consumer pushes over transport {msg.transport!r}, this producer over "
+                    f"{self.config.transport!r}: set the same `transport:` on both sides",
+                )
         except ProtocolError:
             self.metrics["handshake_refused"] += 1
             raise
@@ -368,7 +378,7 @@ class ProducerService(ConnectorService):
             keep = dst >= 0
             if keep.any():
                 cols = [(self.pool.page_offsets[g], geo.page_bytes)]
-                pages.append((g, self._rows(rows[keep], cols), dst[keep].tolist()))
+                pages.append((g, self._rows(rows[keep], cols), self._slots(dst[keep])))
         return pages
 
     def _layer_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
@@ -382,22 +392,19 @@ class ProducerService(ConnectorService):
             keep = dst >= 0
             if keep.any():
                 cols = self.pool.layer_store_columns(layer)
-                pages.append((base + i, self._rows(rows[keep], cols), dst[keep].tolist()))
+                pages.append((base + i, self._rows(rows[keep], cols), self._slots(dst[keep])))
         return pages
 
-    def _rows(self, rows: np.ndarray, cols: list[tuple[int, int]]) -> torch.Tensor:
-        """Source bytes ``[len(rows), sum(lengths)]`` from store columns: a view when the
-        rows are one run and the columns one span (zero copy), else one batched gather."""
-        r0 = int(rows[0])
-        run = np.array_equal(rows, np.arange(r0, r0 + len(rows)))
-        parts = []
-        for off, length in cols:
-            view = self.store.slab[:, off : off + length]
-            if run:
-                parts.append(view[r0 : r0 + len(rows)])
-            else:
-                parts.append(gather_rows(view, torch.from_numpy(rows)))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    def _slots(self, dst: np.ndarray) -> Any:
+        """Destination slots as the plane takes them fastest (an array, or a list)."""
+        return dst if getattr(self.data, "accepts_store_rows", False) else dst.tolist()
+
+    def _rows(self, rows: np.ndarray, cols: list[tuple[int, int]]) -> Any:
+        """The pages ``[len(rows), sum(lengths)]`` from store columns: left in the store
+        (StoreRows) for a plane that reads them there, else their bytes (a view when the
+        rows are one run and the columns one span, else one batched gather)."""
+        pages = StoreRows(self.store.slab, rows, tuple(cols))
+        return pages if getattr(self.data, "accepts_store_rows", False) else pages.materialize()
 
     # -- timeouts -----------------------------------------------------------------------
     def _sweep_loop(self) -> None:

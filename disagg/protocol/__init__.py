@@ -3,7 +3,7 @@ compatibility fingerprint, error codes. Knows nothing of sockets or engines."""
 
 from .errors import ErrorCode, ProtocolError
 from .fingerprint import Fingerprint, GroupGeometry, check_compatible
-from .keys import KEY_BYTES, Namespace, block_keys, page_key
+from .keys import KEY_BYTES, KeyBlob, Namespace, block_key_blob, block_keys, page_key
 from .messages import (
     ALL_MESSAGES,
     AnyMessage,
@@ -48,6 +48,7 @@ __all__ = [
     "Hello",
     "HelloOk",
     "KEY_BYTES",
+    "KeyBlob",
     "Lookup",
     "LookupOk",
     "MAX_CONTROL_FRAME",
@@ -67,6 +68,7 @@ __all__ = [
     "SnapshotRequest",
     "Stored",
     "TransferDone",
+    "block_key_blob",
     "block_keys",
     "check_compatible",
     "decode",

@@ -8,11 +8,15 @@ seed, so a mismatch reads as a miss, never as garbage. Only full blocks get keys
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import overload
 
 import numpy as np
 import xxhash
+
+from .version import MAX_KEYS
 
 KEY_BYTES = 16
 _DOMAIN = b"disagg/ns/v1"  # changes every key if the scheme ever changes
@@ -75,21 +79,138 @@ def block_keys(
     if len(h) != KEY_BYTES:
         raise ValueError(f"prev must be {KEY_BYTES} bytes, got {len(h)}")
 
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
-    n_full = arr.shape[0] // tpb
-    if n_full <= start_block:
-        return []
-    # One conversion to little-endian int64, then hash slices: no per-token Python work.
-    buf = np.ascontiguousarray(arr[start_block * tpb : n_full * tpb], dtype="<i8").tobytes()
-    step = tpb * 8
+    if isinstance(tokens, (list, tuple)):
+        n_full = len(tokens) // tpb
+        if n_full <= start_block:
+            return []
+        lo, hi = start_block * tpb, n_full * tpb
+        # Engines hand prompts over as lists of ints: one C-level pack of the slice we
+        # hash is the cheapest conversion to little-endian int64 (numpy's is slower).
+        try:
+            buf = struct.pack(f"<{hi - lo}q", *tokens[lo:hi])
+        except struct.error:  # not plain ints (floats, out of range): numpy decides
+            buf = np.asarray(tokens[lo:hi]).astype("<i8").tobytes()
+    else:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+        n_full = arr.shape[0] // tpb
+        if n_full <= start_block:
+            return []
+        buf = np.ascontiguousarray(arr[start_block * tpb : n_full * tpb], dtype="<i8").tobytes()
+    # One C-level split into per-block byte strings, then one digest per block: the chain
+    # makes the loop inherently sequential, so its body is a concat and a call.
+    chunks = np.frombuffer(buf, dtype=f"V{tpb * 8}").tolist()
     digest = xxhash.xxh3_128_digest
-    out = []
-    for off in range(0, len(buf), step):
-        h = digest(h + buf[off : off + step])
-        out.append(h)
+    out: list[bytes] = [b""] * len(chunks)
+    i = 0
+    for chunk in chunks:
+        h = out[i] = digest(h + chunk)
+        i += 1
     return out
+
+
+def block_key_blob(
+    ns_or_seed: Namespace | bytes,
+    tokens: Sequence[int] | np.ndarray,
+    tokens_per_block: int | None = None,
+    start_block: int = 0,
+    prev: bytes | None = None,
+) -> KeyBlob:
+    """``block_keys`` packed into one ``KeyBlob`` (what Claim and Lookup carry)."""
+    return KeyBlob(b"".join(block_keys(ns_or_seed, tokens, tokens_per_block, start_block, prev)))
+
+
+class KeyBlob(Sequence[bytes]):
+    """Block keys packed back to back in one ``bytes`` (``KEY_BYTES`` each, in order).
+
+    A read-only sequence of 16-byte keys (``len`` counts keys, indexing gives a key,
+    slicing gives a ``KeyBlob``; it equals a list of the same keys), travelling on the wire
+    as one MessagePack ``bin`` instead of one object per key, so a 2,048-key Claim costs a
+    memcpy to encode and decode. ``array()`` is a zero-copy ``[n, 2]`` uint64 view
+    (little-endian halves) for vectorised lookups. ``KeyBlob(blob)`` refuses a blob whose
+    length is not a multiple of ``KEY_BYTES`` or that holds more than ``MAX_KEYS`` keys;
+    ``KeyBlob.of(keys)`` packs an iterable of keys, refusing any that is not 16 bytes.
+    """
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes | bytearray | memoryview = b"") -> None:
+        blob = bytes(blob)  # no copy when it already is bytes
+        if len(blob) % KEY_BYTES:
+            raise ValueError(
+                f"key blob of {len(blob)} bytes is not a whole number of "
+                f"{KEY_BYTES}-byte keys ({len(blob) % KEY_BYTES} byte(s) left over)"
+            )
+        if len(blob) > MAX_KEYS * KEY_BYTES:
+            raise ValueError(
+                f"key blob holds {len(blob) // KEY_BYTES} keys, more than the limit of {MAX_KEYS}"
+            )
+        self.blob = blob
+
+    @classmethod
+    def of(cls, keys: Iterable[bytes]) -> KeyBlob:
+        """Pack ``keys`` (a KeyBlob is returned as is)."""
+        if isinstance(keys, KeyBlob):
+            return keys
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise TypeError(
+                "keys must be a sequence of 16-byte keys; wrap a packed blob in KeyBlob"
+            )
+        keys = list(keys)
+        if set(map(len, keys)) - {KEY_BYTES}:
+            i, k = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+            raise ValueError(f"keys[{i}] is {len(k)} bytes, a block key is {KEY_BYTES}")
+        return cls(b"".join(keys))
+
+    def __len__(self) -> int:
+        return len(self.blob) // KEY_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> KeyBlob: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | KeyBlob:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step == 1:
+                return KeyBlob(self.blob[start * KEY_BYTES : max(start, stop) * KEY_BYTES])
+            return KeyBlob(b"".join(self.tolist()[i]))
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"key index {i} out of range for {n} keys")
+        return self.blob[j * KEY_BYTES : (j + 1) * KEY_BYTES]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.tolist())
+
+    def tolist(self) -> list[bytes]:
+        """The keys as a list of ``bytes`` (one C-level split)."""
+        return np.frombuffer(self.blob, dtype=f"V{KEY_BYTES}").tolist()
+
+    def array(self) -> np.ndarray:
+        """Zero-copy read-only ``[n, 2]`` uint64 view: column 0 is each key's first 8
+        bytes, column 1 its last 8, both little-endian."""
+        return np.frombuffer(self.blob, dtype="<u8").reshape(-1, 2)
+
+    def __bytes__(self) -> bytes:
+        return self.blob
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KeyBlob):
+            return self.blob == other.blob
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.blob)
+
+    def __repr__(self) -> str:
+        return f"KeyBlob({len(self)} keys)"
 
 
 def page_key(block_key: bytes, layer_group_id: int) -> bytes:

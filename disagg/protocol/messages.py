@@ -7,17 +7,23 @@ ProtocolError; it never returns a partial message. Unknown *fields* are ignored 
 later minor addition does not break older peers); unknown *kinds* are refused.
 Range constraints (``Meta``) are enforced by ``decode`` only, i.e. on every received
 frame; ``__post_init__`` checks cross-field rules on both construction and decode.
+
+The keys of ``Lookup`` and ``Claim`` travel packed: one ``bin`` of ``16 * n`` bytes (a
+``KeyBlob`` in Python), not a list of ``n`` objects; anything but a bin, a blob that is not
+a whole number of keys, or one longer than ``MAX_KEYS`` keys, is refused as ``BAD_FIELD``
+naming ``$.keys``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 import msgspec
 
 from .errors import ErrorCode, ProtocolError
 from .fingerprint import Fingerprint
-from .keys import KEY_BYTES
+from .keys import KEY_BYTES, KeyBlob
 from .version import MAX_CONTROL_FRAME, MAX_GROUPS, MAX_KEYS, MAX_STR, PROTOCOL_VERSION
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -26,6 +32,10 @@ U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # ids: non-negative 
 Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+if TYPE_CHECKING:
+    PackedKeys = KeyBlob
+else:  # the decoder checks a bin natively (type, size); __post_init__ makes it a KeyBlob
+    PackedKeys = Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS * KEY_BYTES)]
 Slot = Annotated[int, msgspec.Meta(ge=-1)]  # -1: skip this group's page of the block
 Ttl = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -70,11 +80,31 @@ class Error(Message, frozen=True, tag="error"):
 # --- index and leases ------------------------------------------------------------------
 
 
+def _pack_keys(msg: Message) -> None:
+    """Lookup/Claim keys become a KeyBlob: from the bin a frame carried (refused unless it
+    is a whole number of keys), or on construction from packed bytes or any sequence of
+    16-byte keys (a list: each is checked)."""
+    keys = msg.keys  # type: ignore[attr-defined]
+    if isinstance(keys, KeyBlob):
+        return
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        try:
+            keys = KeyBlob(keys)
+        except ValueError as e:  # decode() reports it as BAD_FIELD
+            raise ValueError(f"{e} - at `$.keys`") from None
+    else:
+        keys = KeyBlob.of(keys)
+    msgspec.structs.force_setattr(msg, "keys", keys)
+
+
 class Lookup(Message, frozen=True, tag="lookup"):
     """How many leading ``keys`` does the producer hold (in every layer group)?"""
 
     owner: Str
-    keys: Keys
+    keys: PackedKeys
+
+    def __post_init__(self) -> None:
+        _pack_keys(self)
 
 
 class LookupOk(Message, frozen=True, tag="lookup_ok"):
@@ -86,8 +116,11 @@ class Claim(Message, frozen=True, tag="claim"):
 
     owner: Str
     request_id: Str
-    keys: Keys
+    keys: PackedKeys
     ttl_s: Ttl = 30.0
+
+    def __post_init__(self) -> None:
+        _pack_keys(self)
 
 
 class ClaimOk(Message, frozen=True, tag="claim_ok"):
@@ -229,7 +262,14 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
 ALL_MESSAGES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
 KINDS = {cls.__struct_config__.tag: cls for cls in ALL_MESSAGES}
 
-_encoder = msgspec.msgpack.Encoder()
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, KeyBlob):  # Lookup/Claim keys: one bin
+        return obj.blob
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
 
 
@@ -251,16 +291,29 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes | memoryview, max_bytes: int = MAX_CONTROL_FRAME) -> Message:
     """Decode one frame into a message, or raise ProtocolError with code TOO_LARGE,
     BAD_FRAME, BAD_VERSION, UNKNOWN_KIND or BAD_FIELD and a message naming the problem."""
+    return decode_with(_decoder, KINDS, data, max_bytes)
+
+
+def decode_with(
+    decoder: msgspec.msgpack.Decoder[Any],
+    kinds: Collection[Any],
+    data: bytes | memoryview,
+    max_bytes: int,
+) -> Any:
+    """``decode`` for another union of messages (``decoder``, whose tags are ``kinds``):
+    the same limits, version check and error classification."""
     if len(data) > max_bytes:
         raise ProtocolError(
             ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes exceeds the limit of {max_bytes}"
         )
     try:
-        msg = _decoder.decode(data)
+        msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        raise _classify(data, str(e)) from None
+        raise _classify(data, str(e), kinds) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable frame: {e}") from None
+    except RecursionError:  # e.g. thousands of nested arrays in a field we skip
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame nests too deeply") from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
@@ -269,12 +322,14 @@ def decode(data: bytes | memoryview, max_bytes: int = MAX_CONTROL_FRAME) -> Mess
     return msg
 
 
-def _classify(data: bytes | memoryview, detail: str) -> ProtocolError:
+def _classify(data: bytes | memoryview, detail: str, kinds: Collection[Any]) -> ProtocolError:
     """A validation failure: decide whether the version, the kind or a field is to blame."""
     try:
         head = _head_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return ProtocolError(ErrorCode.BAD_FRAME, f"frame is not a message map: {detail}")
+    except RecursionError:  # `kind`/`v` decode as anything: deeply nested arrays
+        return ProtocolError(ErrorCode.BAD_FRAME, f"frame nests too deeply: {detail}")
     if head.v is not None and head.v != PROTOCOL_VERSION:
         return ProtocolError(
             ErrorCode.BAD_VERSION,
@@ -282,7 +337,7 @@ def _classify(data: bytes | memoryview, detail: str) -> ProtocolError:
         )
     if head.kind is None:
         return ProtocolError(ErrorCode.BAD_FRAME, f"frame has no `kind`: {detail}")
-    if head.kind not in KINDS:
+    if head.kind not in kinds:
         return ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {head.kind!r}")
     return ProtocolError(ErrorCode.BAD_FIELD, f"bad {head.kind!r} message: {detail}")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 # Bump on any incompatible change to a message's fields or meaning. Peers refuse frames
 # whose `v` differs (ErrorCode.BAD_VERSION); there is no cross-version negotiation.
-PROTOCOL_VERSION = 1
+# 2: Lookup/Claim carry their keys packed in one bin (KeyBlob), not a list.
+PROTOCOL_VERSION = 2
 
 # Largest control frame decode() accepts by default. Callers that expect big replies
 # (a SnapshotOk listing many keys) pass a larger `max_bytes`.

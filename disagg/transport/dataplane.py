@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 # Frames carry at most this many payload bytes: larger zmq frames are slower (deps.md §4).
@@ -107,8 +108,46 @@ class RegionSpec:
         return self.tensor.is_contiguous()
 
 
+@dataclass(frozen=True)
+class StoreRows:
+    """Pages as rows of a registered source slab, not yet gathered: page ``i`` is the
+    concatenation of columns ``cols`` ((offset, length) pairs) of ``slab[rows[i]]``.
+
+    Producers hand this to planes that set ``accepts_store_rows`` (the same-host plane
+    reads the rows where they lie); every other plane gets ``materialize()``'s bytes."""
+
+    slab: torch.Tensor  # uint8 [capacity, row_bytes]
+    rows: Any  # int64 numpy array, one store row per page
+    cols: tuple[tuple[int, int], ...]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(length for _, length in self.cols)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def materialize(self) -> torch.Tensor:
+        """The pages as one uint8 ``[len(rows), page_bytes]`` tensor: a view of the slab
+        when the rows are one run and the columns one span (zero copy), else a gather."""
+        from ..pages import gather_rows
+
+        rows = np.asarray(self.rows, dtype=np.int64)
+        r0 = int(rows[0]) if rows.size else 0
+        run = bool(rows.size) and np.array_equal(rows, np.arange(r0, r0 + rows.size))
+        parts = []
+        for off, length in self.cols:
+            view = self.slab[:, off : off + length]
+            parts.append(
+                view[r0 : r0 + rows.size] if run else gather_rows(view, torch.from_numpy(rows))
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 # (layer group, source rows uint8 [n, page_bytes], destination slot per row (-1: skip))
 PageSource = tuple[int, torch.Tensor, Sequence[int]]
+# What a plane with ``accepts_store_rows`` takes instead: the rows may still be in the slab.
+RowsSource = tuple[int, "torch.Tensor | StoreRows", Sequence[int]]
 
 
 class DataPlane(abc.ABC):

@@ -8,7 +8,8 @@ from .dataplane import DataPlane
 def make_data_plane(
     transport: str, *, bind: str = "tcp://127.0.0.1:0", advertise_host: str | None = None
 ) -> DataPlane:
-    """``zmq`` (always available) or ``ucx`` (needs ``pip install disagg[ucx]``).
+    """``zmq`` (always available), ``ucx`` (needs ``pip install disagg[ucx]``) or ``ipc``
+    (producer and consumer on one host: the consumer copies from the producer's store).
 
     ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told."""
     advertise = None
@@ -29,4 +30,8 @@ def make_data_plane(
                 "`pip install disagg[ucx]` or set transport: zmq"
             ) from exc
         return UcxDataPlane(bind, advertise=advertise)
-    raise ValueError(f"transport: unknown data plane {transport!r}; use 'zmq' or 'ucx'")
+    if transport == "ipc":
+        from .ipc_plane import IpcDataPlane
+
+        return IpcDataPlane(bind, advertise=advertise)
+    raise ValueError(f"transport: unknown data plane {transport!r}; use 'zmq', 'ucx' or 'ipc'")

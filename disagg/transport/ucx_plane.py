@@ -41,6 +41,26 @@ Wire (all tagged messages on one UCX worker per plane):
 - A transfer ends with a TransferDone header; the receiver reports DONE once every
   segment it announced has completed and the page counts agree.
 
+Shared memory (``shm`` channel), chosen by measurement (2 cores, ``disagg bench transfer
+--transports ucx-shm``, 256 MiB of random-slot pages into a torch pool; py-spy and
+per-call timers in both processes). Python is not where the time goes: the progress
+threads spent <5% of a transfer in Python; the sender's ``worker.progress()`` (UCX's
+rendezvous "zero-copy flushed write to remote" over ``cma``, i.e. ``process_vm_writev``
+into the receiver's buffer) ran at 5.4 GB/s, and the receiver's numpy scatter at ~6.3
+GB/s. CMA pins the *remote* pages: into huge-page memory (numpy's big arrays, like the
+scratch buffers) it copies at memcpy speed (13 GB/s), into a torch pool's 4 KiB pages at
+5.2-9 GB/s. Hence on ``shm`` every run is packed into ``SEG_BYTES`` segments
+(``SHM_DIRECT_MIN``: no segment lands in the rows directly) that land in the huge-page
+scratch and are scattered, and a scratch freed by a scatter is handed to the next arrived
+segment before the next scatter, so the sender's copy into it overlaps this thread's
+scatters (before: the thread scattered every completed segment, then posted receives, so
+the two processes copied in turn). Back-to-back A/B runs at 256 KiB-4 MiB pages: 0.29-0.41
+of memcpy before, 0.33-0.59 after; 64 KiB (already packed) unchanged at ~0.3-0.4 (the box
+was shared with other test runs, so every figure is noisy). The remaining gap is two copies (CMA, then the
+scatter), each on its own core at ~6-11 GB/s while the other core copies too; closing it
+needs one copy: CMA straight into the slots with an iovec per page (UCX's iov datatype is
+not exposed by ucxx 0.52), or a huge-page pool (then direct landing wins again).
+
 Endpoints (``endpoint`` property, carried unchanged by the control Push message):
 
 - ``ucx+tcp://host:port``: a UCX listener (TCP; endpoint error handling on, so a dead
@@ -135,6 +155,8 @@ log = logging.getLogger(__name__)
 
 SEG_BYTES = 16 << 20  # largest payload message: few large messages beat many small
 DIRECT_MIN = 256 << 10  # runs at least this big go zero-copy into the rows
+# ... except over shared memory, where every run is packed (see "Shared memory" above)
+SHM_DIRECT_MIN = 1 << 62
 RUNS_PER_BATCH = 2048  # keeps headers ~<32 KiB
 BATCH_BYTES = 256 << 20
 _SCRATCH_BUFS = 4  # scratch segments in flight at once (each SEG_BYTES)
@@ -176,8 +198,11 @@ class Segment:
     direct: bool
 
 
-def segments(runs: Sequence[tuple[int, int]], page_bytes: int) -> list[Segment]:
-    """Cut a batch's runs into payload messages (both sides call this on the header)."""
+def segments(
+    runs: Sequence[tuple[int, int]], page_bytes: int, direct_min: int = DIRECT_MIN
+) -> list[Segment]:
+    """Cut a batch's runs into payload messages (both sides call this on the header,
+    with the channel's ``direct_min``: ``DIRECT_MIN``, or ``SHM_DIRECT_MIN`` on shm)."""
     out: list[Segment] = []
     per_seg = max(1, SEG_BYTES // page_bytes)
     packed: list[tuple[int, int]] = []
@@ -191,7 +216,7 @@ def segments(runs: Sequence[tuple[int, int]], page_bytes: int) -> list[Segment]:
         packed, packed_pages = [], 0
 
     for start, count in runs:
-        if count * page_bytes >= DIRECT_MIN:
+        if count * page_bytes >= direct_min:
             flush()
             done = 0
             while done < count:
@@ -201,10 +226,14 @@ def segments(runs: Sequence[tuple[int, int]], page_bytes: int) -> list[Segment]:
         else:
             if packed_pages + count > per_seg:
                 flush()
+            done = 0
+            while count - done > per_seg:  # a long run (shm packs them too): full pieces
+                out.append(Segment(((start + done, per_seg),), page + done, per_seg, False))
+                done += per_seg
             if not packed:
-                packed_first = page
-            packed.append((start, count))
-            packed_pages += count
+                packed_first = page + done
+            packed.append((start + done, count - done))
+            packed_pages += count - done
         page += count
     flush()
     return out
@@ -293,6 +322,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     this process has already initialised CUDA. Use ``shm``/``auto`` for CUDA peers on one
     node: cuda_ipc needs worker-address endpoints."""
 
+    # wait() sleeps on the book's condition (notified as pages land and transfers end)
+    # in short slices: the base class's backoff grows to 10 ms, a third of a 30 ms transfer
+    wait_slice_s = _BUSY_WAIT_S * 5
+
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
@@ -308,6 +341,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         if cuda and not torch.cuda.is_available():
             raise RuntimeError("UcxDataPlane(cuda=True) but no CUDA device is available")
         self.channel = channel
+        self._direct_min = SHM_DIRECT_MIN if channel == "shm" else DIRECT_MIN
         self.cuda = bool(cuda)
         self._cuda_device = torch.cuda.current_device() if self.cuda else -1
         self.stats: Counter[str] = Counter()
@@ -380,22 +414,6 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._book.groups = groups
             self._gdev, self._gdirect = gdev, gdirect
 
-    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
-        """Sleep on the book's condition (notified as pages land and transfers end), not
-        in the base class's backoff, whose sleeps grow to 10 ms: that much late on a
-        10-30 ms transfer was a third of its time."""
-        end = time.monotonic() + timeout_s
-        book = self._book
-        while True:
-            st = self.poll(transfer_id)
-            left = end - time.monotonic()
-            if st.final or left <= 0:
-                return st
-            with book.cond:
-                rx = book.rx.get(transfer_id)
-                if rx is not None and not rx.state.final:
-                    book.cond.wait(min(left, _BUSY_WAIT_S * 5))
-
     # ================================= sender ===========================================
     def post_push(
         self,
@@ -417,7 +435,15 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             raise ValueError("CUDA source rows need a plane made with cuda=True")
         for group, rows, dst_slots in pages:
             msgs, n, seq = _plan_group(
-                transfer_id, lease_id, bytes(token), group, rows, dst_slots, seq, keep
+                transfer_id,
+                lease_id,
+                bytes(token),
+                group,
+                rows,
+                dst_slots,
+                seq,
+                keep,
+                SHM_DIRECT_MIN if endpoint.startswith("ucx+shm://") else DIRECT_MIN,
             )
             plan.extend(msgs)
             npages += n
@@ -640,7 +666,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     book.cond.notify_all()
                     return
             else:
-                segs = segments(msg.runs, msg.page_bytes)
+                segs = segments(msg.runs, msg.page_bytes, self._direct_min)
             seq0 = rx.seq
             rx.seq += len(segs)  # keep numbering in step with the sender even if refused
             if book.accept_batch(rx, msg) is not None:
@@ -778,8 +804,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._discards = [d for d in self._discards if not d[0].completed]
         if not self._rx_reqs:
             return
-        still = []
-        for req, p, scratch, pool in self._rx_reqs:
+        reqs, self._rx_reqs = self._rx_reqs, []
+        still = self._rx_reqs  # receives posted below (into a freed scratch) join it
+        for req, p, scratch, pool in reqs:
             if not req.completed:
                 still.append((req, p, scratch, pool))
                 continue
@@ -808,7 +835,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     pool.append(scratch)
                 book.maybe_finish(rx, rx.queued)
                 book.cond.notify_all()
-        self._rx_reqs = still
+            if self._held and isinstance(scratch, np.ndarray):
+                # Hand the freed scratch to the next arrived segment (and let UCX send
+                # its rendezvous reply) before scattering another one: the peer's copy
+                # into it then runs while this thread scatters, instead of after.
+                while self._held and self._post(*self._held[0]):
+                    self._held.popleft()
+                self._worker.progress()
 
     def _scatter_reap(self, block: bool) -> None:
         """Finish device scatters whose events have passed (all of them when ``block``:
@@ -987,6 +1020,7 @@ def _plan_group(
     dst_slots: Sequence[int],
     seq: int,
     keep: list[object],
+    direct_min: int = DIRECT_MIN,
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """One group's messages: batches of runs (``_batches``). Host rows: each batch cut
     into segments (``segments``), a segment whose source rows are not one range gathered
@@ -1038,7 +1072,7 @@ def _plan_group(
             seq += 1
             continue
         msgs.append((_frame(header), _HDR_TAG))
-        for seg in segments(runs, pb):
+        for seg in segments(runs, pb, direct_min):
             rows_of = page_src[seg.first : seg.first + seg.pages]
             r0 = int(rows_of[0])
             if int(rows_of[-1]) - r0 + 1 == seg.pages:  # one source range: zero copy

@@ -188,21 +188,6 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             with self._book.lock:
                 self._book.fail_all("data plane closed")
 
-    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
-        """Like ``DataPlane.wait``, but woken by the receiver thread the moment the
-        transfer ends (no sleep-poll backoff added to every transfer's latency)."""
-        end = time.monotonic() + timeout_s
-        book = self._book
-        while True:
-            st = self.poll(transfer_id)  # also expires a transfer past its deadline
-            left = end - time.monotonic()
-            if st.final or left <= 0:
-                return st
-            with book.cond:
-                rx = book.rx.get(transfer_id)
-                if rx is not None and not rx.state.final:
-                    book.cond.wait(min(left, 0.05))
-
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:
         while sock.get(zmq.RCVMORE):

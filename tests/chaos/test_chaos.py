@@ -288,6 +288,42 @@ def test_producer_killed_after_load_keeps_tokens(children, mono):
     assert wait_for(lambda: csvc.metrics["release_failed"] == len(PROMPTS), 10)
 
 
+# -- the same-host (ipc) plane: the producer's store is mapped by the consumer ---------
+
+
+def ipc(conf: dict[str, Any]) -> dict[str, Any]:
+    return {**conf, "transport": "ipc"}
+
+
+def test_ipc_producer_in_another_process_tokens_match(children, mono):
+    """The consumer copies pages out of another process's /dev/shm store."""
+    p = children({"role": "producer", "config": ipc(producer_conf(f"cp{next(_ids)}"))})
+    ep = p.expect("ready")["endpoint"]
+    eng, csvc = in_process(ipc(consumer_conf(f"cc{next(_ids)}", [ep])))
+    results, took = run_consumer(eng, deadline_s=15)
+    assert check_outcomes(results, mono) == 0
+    assert all(eng.results[rid].connector_matched_tokens > 0 for rid, _, _ in results)
+    assert csvc.metrics["pages_loaded"] > 0 and csvc.data.stats["done"] == len(PROMPTS)
+    consumer_at_baseline(eng, csvc)
+
+
+def test_ipc_producer_killed_after_claim_fails_by_name(children, mono):
+    p = children({"role": "producer", "config": ipc(producer_conf(f"cp{next(_ids)}"))})
+    ep = p.expect("ready")["endpoint"]
+    eng, csvc = in_process(ipc(consumer_conf(f"cc{next(_ids)}", [ep])))
+    dispatch = csvc.dispatch
+
+    def kill_then_dispatch(load, layerwise=False):
+        p.kill()
+        dispatch(load, layerwise)
+
+    csvc.dispatch = kill_then_dispatch
+    results, took = run_consumer(eng, deadline_s=LOAD_TIMEOUT_S + 10)
+    assert csvc.metrics["claims_hit"] > 0
+    assert check_outcomes(results, mono) > 0
+    consumer_at_baseline(eng, csvc)
+
+
 # -- the consumer dies -----------------------------------------------------------------
 
 

@@ -92,6 +92,23 @@ def test_incompatible_peer_is_a_miss_and_is_counted():
     assert psvc.metrics["handshake_refused"] >= 1 and csvc.metrics["handshake_refused"] >= 1
 
 
+def test_another_transport_is_refused_at_hello_and_is_a_miss(caplog):
+    """A consumer on ``ipc`` against a ``zmq`` producer: refused by name at Hello (never
+    a push to a plane that cannot read it), recomputed, right tokens."""
+    cfg = EngineConfig(**SHAPE)
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], transport="ipc")
+    with caplog.at_level("WARNING"):
+        (res,) = run(cons, ps, 4)
+    assert res.error is None and res.connector_matched_tokens == 0
+    assert res.tokens == Engine(cfg).generate(ps, 4)[0]
+    assert psvc.metrics["handshake_refused"] >= 1 and csvc.metrics["handshake_refused"] >= 1
+    assert psvc.metrics["pushes_done"] == 0
+    assert "set the same `transport:` on both sides" in caplog.text
+
+
 def test_producer_down_before_claim_is_a_miss():
     cfg = EngineConfig(**SHAPE)
     ps = prompts(n=2)

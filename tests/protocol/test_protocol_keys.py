@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from disagg.protocol import Namespace, block_keys, page_key
+from disagg.protocol import KeyBlob, Namespace, block_key_blob, block_keys, page_key
 
 NS = Namespace("llama-x", "bf16", 16, (4096, 2048))
 
@@ -71,3 +71,28 @@ def test_fast():
     keys = block_keys(NS, toks)
     assert len(keys) == 8192
     assert time.perf_counter() - t < 0.05  # a few ms normally; generous for noisy CI
+
+
+def test_tokens_as_list_array_or_tuple_give_the_same_keys():
+    toks = np.random.default_rng(1).integers(0, 1 << 40, 333)
+    want = block_keys(NS, toks)
+    assert len(want) == 20
+    assert block_keys(NS, toks.tolist()) == want  # engines pass lists of ints
+    assert block_keys(NS, tuple(toks.tolist())) == want
+    assert block_keys(NS, [np.int64(t) for t in toks]) == want
+    assert block_keys(NS, toks.astype(np.uint64)) == want
+    assert block_keys(NS, toks.tolist(), start_block=7, prev=want[6]) == want[7:]
+    # values a C int64 cannot hold, or floats, go through numpy as before
+    assert block_keys(NS, [float(t) for t in toks[:32]]) == want[:2]
+    with pytest.raises(ValueError, match="1-D"):
+        block_keys(NS, np.zeros((2, 32), dtype=np.int64))
+    assert block_keys(NS, []) == [] and block_keys(NS, list(range(15))) == []
+
+
+def test_block_key_blob_packs_block_keys():
+    toks = list(range(200))
+    blob = block_key_blob(NS, toks)
+    assert isinstance(blob, KeyBlob) and blob == block_keys(NS, toks)
+    assert blob.blob == b"".join(block_keys(NS, toks)) and len(blob) == 12
+    assert block_key_blob(NS, toks[:10]) == KeyBlob()
+    assert block_key_blob(NS, toks)[3:5] == block_keys(NS, toks)[3:5]

@@ -435,3 +435,24 @@ def test_batches_vectorised_limits():
         for runs, src in out:
             assert 1 <= len(runs) <= rpb and len(src) * pb <= max(bb, pb)
             assert all(c >= 1 for _, c in runs)
+
+
+def test_shm_packs_every_run_into_scratch_segments():
+    """On ``shm`` no segment lands in the rows directly (CMA into 4 KiB pages is slow):
+    big runs are packed like small ones, both sides cut the same segments, and every
+    segment stays within SEG_BYTES."""
+    pb = 1 << 20
+    runs = [(0, 3), (10, 40), (100, 1)]  # 3 MiB, 40 MiB, 1 MiB
+    tcp = ucx_plane.segments(runs, pb)
+    shm = ucx_plane.segments(runs, pb, ucx_plane.SHM_DIRECT_MIN)
+    assert all(s.direct for s in tcp)
+    assert not any(s.direct for s in shm)
+    assert sum(s.pages for s in shm) == 44
+    assert all(s.pages * pb <= ucx_plane.SEG_BYTES for s in shm)
+    rows = torch.zeros(44, pb, dtype=torch.uint8)
+    dst = [0, 1, 2] + list(range(10, 50)) + [100]
+    for direct_min, segs in ((ucx_plane.DIRECT_MIN, tcp), (ucx_plane.SHM_DIRECT_MIN, shm)):
+        msgs, n, seq = ucx_plane._plan_group(1, 2, b"t", 0, rows, dst, 0, [], direct_min)
+        assert n == 44 and seq == len(segs)
+        data = [buf for buf, tag in msgs if tag & ucx_plane._DATA_BIT]
+        assert [b.nbytes for b in data] == [s.pages * pb for s in segs]

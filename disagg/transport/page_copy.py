@@ -1,0 +1,148 @@
+"""One-pass scattered row copy: ``dst[dst_idx[i]] = src[src_idx[i]]`` for 2-D byte views.
+
+This is the same-host data plane's whole data path (the receiver reads the sender's store
+rows and writes its own page slots), so it is the one place where bytes move:
+
+- **CUDA with Triton**: one kernel launch per call; each program copies a chunk of one
+  page with wide loads, reading the source row and writing the destination slot directly.
+  Measured on an H200 (1 GiB of random pages of 16 KiB to 4 MiB from a pool twice that
+  size into random slots): 1.83-1.87 TB/s for block sizes 2048-8192 and 8-16 warps,
+  against about 0.87 TB/s for ``index_select`` + ``index_copy_`` (two passes, and
+  ``index_copy_`` scatters at about 0.4 TB/s) and 2.06 TB/s for one contiguous
+  device-to-device copy.
+- **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.
+- **Host**: one numpy pass when either side is a run of rows (scatter from the source
+  slice, or gather into the destination slice); otherwise a gather into a cache-sized
+  buffer and a scatter out of it, chunk by chunk, so the second pass reads from cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..pages import copy_rows, gather_rows, scatter_rows
+
+# Host path: rows gathered per chunk; about the size of a core's share of L2/L3.
+HOST_CHUNK_BYTES = 2 << 20
+
+
+@functools.cache
+def _triton_kernel() -> Any:
+    """The Triton kernel, or None where Triton is missing or unusable (CPU-only hosts)."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # ImportError, or a broken install: fall back to torch ops
+        return None
+
+    # Triton reads the signature itself: no annotations (it resolves them as globals).
+    @triton.jit  # type: ignore[misc]
+    def copy_pages(
+        src, dst, src_idx, dst_idx, src_stride, dst_stride, n_elems, BLOCK: tl.constexpr
+    ):  # type: ignore[no-untyped-def]  # noqa: N803
+        page = tl.program_id(0)
+        chunk = tl.program_id(1)
+        s = tl.load(src_idx + page).to(tl.int64) * src_stride
+        d = tl.load(dst_idx + page).to(tl.int64) * dst_stride
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_elems
+        tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+    return copy_pages, triton.cdiv
+
+
+_WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+
+
+def _as_elems(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` viewed as the widest element (8, 4, 2 or 1 bytes) that both row
+    lengths, row strides and addresses allow: wide elements give wide loads."""
+    for dtype, size in _WIDTHS:
+        if all(
+            t.shape[1] % size == 0 and t.stride(0) % size == 0 and t.data_ptr() % size == 0
+            for t in (a, b)
+        ):
+            try:
+                return a.view(dtype), b.view(dtype)
+            except RuntimeError:  # a layout view() cannot reinterpret
+                continue
+    return a, b
+
+
+def copy_indexed(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
+    """``dst[dst_idx] = src[src_idx]`` for uint8 ``[rows, n]`` views with contiguous rows
+    (row strides may differ). Indices are int64 host or device tensors; the caller has
+    checked their bounds. On CUDA the copy is queued on the current stream (the caller
+    synchronises); on the host it is done when this returns."""
+    if dst_idx.numel() != src_idx.numel():
+        raise ValueError(f"{dst_idx.numel()} destination rows for {src_idx.numel()} sources")
+    if dst.shape[1] != src.shape[1]:
+        raise ValueError(f"rows of {src.shape[1]} bytes cannot land in rows of {dst.shape[1]}")
+    n = dst_idx.numel()
+    if n == 0 or dst.shape[1] == 0:
+        return
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        _copy_host(dst, dst_idx, src, src_idx)
+    elif dst.device == src.device:
+        _copy_device(dst, dst_idx, src, src_idx)
+    else:  # across devices (a host store into device slots): gather, move, scatter
+        rows = gather_rows(src, src_idx.to(src.device))
+        scatter_rows(dst, dst_idx.cpu(), rows.to(dst.device, non_blocking=True))
+
+
+def _copy_device(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
+    kernel = _triton_kernel()
+    if kernel is None:
+        rows = gather_rows(src, src_idx.to(src.device, non_blocking=True))
+        scatter_rows(dst, dst_idx.to(dst.device, non_blocking=True), rows)
+        return
+    copy_pages, cdiv = kernel
+    ws, wd = _as_elems(src, dst)
+    n_elems = ws.shape[1]
+    block = min(4096, 1 << max(6, (n_elems - 1).bit_length()))
+    si, di = src_idx, dst_idx
+    if si.device != src.device or si.dtype != torch.int64:
+        si = si.to(src.device, dtype=torch.int64, non_blocking=True)
+    if di.device != dst.device or di.dtype != torch.int64:
+        di = di.to(dst.device, dtype=torch.int64, non_blocking=True)
+    grid = (si.numel(), cdiv(n_elems, block))
+    copy_pages[grid](ws, wd, si, di, ws.stride(0), wd.stride(0), n_elems, BLOCK=block, num_warps=8)
+
+
+def _copy_host(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
+    si, di = src_idx.cpu().numpy(), dst_idx.cpu().numpy()
+    s_run, d_run = _is_run(si), _is_run(di)
+    if s_run and d_run:
+        s0, d0, n = int(si[0]), int(di[0]), si.size
+        copy_rows(dst[d0 : d0 + n], src[s0 : s0 + n])
+        return
+    ws, wd = _as_elems(src, dst)
+    s_np, d_np = ws.numpy(), wd.numpy()
+    if s_run:  # one pass: scatter straight from the source rows
+        d_np[di] = s_np[int(si[0]) : int(si[0]) + si.size]
+        return
+    if d_run and d_np[int(di[0]) : int(di[0]) + di.size].flags.c_contiguous:
+        # one pass: gather straight into the destination rows
+        np.take(s_np, si, axis=0, out=d_np[int(di[0]) : int(di[0]) + di.size])
+        return
+    per = max(1, HOST_CHUNK_BYTES // max(1, src.shape[1]))
+    buf = np.empty((min(per, si.size), s_np.shape[1]), dtype=s_np.dtype)
+    for start in range(0, si.size, per):  # per cache-sized chunk, not per row
+        rows = si[start : start + per]
+        out = buf[: rows.size]
+        np.take(s_np, rows, axis=0, out=out)
+        d_np[di[start : start + per]] = out
+
+
+def _is_run(idx: np.ndarray) -> bool:
+    return idx.size < 2 or bool((np.diff(idx) == 1).all())

@@ -1,0 +1,319 @@
+"""The same-host (ipc) data plane: the receiver copies pages out of the sender's store.
+
+Host memory (/dev/shm) here, so CI covers every check and state; the CUDA IPC path is the
+same code with another mapping (GPU runs: DISAGG_TEST_DEVICE=cuda, and ``disagg bench
+gpu``)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from disagg.protocol import ipc as wire
+from disagg.protocol.version import PROTOCOL_VERSION
+from disagg.transport.dataplane import StoreRows, TransferState
+from disagg.transport.ipc_plane import HOST, IpcDataPlane, _pieces
+from disagg.transport.page_copy import copy_indexed
+
+pytestmark = pytest.mark.timeout(60)
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture
+def planes():
+    made: list[IpcDataPlane] = []
+
+    def make() -> IpcDataPlane:
+        made.append(IpcDataPlane())
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _store(rows: int = 64, width: int = 96, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=g).to(DEVICE)
+
+
+def _regions(slots: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    return [torch.zeros((slots, n), dtype=torch.uint8, device=DEVICE) for n in sizes]
+
+
+def _landed(regions: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    return torch.cat(regions, dim=1)[torch.tensor(slots, device=regions[0].device)]
+
+
+def test_scattered_rows_land_in_split_regions(planes):
+    """Source spans (the layer's K and V columns) and destination regions (K and V
+    pools) cut pages at different places; every byte lands where it belongs."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(40, (24, 40))
+    rx.register_regions([regions])
+    rows = np.array([9, 3, 4, 5, 60, 0])
+    slots = [7, 8, 9, 2, 39, 0]
+    cols = ((10, 30), (50, 34))  # 64 bytes per page, in two spans
+    rx.expect(1, 5, b"t", [6], 10.0, [slots])
+    h = tx.post_push(rx.endpoint, 1, 5, b"t", [(0, StoreRows(slab, rows, cols), slots)])
+    assert rx.wait(1, 10).state is TransferState.DONE
+    assert tx.wait_push(h, 10).done
+    want = torch.cat([slab[:, 10:40], slab[:, 50:84]], dim=1)[torch.from_numpy(rows).to(DEVICE)]
+    assert torch.equal(_landed(regions, slots), want)
+    untouched = [s for s in range(40) if s not in slots]
+    assert not _landed(regions, untouched).any(), "a slot outside the transfer was written"
+    assert rx.stats["pages"] == 6 and tx.poll_push(h).nbytes == 6 * 64
+
+
+def test_plain_tensor_sources_and_minus_one_slots(planes):
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(16, (96,))
+    rx.register_regions([regions, _regions(16, (96,))])
+    rx.expect(2, 1, b"k", [2, 1], 10.0)
+    pages = [(0, slab[4:7], [3, -1, 5]), (1, slab[10:11], [0])]  # a view of the source
+    h = tx.post_push(rx.endpoint, 2, 1, b"k", pages)
+    assert rx.wait(2, 10).done, rx.poll(2)
+    assert tx.wait_push(h, 10).done
+    assert torch.equal(regions[0][3], slab[4]) and torch.equal(regions[0][5], slab[6])
+    assert not regions[0][4].any()
+
+
+def test_unregistered_host_memory_is_refused_at_once(planes):
+    tx = planes()
+    with pytest.raises(ValueError, match="register_source"):
+        tx.post_push(
+            "tcp://127.0.0.1:1", 1, 1, b"", [(0, torch.zeros((2, 8), dtype=torch.uint8), [0, 1])]
+        )
+    with pytest.raises(ValueError, match=">= -1"):
+        tx.post_push(
+            "tcp://127.0.0.1:1", 1, 1, b"", [(0, torch.zeros((1, 8), dtype=torch.uint8), [-2])]
+        )
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (dict(token=b"wrong"), "not expected here"),
+        (dict(lease_id=99), "not expected here"),
+        (dict(slots=[1, 2, 3]), "not given"),
+        (dict(rows=np.array([0, 1, 1000])), "reads up to byte"),
+    ],
+)
+def test_refused_pushes_write_nothing(planes, change, why):
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    rx.expect(3, 7, b"tok", [3], 10.0, [[0, 1, 2]])
+    rows = change.get("rows", np.array([0, 1, 2]))
+    h = tx.post_push(
+        rx.endpoint,
+        3,
+        change.get("lease_id", 7),
+        change.get("token", b"tok"),
+        [(0, StoreRows(slab, rows, ((0, 96),)), change.get("slots", [0, 1, 2]))],
+    )
+    st = tx.wait_push(h, 10)
+    assert st.failed and why in st.error, st
+    assert not regions[0].any(), "a refused push wrote bytes"
+    if "token" not in change and "lease_id" not in change:
+        assert rx.poll(3).failed and why in rx.poll(3).error
+
+
+def _raw_push(rx: IpcDataPlane, **kw) -> wire.IpcAck:
+    """Send one hand-made frame to ``rx`` and return its answer."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(rx.endpoint)
+    try:
+        sock.send(kw.pop("frame") if "frame" in kw else wire.encode(_push(**kw)))
+        assert sock.poll(5000), "no answer"
+        ack = wire.decode(sock.recv())
+        assert isinstance(ack, wire.IpcAck)
+        return ack
+    finally:
+        sock.close()
+
+
+def _push(export: wire.Export, rows: list[int], slots: list[int], **over) -> wire.IpcPush:
+    batch = wire.IpcBatch(
+        group=0,
+        export_id=export.export_id,
+        base=0,
+        row_stride=96,
+        rows=np.asarray(rows, dtype="<i8").tobytes(),
+        slots=np.asarray(slots, dtype="<i8").tobytes(),
+        spans=[(0, 96)],
+        page_bytes=96,
+    )
+    fields = dict(
+        transfer_id=4,
+        lease_id=1,
+        token=b"t",
+        exports=[export],
+        batches=[batch],
+        not_after=time.monotonic() + 10,
+    )
+    fields.update(over)
+    return wire.IpcPush(**fields)
+
+
+def _shm_export(**over) -> wire.Export:
+    fields = dict(
+        export_id=1, kind="shm", host=HOST, pid=os.getpid(), nbytes=96 * 4, name="disagg-ipc-1-1"
+    )
+    fields.update(over)
+    return wire.Export(**fields)
+
+
+@pytest.mark.parametrize(
+    "export, why",
+    [
+        (dict(host="another-boot-id"), "another host"),
+        (dict(name="../../etc/passwd"), "not a disagg shm file"),
+        (dict(name="disagg-ipc-1-999999"), "cannot open shared memory"),
+        (dict(kind="cuda", pid=1, device_uuid="GPU-none", handle=b"x" * 64), "GPU|no GPU"),
+    ],
+)
+def test_hostile_exports_are_refused_by_name(planes, export, why):
+    rx = planes()
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    rx.expect(4, 1, b"t", [1], 10.0)
+    ack = _raw_push(rx, export=_shm_export(**export), rows=[0], slots=[0])
+    assert not ack.ok
+    import re
+
+    assert re.search(why, ack.message), ack.message
+    assert rx.poll(4).failed and not regions[0].any()
+
+
+def test_late_push_is_refused(planes):
+    """Past the sender's deadline the sender may reuse its rows: no copy starts."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    rx.register_regions([_regions(8, (96,))])
+    rx.expect(4, 1, b"t", [1], 10.0)
+    export = tx._sources[0].export
+    ack = _raw_push(rx, export=export, rows=[0], slots=[0], not_after=time.monotonic() - 1)
+    assert not ack.ok and "deadline" in ack.message
+    assert slab.numel()
+
+
+def test_malformed_frames_are_counted_and_the_plane_keeps_serving(planes):
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(rx.endpoint)
+    bad_version = wire.encode(_push(_shm_export(), [0], [0])).replace(
+        bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), 0x7F])
+    )
+    nested = b"\x81\xa4kind" + b"\x91" * 100_000 + b"\x00"  # deeper than any stack
+    frames = (b"", b"\xff\x00garbage", nested, bad_version, wire.encode(wire.IpcAck(transfer_id=1)))
+    for frame in frames:
+        sock.send(frame)
+    sock.send_multipart([b"a", b"b"])  # two frames
+    time.sleep(0.3)
+    sock.close()
+    assert rx.stats["rejected_BAD_FRAME"] >= 3 and rx.stats["rejected_BAD_VERSION"] == 1
+    assert rx.stats["rejected_kind"] == 1
+    rx.expect(5, 1, b"t", [1], 10.0)
+    h = tx.post_push(rx.endpoint, 5, 1, b"t", [(0, slab[2:3], [6])])
+    assert tx.wait_push(h, 10).done and torch.equal(regions[0][6], slab[2])
+    assert rx.health() == (True, "")
+
+
+def test_absent_receiver_fails_the_push_at_its_deadline(planes):
+    tx = planes()
+    slab = tx.register_source(_store())
+    t0 = time.monotonic()
+    h = tx.post_push("tcp://127.0.0.1:9", 6, 1, b"t", [(0, slab[:2], [0, 1])], deadline_s=0.5)
+    st = tx.wait_push(h, 5)
+    assert st.failed and "deadline" in st.error
+    assert time.monotonic() - t0 < 3
+
+
+def test_abort_then_push_writes_nothing_and_failure_reports_reach_the_receiver(planes):
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    rx.expect(7, 1, b"t", [1], 10.0)
+    rx.abort(7, "request cancelled")
+    h = tx.post_push(rx.endpoint, 7, 1, b"t", [(0, slab[:1], [0])])
+    st = tx.wait_push(h, 10)
+    assert st.failed and "failed" in st.error and not regions[0].any()
+    rx.expect(8, 1, b"t", [1], 10.0)
+    tx.post_failure(rx.endpoint, 8, b"t", "store row evicted")
+    st = rx.wait(8, 5)
+    assert st.failed and "store row evicted" in st.error
+
+
+def _child_sender(endpoint: str, q: mp.Queue) -> None:
+    """Another process: registers its store in /dev/shm and pushes from it."""
+    tx = IpcDataPlane()
+    slab = tx.register_source(_store(seed=3).cpu())
+    h = tx.post_push(
+        endpoint, 9, 2, b"x", [(0, StoreRows(slab, np.array([5, 1, 2]), ((0, 96),)), [4, 0, 1])]
+    )
+    q.put((tx.wait_push(h, 60).state.value, slab[[5, 1, 2]].numpy().tobytes()))
+    tx.close()
+
+
+def test_pages_cross_processes_through_shared_memory(planes):
+    rx = planes()
+    regions = [torch.zeros((8, 96), dtype=torch.uint8)]
+    rx.register_regions([regions])
+    rx.expect(9, 2, b"x", [3], 120.0, [[4, 0, 1]])  # the child imports torch first
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_sender, args=(rx.endpoint, q))
+    child.start()
+    state, want = q.get(timeout=60)
+    child.join(30)
+    assert (state, rx.poll(9).state.value) == ("done", "done"), rx.poll(9)
+    assert regions[0][[4, 0, 1]].numpy().tobytes() == want
+    assert not any(n.startswith(f"disagg-ipc-{child.pid}-") for n in os.listdir("/dev/shm"))
+
+
+def test_pieces_cut_spans_at_region_borders():
+    assert _pieces([(10, 30), (50, 34)], [24, 40]) == [
+        (10, 0, 0, 24),
+        (34, 1, 0, 6),
+        (50, 1, 6, 34),
+    ]
+    assert _pieces([(0, 8)], [8]) == [(0, 0, 0, 8)]
+
+
+@pytest.mark.parametrize("width", [8, 12, 96, 4099])
+def test_copy_indexed_matches_fancy_indexing(width):
+    g = torch.Generator().manual_seed(width)
+    src = torch.randint(0, 256, (50, width + 8), dtype=torch.uint8, generator=g).to(DEVICE)[
+        :, 3 : 3 + width
+    ]
+    dst = torch.zeros((30, width), dtype=torch.uint8, device=DEVICE)
+    si = torch.tensor([4, 9, 0, 49, 10, 11])
+    di = torch.tensor([29, 0, 5, 6, 7, 1])
+    copy_indexed(dst, di, src, si)
+    want = torch.zeros_like(dst)
+    want[di.to(DEVICE)] = src[si.to(DEVICE)]
+    assert torch.equal(dst, want)
+    copy_indexed(dst, torch.arange(10, 14), src, torch.arange(20, 24))  # runs: one slice copy
+    assert torch.equal(dst[10:14], src[20:24])
+    copy_indexed(dst, torch.tensor([2, 25, 3]), src, torch.arange(30, 33))  # source run
+    assert torch.equal(dst[[2, 25, 3]], src[30:33])
+    copy_indexed(dst, torch.arange(15, 18), src, torch.tensor([7, 1, 44]))  # destination run
+    assert torch.equal(dst[15:18], src[[7, 1, 44]])
+    with pytest.raises(ValueError, match="destination rows"):
+        copy_indexed(dst, di[:2], src, si)
