@@ -23,10 +23,10 @@ How:
   host). The receiver starts no copy after it; the sender fails the push at it and the
   producer keeps the rows pinned for a grace period after that, longer than any copy.
 - Limits: one host only (a peer on another host is refused with a message naming the
-  fix). A CUDA export is only as alive as the sender process: if the producer dies while
-  a copy reads its memory, CUDA reports an error in the consumer's context; the receiver
-  checks the sender's pid before each device copy, which narrows but cannot close that
-  window.
+  fix). A CUDA export is only as alive as the sender process: CUDA leaves reads of a dead
+  exporter's memory undefined; the receiver checks the sender's pid before each device
+  copy, which narrows but cannot close that window. (A /dev/shm export stays readable:
+  the mapping outlives the sender.)
 
 Control messages travel on ZMQ: the receiver binds a ROUTER at ``endpoint``; the sender
 keeps one DEALER per receiver, on one thread that also collects the acks.
