@@ -296,11 +296,12 @@ def test_pieces_cut_spans_at_region_borders():
     assert _pieces([(0, 8)], [8]) == [(0, 0, 0, 8)]
 
 
+@pytest.mark.parametrize("offset", [0, 3])  # aligned: 8/4-byte elements; else bytes
 @pytest.mark.parametrize("width", [8, 12, 96, 4099])
-def test_copy_indexed_matches_fancy_indexing(width):
+def test_copy_indexed_matches_fancy_indexing(width, offset):
     g = torch.Generator().manual_seed(width)
     src = torch.randint(0, 256, (50, width + 8), dtype=torch.uint8, generator=g).to(DEVICE)[
-        :, 3 : 3 + width
+        :, offset : offset + width
     ]
     dst = torch.zeros((30, width), dtype=torch.uint8, device=DEVICE)
     si = torch.tensor([4, 9, 0, 49, 10, 11])
