@@ -99,7 +99,7 @@ def _check_pool(pool, pb, src_idx, dst):
 
 @pytest.mark.parametrize("channel", ["tcp", "shm"])
 def test_push_scattered_and_contiguous(channel):
-    pb = 300 << 10  # >= DIRECT_MIN: contiguous runs land zero-copy
+    pb = 300 << 10  # the run of 8 (2.4 MiB >= DIRECT_MIN) lands zero-copy, singles packed
     rng = np.random.default_rng(1)
     src_idx = list(range(0, 40))
     # a contiguous run of 8, then scattered single pages, one -1 skip
@@ -373,7 +373,7 @@ def _run_cuda(pb, slots, store_pages, dst_by_rep, src_by_rep, two_regions=False,
 @pytest.mark.parametrize(
     "pb,two_regions,rndv",
     [
-        (300 << 10, False, ""),  # runs >= DIRECT_MIN land in the device pool directly
+        (300 << 10, False, ""),  # the run of 8 (>= DIRECT_MIN) lands in the pool directly
         (16 << 10, False, ""),  # packed: device scratch + scatter_rows
         (64 << 10, True, ""),  # two regions: every segment through the scratch
         (300 << 10, False, "auto"),  # UCX's own rendezvous choice, not put_zcopy
