@@ -84,12 +84,7 @@ def block_keys(
         if n_full <= start_block:
             return []
         lo, hi = start_block * tpb, n_full * tpb
-        # Engines hand prompts over as lists of ints: one C-level pack of the slice we
-        # hash is the cheapest conversion to little-endian int64 (numpy's is slower).
-        try:
-            buf = struct.pack(f"<{hi - lo}q", *tokens[lo:hi])
-        except struct.error:  # not plain ints (floats, out of range): numpy decides
-            buf = np.asarray(tokens[lo:hi]).astype("<i8").tobytes()
+        buf = _pack_int64(tokens[lo:hi])
     else:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -108,6 +103,24 @@ def block_keys(
         h = out[i] = digest(h + chunk)
         i += 1
     return out
+
+
+def _pack_int64(tokens: Sequence[int]) -> bytes:
+    """Little-endian int64 bytes of a list of ints. Engines hand prompts over as lists:
+    one C-level ``struct.pack`` is the cheapest conversion measured (numpy's, ``array``'s
+    and ``np.fromiter``'s are slower)."""
+    try:
+        return struct.pack(f"<{len(tokens)}q", *tokens)
+    except struct.error:  # not plain ints (floats, out of range): numpy decides
+        return np.asarray(tokens).astype("<i8").tobytes()
+
+
+def tokens_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a 1-D int64 array, converted once (hash it for several namespaces,
+    e.g. every TP rank, without converting the list each time)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    return np.frombuffer(_pack_int64(tokens), dtype="<i8")
 
 
 def block_key_blob(

@@ -327,8 +327,8 @@ def test_ipc_producer_killed_after_claim_fails_by_name(children, mono):
 # -- the consumer dies -----------------------------------------------------------------
 
 
-def prefilled_producer() -> tuple[Any, int]:
-    prod, psvc = in_process(producer_conf(f"sp{next(_ids)}"))
+def prefilled_producer(transport: str = "zmq") -> tuple[Any, int]:
+    prod, psvc = in_process({**producer_conf(f"sp{next(_ids)}"), "transport": transport})
     prod.generate(PROMPTS, max_tokens=1)
     return psvc, psvc.store.used_blocks()
 
@@ -360,6 +360,28 @@ def test_consumer_killed_while_receiving_frees_everything(children):
     started = threading.Event()
     slow_pushes(psvc, 2.0, on_start=lambda tid: started.set())
     c = children({"role": "consumer", "config": consumer_conf(f"kc{next(_ids)}", [psvc.endpoint])})
+    c.expect("ready")
+    c.send("run")
+    assert started.wait(20), "no push started"
+    c.kill()
+    producer_at_baseline(psvc, used)
+    assert psvc.metrics["pushes_done"] + psvc.metrics["pushes_failed"] >= 1
+
+
+def test_ipc_consumer_killed_while_copying_frees_everything(children):
+    """The ipc consumer dies with a push of the producer's rows announced to it: the push
+    fails at its deadline (no ack), and the rows are unpinned only after the grace."""
+    psvc, used = prefilled_producer("ipc")
+    started = threading.Event()
+    post = psvc.data.post_push
+
+    def announce(*args, **kw):
+        started.set()
+        return post(*args, **kw)
+
+    psvc.data.post_push = announce
+    conf = ipc(consumer_conf(f"kc{next(_ids)}", [psvc.endpoint]))
+    c = children({"role": "consumer", "config": conf})
     c.expect("ready")
     c.send("run")
     assert started.wait(20), "no push started"

@@ -96,3 +96,15 @@ def test_block_key_blob_packs_block_keys():
     assert blob.blob == b"".join(block_keys(NS, toks)) and len(blob) == 12
     assert block_key_blob(NS, toks[:10]) == KeyBlob()
     assert block_key_blob(NS, toks)[3:5] == block_keys(NS, toks)[3:5]
+
+
+def test_tokens_array_converts_once_and_keys_agree():
+    from disagg.protocol.keys import block_key_blob, tokens_array
+
+    ns = b"\x01" * 16
+    toks = list(range(1000, 1000 + 16 * 9 + 5))
+    arr = tokens_array(toks)
+    assert arr.dtype.kind == "i" and arr.tolist() == toks
+    assert tokens_array(arr) is arr
+    assert block_key_blob(ns, arr, 16) == block_key_blob(ns, toks, 16)
+    assert len(block_key_blob(ns, arr, 16)) == 9
