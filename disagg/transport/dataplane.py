@@ -151,7 +151,8 @@ RowsSource = tuple[int, "torch.Tensor | StoreRows", Sequence[int]]
 
 
 class DataPlane(abc.ABC):
-    """Both sides of page transfer. Implementations: ZmqDataPlane (zmq_plane.py)."""
+    """Both sides of page transfer. Implementations: ZmqDataPlane (zmq_plane.py),
+    UcxDataPlane (ucx_plane.py), IpcDataPlane (ipc_plane.py, one host only)."""
 
     # --- receiver ----------------------------------------------------------------------
     @abc.abstractmethod

@@ -4,9 +4,10 @@ the sender's store.
 Why: a push over a socket moves each page at least three times (gather, wire, scatter);
 between processes of one host the receiver can map the sender's store instead and move
 each page once, source row to destination slot, with ``page_copy.copy_indexed`` (one
-Triton kernel on a GPU, cache-sized gather/scatter chunks on the host). On an H200 this
-moves scattered 64 KiB pages between processes at about 0.65 of the device-to-device copy
-rate (``disagg bench gpu``), where staging through host memory reaches a few percent.
+Triton kernel on a GPU, torch's index kernels on the host). On an H200, 1 GiB of scattered
+64 KiB pages moves between two processes at 0.61-0.75 of the device-to-device copy rate
+with 4-8 pushes in flight, 0.22 for one push alone (its Python control path, ~1.1 ms,
+outweighs the 0.62 ms copy); UCX's cuda_ipc path reached 0.02-0.13 (``disagg bench gpu``).
 
 How:
 - The sender registers its store once (``register_source``): a device store is shared
@@ -17,8 +18,10 @@ How:
 - The receiver checks everything before it copies a byte: the transfer's token and lease,
   the ReceiverBook's slot checks and promises, that every source row lies inside the
   export, that the export is from this host (boot id) and, for CUDA, that its GPU is
-  visible here. Then it copies, synchronises, and answers ``IpcAck``; the sender's push is
-  DONE only on that answer, so the sender never reuses rows a copy may still read.
+  visible here. Then it copies and answers ``IpcAck`` once the copy is over: host copies
+  at once, device copies from the landing thread when their CUDA event fires (so the
+  receiver thread checks the next push while the GPU copies). The sender's push is DONE
+  only on that answer, so the sender never reuses rows a copy may still read.
 - Zombie reads: a push carries the sender's deadline on CLOCK_MONOTONIC (one clock per
   host). The receiver starts no copy after it; the sender fails the push at it and the
   producer keeps the rows pinned for a grace period after that, longer than any copy.
@@ -28,8 +31,9 @@ How:
   copy, which narrows but cannot close that window. (A /dev/shm export stays readable:
   the mapping outlives the sender.)
 
-Control messages travel on ZMQ: the receiver binds a ROUTER at ``endpoint``; the sender
-keeps one DEALER per receiver, on one thread that also collects the acks.
+Control messages travel on ZMQ: the receiver binds a ROUTER at ``endpoint`` (its thread
+owns the socket; the landing thread hands it acks through a pipe); the sender keeps one
+DEALER per receiver, on one thread that also collects the acks.
 """
 
 from __future__ import annotations
@@ -286,6 +290,14 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         pages: Sequence[RowsSource],
         deadline_s: float = 30.0,
     ) -> PushHandle:
+        """Announce ``pages`` to the receiver at ``endpoint``; it copies them itself.
+        Called from the producer's push pool (any thread); returns at once (the sender
+        thread sends). Each source is ``StoreRows`` of a registered slab, or a 2-D uint8
+        tensor inside one (a device tensor outside every source is shared on the spot);
+        host memory outside a registered source raises ValueError, as do malformed
+        shapes and slots < -1. The rows must not change until ``poll_push`` is final:
+        DONE means the receiver's copy is over; FAILED (refusal, deadline, closed) means
+        no copy will start any more (the receiver starts none after ``deadline_s``)."""
         batches, exports, keep = [], {}, []
         count = nbytes = 0
         for group, src, dst_slots in pages:
