@@ -23,8 +23,9 @@ How:
   receiver thread checks the next push while the GPU copies). The sender's push is DONE
   only on that answer, so the sender never reuses rows a copy may still read.
 - Zombie reads: a push carries the sender's deadline on CLOCK_MONOTONIC (one clock per
-  host). The receiver starts no copy after it; the sender fails the push at it and the
-  producer keeps the rows pinned for a grace period after that, longer than any copy.
+  host). The sender keeps its rows until the push is final, and fails it no earlier than
+  that deadline; the receiver starts no copy after it, and a copy it sees end after it
+  fails the transfer instead of landing (the rows may have been reused meanwhile).
 - Limits: one host only (a peer on another host is refused with a message naming the
   fix). A CUDA export is only as alive as the sender process: CUDA leaves reads of a dead
   exporter's memory undefined; the receiver checks the sender's pid before each device
@@ -550,7 +551,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 return str(e)
             rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
-        landing = _Landing(rx, ident)
+        landing = _Landing(rx, ident, msg.not_after)
         try:
             devices: set[torch.device] = set()
             for grp, batch, slots, rows, src in plans:
@@ -573,6 +574,10 @@ class IpcDataPlane(BookedReceiver, DataPlane):
     def _land(self, landing: _Landing) -> str | None:
         """Finish a push whose copies are over (or failed); returns the ack's error."""
         book, rx = self._book, landing.rx
+        if landing.error is None and time.monotonic() > landing.not_after:
+            # The sender gave up at not_after and may have reused its rows since: a copy
+            # seen to end later may hold them half rewritten, so it never counts.
+            landing.error = "the copy ended after the sender's deadline (its rows may be reused)"
         with book.lock:
             rx.inflight -= 1
             if landing.error is not None:
@@ -738,6 +743,7 @@ class _Landing:
 
     rx: Rx
     ident: bytes
+    not_after: float  # the sender's deadline: a copy must be seen over before it
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event per device
     batches: list[tuple[int, int, int]] = field(default_factory=list)  # group, pages, bytes
     error: str | None = None

@@ -208,6 +208,28 @@ def test_late_push_is_refused(planes):
     assert slab.numel()
 
 
+def test_a_copy_that_ends_after_the_senders_deadline_never_lands(planes, monkeypatch):
+    """The sender may reuse its rows once its deadline passed: a copy still running then
+    fails the transfer, whatever bytes it wrote."""
+    from disagg.transport import ipc_plane
+
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    rx.register_regions([_regions(8, (96,))])
+    copy = ipc_plane._copy
+
+    def slow_copy(*args):
+        time.sleep(1.0)  # past the push's deadline (0.5 s + the start margin)
+        return copy(*args)
+
+    monkeypatch.setattr(ipc_plane, "_copy", slow_copy)
+    rx.expect(11, 1, b"t", [1], 10.0)
+    h = tx.post_push(rx.endpoint, 11, 1, b"t", [(0, slab[:1], [0])], deadline_s=0.5)
+    st = rx.wait(11, 5)
+    assert st.failed and "after the sender's deadline" in st.error, st
+    assert tx.wait_push(h, 5).failed
+
+
 def test_malformed_frames_are_counted_and_the_plane_keeps_serving(planes):
     rx, tx = planes(), planes()
     slab = tx.register_source(_store())
