@@ -122,6 +122,19 @@ def run(eng: Engine, ps: list[list[int]], max_tokens: int, salt: str | None = No
     return [eng.results[i] for i in ids]
 
 
+def check_against_monolithic(produced: list[Any], consumed: list[Any], mono: list[Any]) -> None:
+    """Every consumed request finished without error with the monolithic run's tokens,
+    matched tokens through the connector, and loaded pages equal, byte for byte, to the
+    pages the producer computed."""
+    assert [r.error for r in consumed] == [None] * len(consumed)
+    assert [r.tokens for r in consumed] == mono
+    assert all(r.connector_matched_tokens > 0 for r in consumed)
+    for p, c in zip(produced, consumed, strict=True):
+        assert c.loaded_pages, "the consumer loaded no page"
+        for where, data in c.loaded_pages.items():
+            assert data == p.computed_pages[where], f"page {where} differs from the producer's"
+
+
 def wait_for(cond: Callable[[], Any], timeout: float = 5.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

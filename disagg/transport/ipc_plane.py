@@ -52,7 +52,7 @@ import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -82,7 +82,8 @@ COPY_MARGIN_S = 0.25
 _ids = itertools.count(1)
 # Exports of this process, by id: a receiver in the same process uses the tensor itself
 # (CUDA cannot open an IPC handle in the process that made it).
-_local: OrderedDict[int, torch.Tensor] = OrderedDict()
+_local: dict[int, torch.Tensor] = {}  # registered sources, until their plane closes
+_local_auto: OrderedDict[int, torch.Tensor] = OrderedDict()  # shared on the spot
 MAX_LOCAL_EXPORTS = 64  # shared-on-the-spot device tensors remembered for local readers
 
 
@@ -208,7 +209,9 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         tensor is copied into a new /dev/shm file (and pinned if it was), and the copy is
         returned: keep using the returned tensor. Call once per slab, at start-up."""
         if tensor.device.type == "cuda":
-            self._sources.append(_Source(self._cuda_export(tensor), _flat(tensor)))
+            export = self._cuda_export(tensor)
+            _local[export.export_id] = flat = _flat(tensor)
+            self._sources.append(_Source(export, flat))
             return tensor
         if tensor.device.type != "cpu":
             raise ValueError(f"ipc plane cannot share {tensor.device.type} memory")
@@ -247,9 +250,6 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         storage = tensor.untyped_storage()
         dev, handle, size, offset, ref_h, ref_off, ev_h, ev_sync = storage._share_cuda_()
         eid = next(_ids)
-        _local[eid] = _flat(tensor)
-        while len(_local) > MAX_LOCAL_EXPORTS + len(self._sources):
-            _local.popitem(last=False)
         return wire.Export(
             export_id=eid,
             kind="cuda",
@@ -275,6 +275,9 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 return src.export, ptr - base
         if t.device.type == "cuda":
             export = self._cuda_export(t)
+            _local_auto[export.export_id] = _flat(t)
+            while len(_local_auto) > MAX_LOCAL_EXPORTS:
+                _local_auto.popitem(last=False)
             return export, ptr - t.untyped_storage().data_ptr()
         raise ValueError(
             "the ipc plane sends host memory only from a registered source: pass the store "
@@ -486,15 +489,10 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                     except Exception:  # never let one message kill the receiver
                         log.exception("ipc data plane receiver error")
                         self.stats["internal_error"] += 1
-                now = time.monotonic()
-                if now - last_sweep > 0.05:
-                    last_sweep = now
-                    with self._book.lock:
-                        self._book.sweep(now)
+                last_sweep = self._sweep_if_due(last_sweep)
         finally:
             sock.close(linger=0)
-            with self._book.lock:
-                self._book.fail_all("data plane closed")
+            self._fail_all_closed()
 
     def _rx_message(self, sock: zmq.Socket) -> None:
         parts = sock.recv_multipart()
@@ -554,11 +552,12 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         landing = _Landing(rx, ident, msg.not_after)
         try:
             devices: set[torch.device] = set()
-            for grp, batch, slots, rows, src in plans:
+            for plan in plans:
                 if rx.state.final:  # aborted (or expired) between batches
                     break
-                devices |= _copy(grp, slots, rows, src, batch)
-                landing.batches.append((batch.group, int(slots.size), batch.page_bytes))
+                devices |= _copy(plan)
+                b = plan.batch
+                landing.batches.append((b.group, int(plan.slots.size), b.page_bytes))
             for d in devices:  # device copies are queued: they land when these fire
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(d))
@@ -614,9 +613,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             self._acks.put((landing.ident, wire.encode(ack)))
             _poke(self._ack_w)
 
-    def _plan(
-        self, rx: Rx, msg: wire.IpcPush
-    ) -> list[tuple[Group, Any, np.ndarray, np.ndarray, torch.Tensor]]:
+    def _plan(self, rx: Rx, msg: wire.IpcPush) -> list[_Plan]:
         """Validate every batch (and open its export) before any byte moves."""
         exports = {e.export_id: e for e in msg.exports}
         plans = []
@@ -640,8 +637,9 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 raise _Refused(
                     f"batch for group {batch.group}: negative source row {int(rows.min())}"
                 )
+            n_rows = int(rows.max()) + 1  # the source view covers rows [0, n_rows)
             end = max(c + n for c, n in batch.spans)
-            last = batch.base + int(rows.max()) * batch.row_stride + end
+            last = batch.base + (n_rows - 1) * batch.row_stride + end
             if last > export.nbytes:
                 raise _Refused(
                     f"batch for group {batch.group} reads up to byte {last} of export "
@@ -651,7 +649,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             if why is not None:
                 raise _Refused(why)
             src = self._open(export)
-            plans.append((self._book.groups[batch.group], batch, slots, rows, src))
+            plans.append(_Plan(self._book.groups[batch.group], batch, slots, rows, n_rows, src))
         return plans
 
     def _open(self, e: wire.Export) -> torch.Tensor:
@@ -674,8 +672,12 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         return t
 
     def _map(self, e: wire.Export) -> torch.Tensor:
-        if e.pid == os.getpid() and e.export_id in _local:
-            return _local[e.export_id]
+        if e.pid == os.getpid():  # CUDA cannot open its own handle: use the tensor
+            local = _local.get(e.export_id)
+            if local is None:
+                local = _local_auto.get(e.export_id)
+            if local is not None:
+                return local
         if e.kind == "shm":
             if not _SHM_NAME.match(e.name):
                 raise _Refused(f"export {e.export_id} names {e.name!r}, not a disagg shm file")
@@ -756,13 +758,22 @@ class _Refused(Exception):
     """A push that fails its checks: the transfer fails, the sender is told why."""
 
 
-def _copy(
-    grp: Group, slots: np.ndarray, rows: np.ndarray, src: torch.Tensor, b: wire.IpcBatch
-) -> set[torch.device]:
+class _Plan(NamedTuple):
+    """One checked batch, ready to copy."""
+
+    grp: Group
+    batch: wire.IpcBatch
+    slots: np.ndarray
+    rows: np.ndarray
+    n_rows: int  # one past the highest source row (checked inside the export)
+    src: torch.Tensor  # the export, uint8 1-D
+
+
+def _copy(plan: _Plan) -> set[torch.device]:
     """Copy one batch: each piece where a source span meets a destination region is one
     ``copy_indexed`` over all pages of the batch. Host copies are done on return; device
     copies are queued on the current streams of the devices returned."""
-    n_rows = (int(rows.max()) + 1) if rows.size else 0  # bounds the source view
+    grp, b, slots, rows, n_rows, src = plan
     dev = grp.regions[0].tensor.device
     if dev.type == "cuda" and all(r.tensor.device == dev for r in grp.regions):
         # Both index arrays in one host-to-device copy, from pinned memory: a copy from

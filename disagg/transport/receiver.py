@@ -419,6 +419,21 @@ class BookedReceiver:
     def poll(self, transfer_id: int) -> TransferStatus:
         return self._book.poll(transfer_id)
 
+    def _sweep_if_due(self, last: float, every_s: float = 0.05) -> float:
+        """Receiver thread: expire transfers past their deadline, at most every
+        ``every_s`` (``poll`` checks its own transfer anyway); returns the last sweep."""
+        now = time.monotonic()
+        if now - last <= every_s:
+            return last
+        with self._book.lock:
+            self._book.sweep(now)
+        return now
+
+    def _fail_all_closed(self) -> None:
+        """Receiver thread, on the way out: every transfer not yet final fails."""
+        with self._book.lock:
+            self._book.fail_all("data plane closed")
+
     def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
         """Like ``DataPlane.wait``, but woken the moment the plane ends the transfer
         (planes notify ``book.cond``): no sleep-poll backoff added to a transfer."""

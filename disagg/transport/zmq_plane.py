@@ -178,15 +178,10 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                         log.exception("data plane receiver error")
                         self.stats["internal_error"] += 1
                         self._drain(sock)
-                now = time.monotonic()
-                if now - last_sweep > 0.05:  # poll() also checks its own deadline
-                    last_sweep = now
-                    with self._book.lock:
-                        self._book.sweep(now)
+                last_sweep = self._sweep_if_due(last_sweep)
         finally:
             sock.close(linger=0)
-            with self._book.lock:
-                self._book.fail_all("data plane closed")
+            self._fail_all_closed()
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:

@@ -11,6 +11,7 @@ import time
 import pytest
 from harness import (
     SHAPE,
+    check_against_monolithic,
     close_all_services,
     make_consumer,
     make_producer,
@@ -50,13 +51,7 @@ def test_tokens_and_pages_match_monolithic(case, load_mode):
     cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode=load_mode)
     consumed = run(cons, ps, max_tokens=6)
 
-    assert [r.error for r in consumed] == [None] * len(ps)
-    assert [r.tokens for r in consumed] == mono
-    assert all(r.connector_matched_tokens > 0 for r in consumed)
-    for p, c in zip(produced, consumed):
-        assert c.loaded_pages, "the consumer loaded no page"
-        for where, data in c.loaded_pages.items():
-            assert data == p.computed_pages[where], f"page {where} differs from the producer's"
+    check_against_monolithic(produced, consumed, mono)
     # the producer counts a push once libzmq released its frames, which can trail the
     # consumer's completion by a moment
     assert csvc.metrics["pages_loaded"] > 0

@@ -7,7 +7,16 @@ from __future__ import annotations
 import os
 
 import pytest
-from harness import SHAPE, close_all_services, make_consumer, make_producer, prompts, run, wait_for
+from harness import (
+    SHAPE,
+    check_against_monolithic,
+    close_all_services,
+    make_consumer,
+    make_producer,
+    prompts,
+    run,
+    wait_for,
+)
 
 from disagg.engine.reference import Engine, EngineConfig
 
@@ -38,13 +47,7 @@ def test_ucx_tokens_and_pages_match_monolithic(kv_manager):
     assert type(psvc.data).__name__ == type(csvc.data).__name__ == "UcxDataPlane"
     assert csvc.data.endpoint.startswith("ucx+")
 
-    assert [r.error for r in consumed] == [None] * len(ps)
-    assert [r.tokens for r in consumed] == mono
-    assert all(r.connector_matched_tokens > 0 for r in consumed)
-    for p, c in zip(produced, consumed, strict=True):
-        assert c.loaded_pages, "the consumer loaded no page"
-        for where, data in c.loaded_pages.items():
-            assert data == p.computed_pages[where], f"page {where} differs from the producer's"
+    check_against_monolithic(produced, consumed, mono)
     assert csvc.metrics["pages_loaded"] > 0
     assert wait_for(lambda: psvc.metrics["pages_pushed"] > 0)  # counted after the sender drains
     assert wait_for(lambda: psvc.leases.active() == 0)
