@@ -7,8 +7,11 @@ seed, so a mismatch reads as a miss, never as garbage. Only full blocks get keys
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
+import sys
+import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import overload
@@ -17,6 +20,14 @@ import numpy as np
 import xxhash
 
 from .version import MAX_KEYS
+
+_native: types.ModuleType | None
+try:  # the C loops (_keyhash.c); absent when built without a compiler
+    from . import _keyhash as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+if sys.byteorder != "little":  # pack_int64 writes native order; keys are little-endian
+    _native = None
 
 KEY_BYTES = 16
 _DOMAIN = b"disagg/ns/v1"  # changes every key if the scheme ever changes
@@ -59,6 +70,30 @@ def block_keys(
     ``start_block - 1`` (required when ``start_block > 0``; it lets callers extend a key
     list incrementally). ``tokens_per_block`` defaults to the namespace's.
     """
+    return KeyBlob(
+        _chain(tokens, *_start(ns_or_seed, tokens_per_block, start_block, prev))
+    ).tolist()
+
+
+def block_key_blob(
+    ns_or_seed: Namespace | bytes,
+    tokens: Sequence[int] | np.ndarray,
+    tokens_per_block: int | None = None,
+    start_block: int = 0,
+    prev: bytes | None = None,
+) -> KeyBlob:
+    """``block_keys`` packed into one ``KeyBlob`` (what Claim and Lookup carry), built
+    without a list of per-key objects."""
+    return KeyBlob(_chain(tokens, *_start(ns_or_seed, tokens_per_block, start_block, prev)))
+
+
+def _start(
+    ns_or_seed: Namespace | bytes,
+    tokens_per_block: int | None,
+    start_block: int,
+    prev: bytes | None,
+) -> tuple[bytes, int, int]:
+    """Checked ``(key of block start_block - 1, tokens per block, start_block)``."""
     if isinstance(ns_or_seed, Namespace):
         seed = ns_or_seed.seed()
         tpb = tokens_per_block or ns_or_seed.tokens_per_block
@@ -78,41 +113,49 @@ def block_keys(
     h = seed if start_block == 0 else bytes(prev)  # type: ignore[arg-type]
     if len(h) != KEY_BYTES:
         raise ValueError(f"prev must be {KEY_BYTES} bytes, got {len(h)}")
+    return h, tpb, start_block
 
+
+def _chain(tokens: Sequence[int] | np.ndarray, h: bytes, tpb: int, start_block: int) -> bytes:
+    """The keys of blocks ``start_block..`` of ``tokens``, back to back, chained from ``h``."""
     if isinstance(tokens, (list, tuple)):
         n_full = len(tokens) // tpb
         if n_full <= start_block:
-            return []
-        lo, hi = start_block * tpb, n_full * tpb
-        buf = _pack_int64(tokens[lo:hi])
+            return b""
+        buf = _pack_int64(tokens, start_block * tpb, n_full * tpb)
     else:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
         n_full = arr.shape[0] // tpb
         if n_full <= start_block:
-            return []
+            return b""
         buf = np.ascontiguousarray(arr[start_block * tpb : n_full * tpb], dtype="<i8").tobytes()
-    # One C-level split into per-block byte strings, then one digest per block: the chain
-    # makes the loop inherently sequential, so its body is a concat and a call.
+    if _native is not None:
+        return _native.chain_digests(xxhash.xxh3_128_digest, h, buf, tpb * 8)
+    # The chain is inherently sequential; accumulate (C) over a C-level split into per-block
+    # byte strings keeps the per-block work to a concat and a call.
     chunks = np.frombuffer(buf, dtype=f"V{tpb * 8}").tolist()
-    digest = xxhash.xxh3_128_digest
-    out: list[bytes] = [b""] * len(chunks)
-    i = 0
-    for chunk in chunks:
-        h = out[i] = digest(h + chunk)
-        i += 1
-    return out
+    step = lambda prev, chunk, digest=xxhash.xxh3_128_digest: digest(prev + chunk)  # noqa: E731
+    return b"".join(itertools.accumulate(chunks, step, initial=h))[KEY_BYTES:]
 
 
-def _pack_int64(tokens: Sequence[int]) -> bytes:
-    """Little-endian int64 bytes of a list of ints. Engines hand prompts over as lists:
-    one C-level ``struct.pack`` is the cheapest conversion measured (numpy's, ``array``'s
-    and ``np.fromiter``'s are slower)."""
+def _pack_int64(tokens: Sequence[int], start: int = 0, stop: int | None = None) -> bytes:
+    """Little-endian int64 bytes of ``tokens[start:stop]``, a list of ints. Engines hand
+    prompts over as lists; the C helper unboxes them 4x faster than ``struct.pack``, the
+    fastest pure-Python route measured (numpy's, ``array``'s and ``np.fromiter``'s are
+    slower)."""
+    stop = len(tokens) if stop is None else stop
+    if _native is not None and isinstance(tokens, (list, tuple)):
+        try:
+            return _native.pack_int64(tokens, start, stop)
+        except (TypeError, OverflowError):
+            pass  # not plain ints (bools, numpy scalars, floats): the routes below decide
+    part = tokens[start:stop]
     try:
-        return struct.pack(f"<{len(tokens)}q", *tokens)
+        return struct.pack(f"<{len(part)}q", *part)
     except struct.error:  # not plain ints (floats, out of range): numpy decides
-        return np.asarray(tokens).astype("<i8").tobytes()
+        return np.asarray(part).astype("<i8").tobytes()
 
 
 def tokens_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -121,17 +164,6 @@ def tokens_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         return tokens
     return np.frombuffer(_pack_int64(tokens), dtype="<i8")
-
-
-def block_key_blob(
-    ns_or_seed: Namespace | bytes,
-    tokens: Sequence[int] | np.ndarray,
-    tokens_per_block: int | None = None,
-    start_block: int = 0,
-    prev: bytes | None = None,
-) -> KeyBlob:
-    """``block_keys`` packed into one ``KeyBlob`` (what Claim and Lookup carry)."""
-    return KeyBlob(b"".join(block_keys(ns_or_seed, tokens, tokens_per_block, start_block, prev)))
 
 
 class KeyBlob(Sequence[bytes]):

@@ -108,3 +108,80 @@ def test_tokens_array_converts_once_and_keys_agree():
     assert tokens_array(arr) is arr
     assert block_key_blob(ns, arr, 16) == block_key_blob(ns, toks, 16)
     assert len(block_key_blob(ns, arr, 16)) == 9
+
+
+def _by_formula(seed: bytes, toks: list[int], tpb: int) -> list[bytes]:
+    """DESIGN §3 spelled out: h_i = xxh3_128(h_{i-1} || int64-LE tokens of block i)."""
+    import struct
+
+    import xxhash
+
+    out, h = [], seed
+    for b in range(len(toks) // tpb):
+        h = xxhash.xxh3_128_digest(h + struct.pack(f"<{tpb}q", *toks[b * tpb : (b + 1) * tpb]))
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_both_key_paths_follow_the_formula(path, monkeypatch):
+    from disagg.protocol import keys
+
+    if path == "native":
+        if keys._native is None:
+            pytest.skip("disagg.protocol._keyhash was not built (no C compiler at install)")
+    else:
+        monkeypatch.setattr(keys, "_native", None)
+    rng = np.random.default_rng(7)
+    toks = rng.integers(-(1 << 62), 1 << 62, 16 * 40 + 3).tolist()
+    want = _by_formula(NS.seed(), toks, 16)
+    assert block_keys(NS, toks) == want
+    assert block_key_blob(NS, tuple(toks)).tolist() == want
+    assert block_keys(NS, np.array(toks), start_block=5, prev=want[4]) == want[5:]
+    assert block_keys(NS.seed(), toks[:64], 4) == _by_formula(NS.seed(), toks[:64], 4)
+    # elements the C helper refuses (bools, numpy scalars) fall back to the same keys
+    mixed = [True, False, np.int64(3), *toks[3:32]]
+    assert block_keys(NS, mixed) == _by_formula(NS.seed(), [1, 0, 3, *toks[3:32]], 16)
+
+
+def test_native_helper_is_built_where_ci_requires_it():
+    import os
+
+    from disagg.protocol import keys
+
+    if os.environ.get("DISAGG_REQUIRE_NATIVE") != "1":
+        pytest.skip("set DISAGG_REQUIRE_NATIVE=1 to require the C key loops (CI does)")
+    assert keys._native is not None, "disagg.protocol._keyhash missing: pip install -e . with gcc"
+
+
+def test_native_helper_refuses_bad_input_by_name():
+    from disagg.protocol import keys
+
+    if keys._native is None:
+        pytest.skip("disagg.protocol._keyhash was not built")
+    nat = keys._native
+    with pytest.raises(TypeError, match="token 1 is float"):
+        nat.pack_int64([1, 2.0], 0, 2)
+    with pytest.raises(OverflowError, match="token 3 does not fit"):
+        nat.pack_int64([0, 0, 0, 1 << 64], 2, 4)
+    with pytest.raises(TypeError, match="list or tuple"):
+        nat.pack_int64(range(3), 0, 3)
+    with pytest.raises(IndexError, match="range 2:5 outside 4 tokens"):
+        nat.pack_int64([1, 2, 3, 4], 2, 5)
+    with pytest.raises(IndexError, match="range -1:2"):
+        nat.pack_int64([1, 2, 3, 4], -1, 2)
+    assert nat.pack_int64((5, -6, 7), 1, 3) == np.array([-6, 7], "<i8").tobytes()
+    import xxhash
+
+    d = xxhash.xxh3_128_digest
+    with pytest.raises(ValueError, match="prev must be 16 bytes"):
+        nat.chain_digests(d, b"x", b"\0" * 16, 8)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        nat.chain_digests(d, b"x" * 16, b"\0" * 12, 8)
+    with pytest.raises(ValueError, match="block_bytes must be > 0"):
+        nat.chain_digests(d, b"x" * 16, b"", 0)
+    with pytest.raises(ValueError, match="digest must return 16 bytes"):
+        nat.chain_digests(lambda b: b"short", b"x" * 16, b"\0" * 8, 8)
+    with pytest.raises(ZeroDivisionError):  # the digest's own error propagates
+        nat.chain_digests(lambda b: 1 // 0, b"x" * 16, b"\0" * 8, 8)
+    assert nat.chain_digests(d, b"x" * 16, b"", 8) == b""
