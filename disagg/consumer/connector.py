@@ -178,6 +178,9 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
     def _drop(self, rid: int) -> None:
         load = self.service.loads.pop(rid, None)
         if load is not None:
+            # The engine frees (and may reuse) this request's pages as soon as we return:
+            # a load still landing must not write one more byte into them.
+            self.service.abandon(load, f"request {rid} ended before its pages landed")
             self.service.release(load.claimed)
             if self.service.tp_size > 1:
                 self._dropped.append(rid)
@@ -229,8 +232,10 @@ class ConsumerWorker(KvCacheConnectorWorker):
         svc, rank = self.service, self.service.tp_rank
         for rid in meta.dropped:
             load = svc.loads.pop(rid, None)
-            if load is not None and rid in self._loading and not load.done:
-                self._cancelled.add(rid)
+            if load is not None:
+                svc.abandon(load, f"request {rid} ended before its pages landed (leader)")
+                if rid in self._loading:
+                    self._cancelled.add(rid)
         for plan in meta.plans:
             self._cancelled.discard(plan.request_id)
             old = svc.loads.get(plan.request_id)
@@ -280,10 +285,13 @@ class ConsumerWorker(KvCacheConnectorWorker):
             load = self.service.loads.get(rid)
             if load is None and self.service.tp_rank != 0 and rid not in self._cancelled:
                 continue  # TP: this rank has not seen the leader's plan for it yet
-            if load is None:  # released while parked: its pages were never (fully) written
+            if load is None:
+                # Dropped while parked (``abandon``: nothing of it lands any more). The
+                # request ended, or replays from scratch after a new query: nothing will
+                # read these pages as loaded, so no failure is recorded (one would fail a
+                # replay that recomputes them).
                 self._cancelled.discard(rid)
                 done.append(rid)
-                self._failed[rid] = "its load was cancelled before the pages landed"
                 continue
             if self.service.poll(load):
                 done.append(rid)

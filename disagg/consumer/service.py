@@ -232,6 +232,7 @@ class ConsumerService(ConnectorService):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
+        self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
 
     def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
         """Producer ``p``'s rank ``rank``: listed explicitly, or rank 0's port + rank."""
@@ -487,9 +488,31 @@ class ConsumerService(ConnectorService):
     def fail(self, load: Load, why: str) -> None:
         load.error, load.done = why, True
         self.metrics["loads_failed"] += 1
-        if self.data is not None and load.transfer_id:
-            self.data.abort(load.transfer_id)
+        self._abort_transfer(load, why)
         log.warning("KV load for request %d failed: %s", load.request_id, why)
+
+    def abandon(self, load: Load, why: str) -> None:
+        """The request ended, or will replay, while its load may still be landing (engine
+        thread: ``request_finished``, ``request_reset``; ranks > 0 when the leader's plan
+        says so). Fails the transfer and waits (bounded by the plane's abort wait) for
+        writes of it under way, so that once this returns no byte of it lands: the engine
+        frees and reuses those pages right after. The lease is released separately."""
+        if load.dispatched and not load.done:
+            self.metrics["loads_abandoned"] += 1
+            load.error, load.done = why, True
+            self._abort_transfer(load, why)
+
+    def _abort_transfer(self, load: Load, why: str) -> None:
+        if self.data is None or not load.transfer_id:
+            return
+        left = self.data.abort(load.transfer_id, why)
+        if left:  # the plane cannot prove these slots are quiet: stop taking traffic
+            self.stuck_writes = (
+                f"transfer {load.transfer_id} (request {load.request_id}) still had {left} "
+                "write(s) under way after its abort: pages it targets may change; restart "
+                "this decode instance"
+            )
+            log.error("%s", self.stuck_writes)
 
     def poll(self, load: Load) -> bool:
         """True once the load is over (done or failed)."""
@@ -599,6 +622,8 @@ class ConsumerService(ConnectorService):
             return False, "no KV cache registered yet"
         if not self._keepalive.is_alive():
             return False, "the keepalive thread stopped: leases are neither renewed nor released"
+        if self.stuck_writes is not None:
+            return False, self.stuck_writes
         return self.data.health() if self.data is not None else (False, "no data plane")
 
     def close(self) -> None:

@@ -189,7 +189,7 @@ class ProducerWorker(KvCacheConnectorWorker):
     def bind_connector_meta(self, metadata: object) -> None:
         """Every iteration: reserve store rows for this pass's saves (dedup, evict, drop)."""
         super().bind_connector_meta(metadata)
-        self._pass = None
+        self._abandon_pass()
         if isinstance(metadata, ProducerMeta) and metadata.saves:
             self._pass = _PassPlan.build(self.service, metadata.saves)
 
@@ -221,10 +221,20 @@ class ProducerWorker(KvCacheConnectorWorker):
         flush_pass(plan.copy, self.service.store.slab)
         self.service.finish_pass(plan.keys, plan.request_counts, stream, plan.copy)
 
+    def _abandon_pass(self) -> None:
+        """The forward failed (the executor's error path skips ``wait_for_save``): this
+        pass's blocks will never be whole. Forget them now, so their requests stop
+        counting as saving and their pages go back to the engine, instead of waiting for
+        SAVE_TIMEOUT (which frees the store rows but not the requests' pages)."""
+        plan, self._pass = self._pass, None
+        if plan is not None:
+            self.service.abandon_pass(plan.keys, plan.request_counts)
+
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         """Every iteration: report each handed-in request once its saves have landed."""
+        self._abandon_pass()  # a pass still planned here never reached wait_for_save
         self.service.poll()
         self._finished_saving.extend(finished_gen_req_ids)
         done = [r for r in self._finished_saving if not self.service.saves_in_flight(r)]

@@ -196,8 +196,20 @@ class ProducerService(ConnectorService):
             return
         self._commit(keys, counts)
 
+    def abandon_pass(self, keys: list[bytes], counts: dict[int, int]) -> None:
+        """A pass whose forward failed: its blocks are dropped from the store (never
+        served half written) and stop counting as in flight for their requests. Its
+        copies, if any were queued on the engine's stream, end before any later pass's
+        (same stream), so a row handed out again is rewritten after them."""
+        self.metrics["passes_abandoned"] += 1
+        self.store.abort(keys)
+        self._settle(counts)
+
     def _commit(self, keys: list[bytes], counts: dict[int, int]) -> None:
         self.store.commit(keys)
+        self._settle(counts)
+
+    def _settle(self, counts: dict[int, int]) -> None:
         with self._in_flight_lock:
             for rid, n in counts.items():
                 self._in_flight[rid] -= n

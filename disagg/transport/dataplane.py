@@ -188,8 +188,11 @@ class DataPlane(abc.ABC):
         forgotten)."""
 
     @abc.abstractmethod
-    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
-        """Fail the transfer unless already final; no byte of it is written afterwards."""
+    def abort(self, transfer_id: int, reason: str = "aborted") -> int:
+        """Fail the transfer unless already final, and wait (bounded) for writes of it
+        already under way: no byte of it is written afterwards. Returns how many writes
+        were still under way when the wait ended (0 unless the plane is stuck: then the
+        caller cannot reuse the transfer's slots safely)."""
 
     # --- sender ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -449,7 +449,8 @@ class BookedReceiver:
                 if rx is not None and not rx.state.final:
                     book.cond.wait(min(left, self.wait_slice_s))
 
-    def abort(self, transfer_id: int, reason: str = "aborted") -> None:
+    def abort(self, transfer_id: int, reason: str = "aborted") -> int:
         left = self._book.abort(transfer_id, reason, self.abort_wait_s)
         if left:
             log.warning("transfer %d: %d writes still in flight after abort", transfer_id, left)
+        return left

@@ -144,6 +144,7 @@ class Engine:
         self._new_saving: list[int] = []
         self._hidden: dict[int, Any] = {}
         self._spans: dict[int, tuple[int, int]] = {}
+        self._cancels: list[int] = []
 
     # ----- public API -----------------------------------------------------------------
     @property
@@ -180,6 +181,26 @@ class Engine:
         self._waiting.append(req)
         return rid
 
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request (a client going away), as TensorRT-LLM's executor does: the
+        request ends at the start of the next iteration with the error ``cancelled``. One
+        the connector was asked about gets ``request_finished`` (its pages are then freed
+        at once unless the connector keeps them), also while it is parked on an async
+        load; a connector that reports such a load finished later is tolerated (the id
+        was handed in). Finished or unknown requests are ignored."""
+        if request_id in self.requests:
+            self._cancels.append(request_id)
+
+    def _apply_cancels(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        for rid in cancels:
+            req = self.requests[rid]
+            if req.state in ("done", "saving") or self.results[rid].finished:
+                continue
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._fail(req, "cancelled")
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
 
@@ -215,6 +236,7 @@ class Engine:
         self.stats.iterations += 1
         self._new_saving = []
         new_loading: list[int] = []
+        self._apply_cancels()
 
         # 1. schedule
         ctx = [r for r in self._active if r.state == "context"]
@@ -287,7 +309,8 @@ class Engine:
             fin_save, fin_load = drv.get_finished(self._new_saving, new_loading)
             for rid in sorted(fin_load):
                 req = self.requests[rid]
-                req.state = "context"
+                if req.state == "loading":  # not if it ended while parked (cancelled)
+                    req.state = "context"
             for rid in sorted(fin_save):
                 req = self.requests[rid]
                 self.kv.free(req.pages)

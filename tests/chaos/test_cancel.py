@@ -1,0 +1,105 @@
+"""Requests that end while their KV is still moving (peer bugs: a load landing in pages the
+engine already freed and handed to another request; a failed forward leaving its saves
+counted forever, so the prefill instance's pages are never given back)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from harness import (
+    SHAPE,
+    check_against_monolithic,
+    close_all_services,
+    make_consumer,
+    make_producer,
+    prompts,
+    run,
+    wait_for,
+)
+
+from disagg.engine.reference import Engine, EngineConfig
+from disagg.producer.store import BlockState
+from disagg.transport import zmq_plane
+from disagg.transport.dataplane import TransferState
+
+CFG = EngineConfig(**SHAPE, capture_pages=True)
+
+
+@pytest.fixture(autouse=True)
+def _cleanup():
+    yield
+    close_all_services()
+
+
+def _slots_bytes(eng: Engine, slots: list[list[int]]) -> dict[tuple[int, int], bytes]:
+    return {(g, s): eng.page_bytes(g, s) for g, group in enumerate(slots) for s in group if s >= 0}
+
+
+def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypatch):
+    from chaos_role import slow_pushes
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes changes it
+    ps = prompts(n=2, length=300)
+    prod, psvc = make_producer(CFG)
+    produced = run(prod, ps, 1)
+    started = threading.Event()
+    plain = psvc.data._wait_writable
+    slow_pushes(psvc, 1.0, on_start=lambda tid: started.set())
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], load_timeout_s=10.0)
+    rid = cons.add_request(ps[0], 4)
+    cons.step()  # claim, allocate, park, ask for the push
+    load = csvc.loads[rid]
+    assert load.dispatched and started.wait(10), "the push never started"
+
+    cons.cancel(rid)
+    cons.step()  # request_finished: the pages are freed when it returns
+    assert cons.results[rid].error == "cancelled"
+    assert not cons.has_work()
+    st = csvc.data.poll(load.transfer_id)
+    assert st.state is TransferState.FAILED and "ended before its pages landed" in st.error
+    before = _slots_bytes(cons, load.dst_slots)
+    time.sleep(1.5)  # the producer resumes its push: every later batch must be refused
+    assert _slots_bytes(cons, load.dst_slots) == before, "bytes landed after the cancel"
+    assert csvc.metrics["loads_abandoned"] == 1
+    assert csvc.health() == (True, "")
+    assert wait_for(lambda: psvc.leases.active() == 0), "the lease was not released"
+
+    # the freed pages serve the next requests, whose tokens and pages are the monolithic
+    # run's (the second prompt shares the first's prefix: it loads into reused slots)
+    mono = Engine(CFG).generate([ps[1]], 4)
+    psvc.data._wait_writable = plain
+    check_against_monolithic(produced[1:], run(cons, [ps[1]], 4), mono)
+
+
+def test_failed_forward_on_the_producer_gives_its_pages_back():
+    ps = prompts(n=1, length=300)
+    prod, psvc = make_producer(CFG, save_timeout_s=60.0)  # no help from SAVE_TIMEOUT
+    worker = prod.driver.workers[0]
+    save = worker.save_kv_layer
+    calls = {"n": 0}
+
+    def failing(layer: int, stream: object) -> None:
+        calls["n"] += 1
+        save(layer, stream)
+        if calls["n"] == 2:
+            raise RuntimeError("injected forward failure")
+
+    worker.save_kv_layer = failing
+    rid = prod.add_request(ps[0], 2)
+    for _ in range(10):
+        if not prod.has_work():
+            break
+        prod.step()
+    assert "injected forward failure" in (prod.results[rid].error or "")
+    assert not prod.has_work(), f"request stuck in {prod.requests[rid].state!r}"
+    assert not psvc.saves_in_flight(rid)
+    assert psvc.metrics["passes_abandoned"] == 1
+    assert all(e.state is BlockState.STORED for e in psvc.store._entries.values())
+
+    # the same prompt again saves whole blocks, and a consumer loads them correctly
+    worker.save_kv_layer = save
+    produced = run(prod, ps, 1)
+    cons, _ = make_consumer(CFG, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, ps, 4), Engine(CFG).generate(ps, 4))
