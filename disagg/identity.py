@@ -7,7 +7,11 @@ handshake, never as garbage.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from .pages import PagePool
 from .protocol.fingerprint import Fingerprint, GroupGeometry
@@ -60,7 +64,67 @@ def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) ->
     )
 
 
-def namespace_of(fp: Fingerprint, cache_salt: str | None, lora_id: int | None = None) -> Namespace:
+@dataclass(frozen=True)
+class RequestIdentity:
+    """What besides its tokens decides a request's KV (DESIGN §3): its cache salt, its LoRA
+    adapter, and its multimodal inputs (images whose placeholder tokens are equal give
+    different KV). Requests whose identities differ never share block keys, so KV computed
+    under one adapter or image is never loaded for another: that is a miss, not a wrong
+    token. Coarse on purpose for multimodal requests: the digest covers every input of the
+    request, so such requests share blocks only with requests of the same inputs."""
+
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    mm_digest: str | None = None
+
+
+def request_identity(request: Any) -> RequestIdentity:
+    """The identity of an engine request, from the attributes TensorRT-LLM's ``LlmRequest``
+    binds (``cache_salt``, ``lora_task_id``, ``multimodal_hashes``/``_positions``/
+    ``_lengths``); absent or None attributes count as "none"."""
+    lora = _attr(request, "lora_task_id")
+    return RequestIdentity(
+        cache_salt=_attr(request, "cache_salt"),
+        lora_id=None if lora is None else int(lora),
+        mm_digest=multimodal_digest(
+            _attr(request, "multimodal_hashes"),
+            _attr(request, "multimodal_positions"),
+            _attr(request, "multimodal_lengths"),
+        ),
+    )
+
+
+def multimodal_digest(hashes: Any, positions: Any = None, lengths: Any = None) -> str | None:
+    """One digest of a request's multimodal inputs (their content hashes, and where they sit
+    in the prompt), or None for a text-only request."""
+    if hashes is None or len(hashes) == 0:
+        return None
+    canon = json.dumps(
+        [_ints(hashes), _ints(positions), _ints(lengths)], separators=(",", ":")
+    ).encode()
+    return xxhash.xxh3_128_hexdigest(canon)
+
+
+def _ints(x: Any) -> Any:
+    """Nested lists of ints (tensors and tuples as lists), for a canonical JSON form."""
+    if x is None:
+        return None
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, (list, tuple)):
+        return [_ints(v) for v in x]
+    return int(x)
+
+
+def _attr(request: Any, name: str) -> Any:
+    try:  # a nanobind property may raise for a field the request does not carry
+        return getattr(request, name, None)
+    except Exception:
+        return None
+
+
+def namespace_of(fp: Fingerprint, ident: RequestIdentity | None = None) -> Namespace:
+    ident = ident or RequestIdentity()
     return Namespace(
         model_fingerprint=fp.model,
         dtype=fp.dtype,
@@ -68,6 +132,7 @@ def namespace_of(fp: Fingerprint, cache_salt: str | None, lora_id: int | None = 
         group_page_bytes=tuple(g.bytes_per_page for g in fp.groups),
         tp_size=fp.tp_size,
         tp_rank=fp.tp_rank,
-        cache_salt=cache_salt,
-        lora_id=lora_id,
+        cache_salt=ident.cache_salt,
+        lora_id=ident.lora_id,
+        mm_digest=ident.mm_digest,
     )

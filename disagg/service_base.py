@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from .config import DisaggConfig
-from .identity import fingerprint_of, model_id_of, namespace_of, tp_of
+from .identity import RequestIdentity, fingerprint_of, model_id_of, namespace_of, tp_of
 from .pages import PagePool
 from .protocol.fingerprint import Fingerprint
 
@@ -115,7 +115,7 @@ class ConnectorService:
         self.fingerprint: Fingerprint | None = None
         self.metrics: Counter[str] = Counter()
         self.closed = False
-        self._seeds: dict[tuple[str | None, int], bytes] = {}
+        self._seeds: dict[tuple[RequestIdentity, int], bytes] = {}
 
     def _attach_pool(self, pool: PagePool) -> None:
         """Registration: remember the engine's pages and who that makes us."""
@@ -139,12 +139,18 @@ class ConnectorService:
             return self.fingerprint
         return msgspec.structs.replace(self.fingerprint, tp_rank=tp_rank)
 
-    def namespace_seed(self, cache_salt: str | None, tp_rank: int | None = None) -> bytes:
-        """The key-chain seed for ``cache_salt`` on rank ``tp_rank`` (default: ours),
-        cached per (salt, rank). Keys differ per rank (DESIGN §3)."""
+    def namespace_seed(
+        self, ident: RequestIdentity | str | None, tp_rank: int | None = None
+    ) -> bytes:
+        """The key-chain seed of requests of identity ``ident`` (a bare string is a cache
+        salt) on rank ``tp_rank`` (default: ours). Keys differ per rank and per identity
+        (DESIGN §3). Cached, except for multimodal identities (one per request)."""
+        if not isinstance(ident, RequestIdentity):
+            ident = RequestIdentity(cache_salt=ident)
         rank = self.tp_rank if tp_rank is None else tp_rank
-        seed = self._seeds.get((cache_salt, rank))
+        seed = self._seeds.get((ident, rank))
         if seed is None:
-            fp = self.fingerprint_for(rank)
-            seed = self._seeds[(cache_salt, rank)] = namespace_of(fp, cache_salt).seed()
+            seed = namespace_of(self.fingerprint_for(rank), ident).seed()
+            if ident.mm_digest is None:
+                self._seeds[(ident, rank)] = seed
         return seed

@@ -26,6 +26,7 @@ import torch
 
 from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from ..identity import request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_key_blob, tokens_array
 from .service import Claimed, ConsumerService, Load, service_for
@@ -88,12 +89,12 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         if offerable <= first:
             return 0, False
         try:
-            salt = getattr(request, "cache_salt", None)
+            ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
             # every rank's keys (its namespace carries its tp_rank), packed; the prompt
             # is hashed as is (a block past `offerable` at most, cheaper than a copy)
             tokens = tokens_array(prompt) if svc.tp_size > 1 else prompt  # convert once
             keys = [
-                block_key_blob(svc.namespace_seed(salt, tp_rank=r), tokens, tpb)[first:offerable]
+                block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
                 for r in range(svc.tp_size)
             ]
             claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)

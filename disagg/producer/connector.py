@@ -25,6 +25,7 @@ import torch
 
 from ..connector_common import resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from ..identity import RequestIdentity, request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_keys
 from .saving import PassCopy, copy_layer_to_store, flush_pass
@@ -56,7 +57,7 @@ class ProducerMeta:
 
 @dataclass
 class _RequestState:
-    cache_salt: str | None
+    ident: RequestIdentity
     tokens: list[int] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)  # per group, per block ordinal
     keys: list[list[bytes]] = field(default_factory=list)  # per TP rank, per block ordinal
@@ -72,11 +73,17 @@ class ProducerScheduler(KvCacheConnectorScheduler):
         self.config = resolve_config(llm_args, "producer")
         self.service: ProducerService = service_for(self.config, llm_args)
         self._requests: dict[int, _RequestState] = {}
+        # what decides each request's KV besides its tokens (LoRA adapter, multimodal
+        # inputs): only the request object handed in here carries it, not RequestData
+        self._idents: dict[int, RequestIdentity] = {}
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Once per request. A producer serves no loads: always ``(0, False)``."""
+        """Once per request (again after a replay). A producer serves no loads: always
+        ``(0, False)``; it records the request's identity, under which its blocks are
+        saved (a request never seen here is not saved: its adapter is unknown)."""
+        self._idents[request.request_id] = request_identity(request)
         return 0, False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
@@ -101,8 +108,12 @@ class ProducerScheduler(KvCacheConnectorScheduler):
         for rd in [*scheduler_output.new_requests, *scheduler_output.cached_requests]:
             st = self._requests.get(rd.request_id)
             if st is None:
+                ident = self._idents.get(rd.request_id)
+                if ident is None:  # never queried (e.g. a dummy request): identity unknown
+                    self.service.metrics["saves_skipped_unknown_identity"] += 1
+                    continue
                 st = _RequestState(
-                    getattr(rd, "cache_salt", None),
+                    ident,
                     slots=[[] for _ in range(groups)],
                     keys=[[] for _ in range(ranks)],
                 )
@@ -115,7 +126,7 @@ class ProducerScheduler(KvCacheConnectorScheduler):
                 continue
             for rank, keys in enumerate(st.keys):  # every rank's own key chain
                 if len(keys) < full:
-                    seed = self.service.namespace_seed(st.cache_salt, tp_rank=rank)
+                    seed = self.service.namespace_seed(st.ident, tp_rank=rank)
                     prev = keys[-1] if keys else None
                     keys.extend(
                         block_keys(
@@ -136,6 +147,7 @@ class ProducerScheduler(KvCacheConnectorScheduler):
         other ranks' saves are not visible here: any request that had a save planned is
         held, and every rank reports it once its own saves landed."""
         st = self._requests.pop(request.request_id, None)
+        self._idents.pop(request.request_id, None)
         if self.service.tp_size > 1 and st is not None and st.saved:
             return True
         return self.service.saves_in_flight(request.request_id)

@@ -45,6 +45,7 @@ class Namespace:
     tp_rank: int = 0
     cache_salt: str | None = None
     lora_id: int | None = None
+    mm_digest: str | None = None  # digest of the request's multimodal inputs
 
     def __post_init__(self) -> None:
         if self.tokens_per_block < 1:
@@ -53,7 +54,10 @@ class Namespace:
 
     def seed(self) -> bytes:
         """16 bytes, deterministic across processes and machines (canonical JSON)."""
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        if fields["mm_digest"] is None:  # text-only namespaces keep the keys they always had
+            del fields["mm_digest"]
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return xxhash.xxh3_128_digest(_DOMAIN + canon)
 
 

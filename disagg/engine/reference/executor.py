@@ -71,15 +71,28 @@ class EngineStats:
 class Request:
     """The ``LlmRequest`` attributes connectors read (contract §6)."""
 
-    def __init__(self, rid: int, prompt: list[int], max_tokens: int, salt: str | None, groups: int):
+    def __init__(
+        self,
+        rid: int,
+        prompt: list[int],
+        max_tokens: int,
+        salt: str | None,
+        groups: int,
+        lora_task_id: int | None = None,
+        multimodal_hashes: list[list[int]] | None = None,
+    ):
         self.request_id = self.py_request_id = rid
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)
         self.max_new_tokens = max_tokens
         self.cache_salt = salt
         self.cache_salt_id = None
-        self.lora_task_id = None
-        self.multimodal_hashes = None
+        self.lora_task_id = lora_task_id
+        self.multimodal_hashes = multimodal_hashes
+        self.multimodal_positions = [0] * len(multimodal_hashes) if multimodal_hashes else None
+        self.multimodal_lengths = (
+            [len(prompt)] * len(multimodal_hashes) if multimodal_hashes else None
+        )
         self.kv_cache_retention_config = None
         self.py_draft_tokens: list[int] = []
         self.is_dummy_request = False
@@ -100,6 +113,14 @@ class Request:
         self.sampled_iter = -1
         self.finished_iter = -1
         self.generated: list[int] = []
+
+    @property
+    def adapter(self) -> str | None:
+        """What besides the tokens changes this request's KV in the model (its LoRA task
+        and multimodal inputs), or None: the model embeds with it, block hashes cover it."""
+        if self.lora_task_id is None and not self.multimodal_hashes:
+            return None
+        return repr((self.lora_task_id, self.multimodal_hashes))
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
@@ -161,8 +182,16 @@ class Engine:
         return self.kv.page_bytes(group, slot)
 
     def add_request(
-        self, prompt_tokens: list[int], max_tokens: int, cache_salt: str | None = None
+        self,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        cache_salt: str | None = None,
+        lora_task_id: int | None = None,
+        multimodal_hashes: list[list[int]] | None = None,
     ) -> int:
+        """Queue a request. ``lora_task_id`` and ``multimodal_hashes`` stand for a LoRA
+        adapter and multimodal inputs: the model's output depends on them (a per-identity
+        embedding offset), as a real adapter's or image's would."""
         cfg = self.config
         if not prompt_tokens:
             raise ValueError("prompt must not be empty")
@@ -174,7 +203,13 @@ class Engine:
             raise ValueError(f"prompt + max_tokens exceeds max_seq_len {cfg.max_seq_len}")
         rid = next(self._ids)
         req = Request(
-            rid, [int(t) for t in prompt_tokens], max_tokens, cache_salt, len(self.kv.groups)
+            rid,
+            [int(t) for t in prompt_tokens],
+            max_tokens,
+            cache_salt,
+            len(self.kv.groups),
+            lora_task_id,
+            multimodal_hashes,
         )
         self.requests[rid] = req
         self.results[rid] = RequestResult()
@@ -205,11 +240,19 @@ class Engine:
         return bool(self._waiting or self._active)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int | list[int], cache_salt: str | None = None
+        self,
+        prompts: list[list[int]],
+        max_tokens: int | list[int],
+        cache_salt: str | None = None,
+        lora_task_id: int | None = None,
+        multimodal_hashes: list[list[int]] | None = None,
     ) -> list[list[int]]:
         """Run prompts to completion; raises ``RuntimeError`` naming a failed request."""
         mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        ids = [self.add_request(p, m, cache_salt) for p, m in zip(prompts, mts, strict=True)]
+        ids = [
+            self.add_request(p, m, cache_salt, lora_task_id, multimodal_hashes)
+            for p, m in zip(prompts, mts, strict=True)
+        ]
         while any(not self.results[i].finished for i in ids) or self.has_work():
             self.step()
         for i in ids:
@@ -346,7 +389,7 @@ class Engine:
         tpb = self.config.tokens_per_block
         nb = min(ntokens, len(req.tokens)) // tpb
         if len(req.hashes) < nb:
-            req.hashes = block_hashes(req.tokens[: nb * tpb], tpb, req.cache_salt)
+            req.hashes = block_hashes(req.tokens[: nb * tpb], tpb, req.cache_salt, req.adapter)
         return req.hashes
 
     def _first_allocation(self, req: Request, new_loading: list[int]) -> bool:
@@ -433,7 +476,7 @@ class Engine:
         spans = {r.request_id: self._span(r) for r in batch}
         try:
             hidden = {
-                r.request_id: model.embed_tokens(r.tokens[s : s + n])
+                r.request_id: model.embed_tokens(r.tokens[s : s + n], r.adapter)
                 for r in batch
                 for s, n in [spans[r.request_id]]
             }

@@ -27,10 +27,16 @@ from .config import EngineConfig
 BAD = -1
 
 
-def block_hashes(tokens: list[int], tpb: int, salt: str | None) -> list[bytes]:
-    """Chained hashes of every full block of ``tokens``."""
+def block_hashes(
+    tokens: list[int], tpb: int, salt: str | None, adapter: str | None = None
+) -> list[bytes]:
+    """Chained hashes of every full block of ``tokens`` (the salt and the request's
+    adapter, LoRA task and multimodal inputs, seed the chain, as TensorRT-LLM's block
+    reuse keys do)."""
     out: list[bytes] = []
     prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
+    if adapter is not None:
+        prev = hashlib.sha256(prev + adapter.encode()).digest()
     for b in range(len(tokens) // tpb):
         h = hashlib.sha256(prev)
         h.update(torch.tensor(tokens[b * tpb : (b + 1) * tpb], dtype=torch.int64).numpy().tobytes())

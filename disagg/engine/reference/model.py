@@ -9,6 +9,7 @@ whether its prefix was computed here or loaded (up to float rounding of the proj
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Protocol
 
@@ -63,6 +64,7 @@ class TinyLlama:
             )
         self.final_norm = torch.ones(h, device=dev, dtype=dt)
         self.lm_head = w(h, cfg.vocab_size)
+        self._offsets: dict[str, torch.Tensor] = {}
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -75,9 +77,21 @@ class TinyLlama:
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return out.to(x.dtype)
 
-    def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
+    def embed_tokens(self, tokens: list[int], adapter: str | None = None) -> torch.Tensor:
+        """Embeddings of ``tokens``; ``adapter`` (a request's LoRA task and multimodal
+        inputs) adds a fixed offset of its own, so its KV differs from the plain model's."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.embed.device)
-        return self.embed[ids]
+        x = self.embed[ids]
+        return x if adapter is None else x + self._offset(adapter)
+
+    def _offset(self, adapter: str) -> torch.Tensor:
+        off = self._offsets.get(adapter)
+        if off is None:
+            seed = int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "little")
+            g = torch.Generator().manual_seed(seed)
+            off = torch.randn(self.embed.shape[1], generator=g) * 0.5
+            off = self._offsets[adapter] = off.to(device=self.embed.device, dtype=self.embed.dtype)
+        return off
 
     def layer(self, i: int, x: torch.Tensor, start: int, kv: KvIO) -> torch.Tensor:
         """Run decoder layer ``i`` on hidden states ``x`` ``[n, hidden]`` at positions
