@@ -32,6 +32,7 @@ Schema (all sections are plain mappings; unknown keys are refused)::
       data: endpoint to bind                 # incoming pages, default tcp://127.0.0.1:0
       advertise_host: str | null             # host producers use to reach a wildcard bind
       load_mode: async | sync                # default async
+      on_load_failure: auto | fail_request | stop_instance   # default auto (see below)
       claim_timeout_s: 1.0
       load_timeout_s: 30
       heartbeat_s: 5                         # must be < lease_ttl_s
@@ -67,6 +68,7 @@ __all__ = [
     "ROLES",
     "TRANSPORTS",
     "STORE_DEVICES",
+    "LOAD_FAILURE_POLICIES",
     "LOAD_MODES",
     "DEFAULT_HEARTBEAT_S",
     "ConfigError",
@@ -90,6 +92,12 @@ ROLES: tuple[str, ...] = ("producer", "consumer")
 TRANSPORTS: tuple[str, ...] = ("zmq", "ucx", "ipc")
 STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
 LOAD_MODES: tuple[str, ...] = ("async", "sync")
+# What a failed load does (after the claim: the tokens were already offered). fail_request:
+# that request ends with an error naming it. stop_instance: the engine stops (an error
+# TensorRT-LLM treats as fatal). auto: stop_instance where the engine would keep the
+# request's unfilled pages for reuse (V1 KV cache manager with block reuse on: its
+# releaseBlocks stores every prompt block of a released request), else fail_request.
+LOAD_FAILURE_POLICIES: tuple[str, ...] = ("auto", "fail_request", "stop_instance")
 DEFAULT_HEARTBEAT_S = 5.0
 
 
@@ -381,6 +389,7 @@ class ConsumerConfig:
     data: str = "tcp://127.0.0.1:0"
     advertise_host: str | None = None
     load_mode: str = "async"
+    on_load_failure: str = "auto"
     claim_timeout_s: float = 1.0
     load_timeout_s: float = 30.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
@@ -427,6 +436,7 @@ class ConsumerConfig:
         _set(self, "data", parse_endpoint(self.data, p + "data").url)
         _set(self, "advertise_host", _opt_str(self.advertise_host, p + "advertise_host"))
         _choice(self.load_mode, LOAD_MODES, p + "load_mode")
+        _choice(self.on_load_failure, LOAD_FAILURE_POLICIES, p + "on_load_failure")
         for name in ("claim_timeout_s", "load_timeout_s", "heartbeat_s", "lease_ttl_s"):
             _set(self, name, _seconds(getattr(self, name), p + name))
         if self.heartbeat_s >= self.lease_ttl_s:

@@ -157,8 +157,17 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        """Once at the end: release the lease. Nothing is saved, so never ``True``."""
-        self._drop(request.request_id)
+        """Once at the end: release the lease, after stopping a load still landing (its
+        pages are freed when this returns). Where the engine publishes a freed request's
+        pages for reuse (``stop_on_failure``), a load still landing is not stopped: the
+        pages are kept (``True``) until it is over, so what gets published holds the
+        loaded bytes; the worker reports the id then (or stops the engine if it failed)."""
+        rid = request.request_id
+        load = self.service.loads.get(rid)
+        if self.service.stop_on_failure and load is not None and load.dispatched and not load.done:
+            self.service.metrics["loads_outlived_request"] += 1
+            return True
+        self._drop(rid)
         return False
 
     def request_finished_by_layer_group(
@@ -199,24 +208,68 @@ class ConsumerWorker(KvCacheConnectorWorker):
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []
         self._cancelled: set[int] = set()  # TP, ranks > 0: parked loads the leader dropped
+        self._holding: set[int] = set()  # finished requests whose pages await their load
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
         tpb = self._llm_args.kv_cache_config.tokens_per_block
         self.service.attach(PagePool.from_v1_tensor(kv_cache_tensor, tpb))
+        # V1 stores every prompt block of a released request for reuse, a failed one's
+        # too (kvCacheManager.cpp releaseBlocks): unfilled pages would be served later.
+        reuse = getattr(self._llm_args.kv_cache_config, "enable_block_reuse", True)
+        self._decide_failure_policy(reuse is not False)
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Bring-up, V2: any number of layer groups and regions."""
         self.service.attach(PagePool(layout))
+        self._decide_failure_policy(False)  # V2 publishes only what a forward committed
+
+    def _decide_failure_policy(self, engine_reuses_failed_pages: bool) -> None:
+        policy = self.service.ccfg.on_load_failure
+        if policy == "auto":
+            policy = "stop_instance" if engine_reuses_failed_pages else "fail_request"
+        self.service.stop_on_failure = policy == "stop_instance"
+        if self.service.stop_on_failure:
+            log.info(
+                "consumer: a failed KV load stops this instance (on_load_failure=%s): the "
+                "engine would keep the request's unfilled pages for reuse",
+                self.service.ccfg.on_load_failure,
+            )
+
+    def _load_failed(self, msg: str) -> KvLoadFailedError:
+        """The error that keeps a failed load's pages from being read: it fails the
+        request, or (``stop_on_failure``) carries TensorRT-LLM's fatal marker
+        ("unrecoverable") so the engine stops instead of publishing those pages."""
+        if not self.service.stop_on_failure:
+            return KvLoadFailedError(
+                f"KV cache load failed, refusing to compute on unloaded pages ({msg})"
+            )
+        return KvLoadFailedError(
+            f"KV cache load failed ({msg}); unrecoverable by policy: this engine (V1 KV "
+            "cache manager, block reuse on) would keep the request's unfilled pages for "
+            "reuse, so the instance stops rather than serve them. To fail only the request, "
+            "turn off kv_cache_config.enable_block_reuse or use the V2 manager "
+            "(consumer.on_load_failure: fail_request)"
+        )
 
     def start_load_kv(self, stream: Any) -> None:
-        """Once per pass: ask producers to push this pass's loads. Never raises: an
-        exception here is fatal to the executor, so failures are recorded instead."""
+        """Once per pass: ask producers to push this pass's loads. An exception here is
+        fatal to the executor, so load failures are recorded instead; the one exception
+        is on purpose: with ``stop_on_failure``, a scheduled request whose load failed
+        stops the engine here (see ``_load_failed``)."""
         meta = self._metadata
         if not isinstance(meta, ConsumerMeta):
             return
         if self.service.tp_rank != 0:
             self._adopt_plans(meta)
+        if self.service.stop_on_failure:
+            # Raised here, outside the forward's error handler, this stops the executor in
+            # every TensorRT-LLM version, before the request's blocks could be released.
+            bad = [rid for rid in meta.scheduled if rid in self._failed]
+            if bad:
+                raise self._load_failed(
+                    "; ".join(f"request {rid}: {self._failed[rid]}" for rid in bad)
+                )
         for rid in meta.loads:
             load = self.service.loads.get(rid)
             if load is None or load.dispatched:
@@ -264,9 +317,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         bad = [rid for rid in scheduled if rid in self._failed]
         if bad:
             msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)
-            raise KvLoadFailedError(
-                f"KV cache load failed, refusing to compute on unloaded pages ({msg})"
-            )
+            raise self._load_failed(msg)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """A consumer saves nothing."""
@@ -281,6 +332,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         is reported too (so the request leaves the parking lot) and recorded, so its first
         forward pass raises in ``wait_for_layer_load`` instead of reading its pages."""
         self._loading.update(started_loading_req_ids)
+        self._holding.update(finished_gen_req_ids)
         done = []
         for rid in list(self._loading):
             load = self.service.loads.get(rid)
@@ -299,4 +351,24 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 if load.error:
                     self._failed[rid] = load.error
         self._loading.difference_update(done)
-        return list(finished_gen_req_ids), done
+        return self._released(), done
+
+    def _released(self) -> list[int]:
+        """Finished requests whose pages were kept for a load still landing (see
+        ``ConsumerScheduler.request_finished``): reported once the load is over and its
+        lease given back. A failed one stops the engine (raised outside the forward's
+        error handler): its pages would be published for reuse half filled."""
+        svc, out = self.service, []
+        for rid in list(self._holding):
+            load = svc.loads.get(rid)
+            if load is not None and not svc.poll(load):
+                continue
+            if load is not None:
+                svc.loads.pop(rid, None)
+                if svc.tp_rank == 0:  # the leader gives back every rank's lease
+                    svc.release(load.claimed)
+                if load.error:
+                    raise self._load_failed(f"request {rid} (already finished): {load.error}")
+            self._holding.discard(rid)
+            out.append(rid)
+        return out

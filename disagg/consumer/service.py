@@ -233,6 +233,9 @@ class ConsumerService(ConnectorService):
         self._wake = threading.Event()
         self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
         self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
+        # A failed load stops the engine instead of failing its request (set by the worker
+        # at registration, from ``on_load_failure``): the engine publishes freed pages.
+        self.stop_on_failure = False
 
     def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
         """Producer ``p``'s rank ``rank``: listed explicitly, or rank 0's port + rank."""

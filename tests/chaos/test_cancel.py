@@ -37,17 +37,23 @@ def _slots_bytes(eng: Engine, slots: list[list[int]]) -> dict[tuple[int, int], b
     return {(g, s): eng.page_bytes(g, s) for g, group in enumerate(slots) for s in group if s >= 0}
 
 
-def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypatch):
+@pytest.mark.parametrize("engine", ["v2"])
+def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypatch, engine):
+    """Engines that publish only computed pages: the load is aborted (writes under way are
+    waited out) before ``request_finished`` returns and the engine frees the pages."""
     from chaos_role import slow_pushes
 
     monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes changes it
+    kv_manager = engine.split("-")[0]
+    cfg = EngineConfig(**SHAPE, capture_pages=True, kv_manager=kv_manager)
+    policy = {"on_load_failure": "fail_request"} if kv_manager == "v1" else {}
     ps = prompts(n=2, length=300)
-    prod, psvc = make_producer(CFG)
+    prod, psvc = make_producer(cfg)
     produced = run(prod, ps, 1)
     started = threading.Event()
     plain = psvc.data._wait_writable
     slow_pushes(psvc, 1.0, on_start=lambda tid: started.set())
-    cons, csvc = make_consumer(CFG, [psvc.endpoint], load_timeout_s=10.0)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=10.0, **policy)
     rid = cons.add_request(ps[0], 4)
     cons.step()  # claim, allocate, park, ask for the push
     load = csvc.loads[rid]
@@ -66,11 +72,49 @@ def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypa
     assert csvc.health() == (True, "")
     assert wait_for(lambda: psvc.leases.active() == 0), "the lease was not released"
 
-    # the freed pages serve the next requests, whose tokens and pages are the monolithic
-    # run's (the second prompt shares the first's prefix: it loads into reused slots)
-    mono = Engine(CFG).generate([ps[1]], 4)
+    # the freed pages serve the next request, whose tokens and pages are the monolithic
+    # run's (it shares the first prompt's prefix)
+    mono = Engine(cfg).generate([ps[1]], 4)
     psvc.data._wait_writable = plain
     check_against_monolithic(produced[1:], run(cons, [ps[1]], 4), mono)
+
+
+def test_cancel_on_v1_keeps_the_pages_until_the_load_lands(monkeypatch):
+    """V1 with block reuse publishes a freed request's pages: they must hold the loaded
+    bytes, so ``request_finished`` keeps them (``True``) until the load is over; the
+    next request with that prefix reuses them on the device, with the right tokens."""
+    from chaos_role import slow_pushes
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)
+    ps = prompts(n=2, length=300)
+    prod, psvc = make_producer(CFG)
+    run(prod, ps, 1)
+    started = threading.Event()
+    plain = psvc.data._wait_writable
+    slow_pushes(psvc, 1.0, on_start=lambda tid: started.set())
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], load_timeout_s=10.0)
+    rid = cons.add_request(ps[0], 4)
+    cons.step()
+    load = csvc.loads[rid]
+    assert load.dispatched and started.wait(10), "the push never started"
+    cons.cancel(rid)
+    cons.step()
+    assert cons.results[rid].error == "cancelled"
+    assert cons.requests[rid].state == "saving", "pages freed while the load still lands"
+    for _ in range(400):
+        if not cons.has_work():
+            break
+        cons.step()
+        time.sleep(0.01)
+    assert not cons.has_work()
+    assert csvc.data.poll(load.transfer_id).state is TransferState.DONE
+    assert csvc.metrics["loads_outlived_request"] == 1
+    assert wait_for(lambda: psvc.leases.active() == 0), "the lease was not released"
+    psvc.data._wait_writable = plain
+    psvc.close()  # no producer: the next request computes on the device-reused pages
+    again = run(cons, [ps[0]], 4)[0]
+    assert again.device_matched_tokens > 0
+    assert again.tokens == Engine(CFG).generate([ps[0]], 4)[0]
 
 
 def test_failed_forward_on_the_producer_gives_its_pages_back():
@@ -98,8 +142,11 @@ def test_failed_forward_on_the_producer_gives_its_pages_back():
     assert psvc.metrics["passes_abandoned"] == 1
     assert all(e.state is BlockState.STORED for e in psvc.store._entries.values())
 
-    # the same prompt again saves whole blocks, and a consumer loads them correctly
+    # the producer keeps saving whole blocks, and a consumer loads them correctly (another
+    # prompt: V1 itself publishes the failed request's unfilled pages on the producer's
+    # device, TensorRT-LLM's own hazard, see README "Reliability")
     worker.save_kv_layer = save
-    produced = run(prod, ps, 1)
+    fresh = prompts(n=1, length=300, seed=9)
+    produced = run(prod, fresh, 1)
     cons, _ = make_consumer(CFG, [psvc.endpoint])
-    check_against_monolithic(produced, run(cons, ps, 4), Engine(CFG).generate(ps, 4))
+    check_against_monolithic(produced, run(cons, fresh, 4), Engine(CFG).generate(fresh, 4))

@@ -80,6 +80,9 @@ def consumer_conf(name: str, endpoints: list[str], data: str | None = None) -> d
         "producers": endpoints,
         "claim_timeout_s": 0.5,
         "load_timeout_s": LOAD_TIMEOUT_S,
+        # about naming the failed request and cleaning up: the default would stop the
+        # (V1, reuse on) engine instead (tests/e2e/test_disaggregated.py)
+        "on_load_failure": "fail_request",
         "heartbeat_s": 0.2,
         "lease_ttl_s": LEASE_TTL_S,
     }

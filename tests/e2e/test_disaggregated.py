@@ -21,6 +21,7 @@ from harness import (
 )
 
 from disagg.consumer import ConsumerScheduler
+from disagg.consumer.connector import KvLoadFailedError
 from disagg.engine.reference import Engine, EngineConfig
 
 
@@ -115,13 +116,17 @@ def test_producer_down_before_claim_is_a_miss():
     assert all(r.connector_matched_tokens == 0 for r in results)
 
 
-def test_failed_load_fails_the_request_by_name_and_never_computes_on_it():
-    cfg = EngineConfig(**SHAPE)
+@pytest.mark.parametrize("policy", ["v2-auto", "v1-fail_request"])
+def test_failed_load_fails_the_request_by_name_and_never_computes_on_it(policy):
+    """V2 publishes only what a forward committed (auto: the request fails, by name); on
+    V1 ``fail_request`` is the operator's explicit choice."""
+    kv_manager, choice = policy.split("-")
+    cfg = EngineConfig(**SHAPE, kv_manager=kv_manager)
     ps = prompts(n=1)
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
     psvc.data.close()  # the producer's data plane dies after it accepted the claim
-    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=1.0)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=1.0, on_load_failure=choice)
     rid = cons.add_request(ps[0], 4)
     t0 = time.monotonic()
     while cons.has_work():
@@ -131,6 +136,55 @@ def test_failed_load_fails_the_request_by_name_and_never_computes_on_it():
     assert res.error is not None and f"request {rid}" in res.error
     assert res.tokens == []
     assert csvc.metrics["loads_failed"] == 1
+    assert cons.driver.workers[0].service.stop_on_failure is False
+
+
+def test_failed_load_stops_a_v1_engine_that_would_publish_its_pages():
+    """V1 with block reuse stores a released request's blocks for reuse whatever it
+    computed: failing only the request would leave its unfilled pages for the next
+    request with that prefix. The default (auto) stops the engine, naming the request."""
+    cfg = EngineConfig(**SHAPE)
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    psvc.data.close()
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=1.0)
+    rid = cons.add_request(ps[0], 4)
+    end = time.monotonic() + 15
+    with pytest.raises(KvLoadFailedError, match=rf"request {rid}.*unrecoverable"):
+        while time.monotonic() < end:  # the load fails at its deadline (1 s)
+            cons.step()
+            time.sleep(0.005)
+    with pytest.raises(RuntimeError, match="engine is dead"):
+        cons.step()
+    assert cons.results[rid].tokens == []
+
+
+def test_failing_only_the_request_on_v1_would_serve_unfilled_pages():
+    """Why the default stops a V1 engine: with ``fail_request`` forced, the failed
+    request's pages are published, and the same prompt computed afterwards (no producer
+    left: a miss) reuses them and gives wrong tokens. The reference engine mirrors
+    TensorRT-LLM's releaseBlocks here; this test pins that behaviour."""
+    cfg = EngineConfig(**SHAPE)
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    psvc.data.close()
+    cons, csvc = make_consumer(
+        cfg,
+        [psvc.endpoint],
+        load_timeout_s=1.0,
+        claim_timeout_s=0.5,
+        on_load_failure="fail_request",
+    )
+    rid = cons.add_request(ps[0], 4)
+    while cons.has_work():
+        cons.step()
+    assert f"request {rid}" in (cons.results[rid].error or "")
+    psvc.close()
+    again = run(cons, ps, 4)[0]
+    assert again.device_matched_tokens > 0  # the failed request's pages, published
+    assert again.tokens != Engine(cfg).generate(ps, 4)[0]
 
 
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
@@ -139,7 +193,13 @@ def test_producer_closed_after_claim_fails_within_deadline(load_mode):
     ps = prompts(n=1)
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
-    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=1.0, load_mode=load_mode)
+    cons, csvc = make_consumer(
+        cfg,
+        [psvc.endpoint],
+        load_timeout_s=1.0,
+        load_mode=load_mode,
+        on_load_failure="fail_request",
+    )
     rid = cons.add_request(ps[0], 4)
     cons.step()  # the claim is answered in this iteration's scheduling
     psvc.close()

@@ -199,7 +199,13 @@ def test_failed_load_on_one_rank_fails_the_request_by_name(load_mode):
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
     rank_services(psvc)[1].data.close()  # rank 1 accepts the claim but can never push
-    cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_timeout_s=1.0, load_mode=load_mode)
+    cons, csvc = make_consumer(
+        cfg,
+        [rank_endpoints(psvc)],
+        load_timeout_s=1.0,
+        load_mode=load_mode,
+        on_load_failure="fail_request",  # the default stops a V1 engine (test_disaggregated)
+    )
     rid = cons.add_request(ps[0], 4)
     while cons.has_work():
         cons.step()

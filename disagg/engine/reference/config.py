@@ -54,6 +54,10 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     enable_block_reuse: bool = True
+    # V1 with block reuse: a released request's full blocks (all its tokens but the last)
+    # are stored for reuse whatever it computed, as TensorRT-LLM's releaseBlocks does,
+    # so a request that failed mid-prefill publishes pages it never filled.
+    store_blocks_on_release: bool = True
     # Snapshot page bytes as they are loaded by a connector and as blocks complete, for
     # byte comparisons in tests (costs memory; off by default).
     capture_pages: bool = False

@@ -92,7 +92,11 @@ class Driver:
         self._count("wait_for_initialization")
         self.scheduler.wait_for_initialization()
         # get_finished bookkeeping, per rank (§7.5).
-        self.pending: list[set[int]] = [set() for _ in range(cfg.tp)]
+        # ids handed in and not yet returned, per rank; saving and loading apart, as the
+        # manager keeps them in two dicts (a request parked on a load that ends while the
+        # load lands is in both)
+        self.pending_saving: list[set[int]] = [set() for _ in range(cfg.tp)]
+        self.pending_loading: list[set[int]] = [set() for _ in range(cfg.tp)]
         self.local_saving: list[set[int]] = [set() for _ in range(cfg.tp)]
         self.local_loading: list[set[int]] = [set() for _ in range(cfg.tp)]
 
@@ -134,21 +138,22 @@ class Driver:
         ``(finished_saving, finished_loading)``. An id never handed in (or returned twice)
         raises ``KeyError``, as the manager's direct dict indexing does."""
         for r, w in enumerate(self.workers):
-            self.pending[r].update(saving)
-            self.pending[r].update(loading)
+            self.pending_saving[r].update(saving)
+            self.pending_loading[r].update(loading)
             self._count("get_finished", rank0=r == 0)
             done_save, done_load = w.get_finished(list(saving), list(loading))
-            for ids, local in (
-                (done_save, self.local_saving[r]),
-                (done_load, self.local_loading[r]),
+            for ids, local, pending, what in (
+                (done_save, self.local_saving[r], self.pending_saving[r], "saving"),
+                (done_load, self.local_loading[r], self.pending_loading[r], "loading"),
             ):
                 for rid in ids:
-                    if rid not in self.pending[r]:
+                    if rid not in pending:
                         raise KeyError(
-                            f"rank {r} connector worker get_finished returned request id {rid!r}, "
-                            "which is not outstanding (never handed in, or already returned)"
+                            f"rank {r} connector worker get_finished returned request id {rid!r} "
+                            f"as finished {what}, which is not outstanding (never handed in, "
+                            "or already returned)"
                         )
-                    self.pending[r].discard(rid)
+                    pending.discard(rid)
                     local.add(rid)
         fin_save = set.intersection(*self.local_saving)
         fin_load = set.intersection(*self.local_loading)

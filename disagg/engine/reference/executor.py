@@ -34,6 +34,16 @@ from .connector_driver import Driver
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
 
+# TensorRT-LLM's error classification (error_classification.py): an error whose message
+# holds one of these stops the executor instead of failing the batch.
+IMMEDIATE_FATAL_PATTERNS = (
+    "cudaerrorillegaladdress",
+    "cudaerrorlaunchfailure",
+    "illegal memory access",
+    "device-side assert",
+    "unrecoverable",
+)
+
 
 @dataclass
 class RequestResult:
@@ -356,7 +366,7 @@ class Engine:
                     req.state = "context"
             for rid in sorted(fin_save):
                 req = self.requests[rid]
-                self.kv.free(req.pages)
+                self._release(req)
                 self._drop(req)
 
     # ----- helpers --------------------------------------------------------------------
@@ -495,6 +505,8 @@ class Engine:
                 drv.each_worker("wait_for_save", stream)
         except Exception as e:  # _handle_errors: fail the batch, keep serving
             msg = f"{type(e).__name__}: {e}"
+            if any(p in msg.lower() for p in IMMEDIATE_FATAL_PATTERNS):
+                raise  # newer executors stop on these (error_classification.py)
             for r in batch:
                 self._fail(r, msg)
             return False
@@ -565,7 +577,7 @@ class Engine:
             req.state = "saving"
             self._new_saving.append(req.request_id)
         else:
-            self.kv.free(req.pages)
+            self._release(req)
             self._drop(req)
 
     def _fail(self, req: Request, msg: str) -> None:
@@ -589,8 +601,20 @@ class Engine:
             req.state = "saving"
             self._new_saving.append(req.request_id)
             return
-        self.kv.free(req.pages)
+        self._release(req)
         self._drop(req)
+
+    def _release(self, req: Request) -> None:
+        """Free a request's pages. V1 with block reuse first stores every full block of its
+        tokens but the last for reuse, as TensorRT-LLM's ``releaseBlocks`` does (it counts
+        the request's tokens, not what it computed): a request that failed mid-prefill
+        publishes pages it never filled, where a later request will find them."""
+        cfg, tpb = self.config, self.config.tokens_per_block
+        if cfg.kv_manager == "v1" and cfg.store_blocks_on_release and any(req.pages):
+            n = (len(req.tokens) - 1) // tpb
+            hashes = block_hashes(req.tokens[: n * tpb], tpb, req.cache_salt, req.adapter)
+            self.kv.register(req.pages, hashes, 0, n)
+        self.kv.free(req.pages)
 
     def _drop(self, req: Request) -> None:
         req.state = "done"
