@@ -84,13 +84,17 @@ class LeaseTable:
         entries, rows, unique = self.store.pin_rows(keys)
         if not entries:
             return None
+        n = len(entries)
+        # All of a packed claim held (the usual case): the KeyBlob is immutable, keep it as
+        # is instead of building a slice of it (a list is copied, as the caller may reuse it).
+        held = keys if isinstance(keys, KeyBlob) and n == len(keys) else keys[:n]
         with self._lock:
             self._last_seen[owner] = now
             lease = Lease(
                 next(self._ids),
                 owner,
                 request_id,
-                keys[: len(entries)],
+                held,
                 entries,
                 ttl,
                 now + ttl,
