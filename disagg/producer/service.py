@@ -12,8 +12,12 @@ r to rank r. Only rank 0 publishes store events (``producer.events``): the ranks
 the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
 
 - the control server answers peers (handshake, lookup, claim, renew, release, push);
-- a push pool waits (bounded) for leased blocks to be STORED and streams them through the
-  data plane, so neither the engine nor the control thread ever waits on a transfer;
+- a push pool builds each push's pages and posts them on the data plane; it never waits;
+- one push watcher waits (bounded) for every push's leased blocks to be STORED (woken by
+  the store's commits) and for every posted push to be final, then accounts for it,
+  reports a failure and unpins its blocks. So neither the engine, nor the control thread,
+  nor a push worker ever waits on a transfer: a dead or stalled consumer holds only its
+  own pushes (until their deadline), never the workers that serve other consumers;
 - a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT.
 
 Every waiting state and the named timeout that ends it (config ``producer.*``):
@@ -32,7 +36,8 @@ Every waiting state and the named timeout that ends it (config ``producer.*``):
 
 The sweeper runs every ``min(0.5, lease_ttl_s / 4)`` s and looks at every lease (deadlines
 move on renewal, so they are not ordered). A push pins its own blocks until its transfer
-is final, so a lease freed mid-push never lets those rows be evicted and rewritten.
+is final, so a lease freed mid-push never lets those rows be evicted and rewritten. A
+push's ``push_timeout_s`` runs from its Push's arrival (queueing counts).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,7 +61,7 @@ from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
-from ..transport.dataplane import DataPlane, StoreRows
+from ..transport.dataplane import DataPlane, StoreRows, TransferStatus
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
@@ -66,9 +72,40 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
+# message type -> its request counter ("control_Claim", ...), built once per type
+_CONTROL_METRIC: dict[type, str] = {cls: f"control_{cls.__name__}" for cls in m.ALL_MESSAGES}
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
+
+
+# A posted push the plane has not reported final this long after its deadline is failed
+# and unpinned anyway (the sender fails its own push at the deadline; the grace lets that
+# land, so the rows are unpinned only once nothing references them any more).
+PUSH_GRACE_S = 2.0
+# The push watcher polls the pushes in flight every 0.2 ms, backing off to 5 ms (reset
+# whenever a push is posted); pushes that only wait for their blocks are woken by the
+# store's commits and looked at every 50 ms besides (aborted blocks, deadlines).
+_WATCH_MIN_S = 0.0002
+_WATCH_MAX_S = 0.005
+_WATCH_STORED_S = 0.05
+
+
+@dataclass(eq=False)
+class _PushJob:
+    """One accepted Push, from the control thread's PushOk until it is final and unpinned:
+    in the push pool (``busy``), waiting for its blocks (watcher), or posted (``handle``,
+    watcher). ``ended`` is set once, under the service's push lock, by whoever ends it."""
+
+    lease: Any
+    msg: Any
+    deadline: float  # push_timeout_s from the Push's arrival
+    entries: list[Any] = field(default_factory=list)
+    busy: bool = False
+    queued: bool = False  # handed back to the pool by the watcher
+    handle: Any = None
+    pages: int = 0
+    ended: bool = False
 
 
 def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
@@ -99,9 +136,18 @@ class ProducerService(ConnectorService):
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
         self.data: DataPlane | None = None
-        # Push jobs mostly wait (for saves to land, for a peer to drain): a dead consumer must
-        # not occupy every worker while healthy consumers wait behind it.
+        # Push workers only build pages and post them (CPU work, never a wait): the waits,
+        # for saves to land and for a peer to drain, are the push watcher's, so a dead
+        # consumer cannot occupy the workers while healthy consumers wait behind it.
         self._pushes = ThreadPoolExecutor(16, thread_name_prefix="disagg-push")
+        self._push_cv = threading.Condition()  # guards the push jobs' lists and flags
+        self._push_jobs: set[_PushJob] = set()  # accepted, not yet ended
+        self._push_waiting: list[_PushJob] = []  # for their blocks to be STORED
+        self._push_posted: list[_PushJob] = []  # posted, not yet final
+        self._push_kick = False  # something for the watcher to look at now
+        self._push_fresh = False  # a push was posted: poll fast again
+        self._push_closed = False
+        self._watcher: threading.Thread | None = None  # started with the first push
         self._stop = threading.Event()
 
     # -- bring-up ---------------------------------------------------------------------
@@ -150,6 +196,8 @@ class ProducerService(ConnectorService):
     def _published(self, what: str):
         def publish(keys: list[bytes]) -> None:
             self.metrics[f"blocks_{what}"] += len(keys)
+            if what == "stored" and self._watcher is not None:
+                self._kick_pushes()  # pushes may be waiting for these blocks
             if self.events is not None:
                 (self.events.publish_stored if what == "stored" else self.events.publish_removed)(
                     keys
@@ -227,7 +275,8 @@ class ProducerService(ConnectorService):
 
     # -- control plane (server thread) --------------------------------------------------
     def _handle(self, identity: bytes, msg: Any) -> Any:
-        self.metrics[f"control_{type(msg).__name__}"] += 1
+        kind = type(msg)
+        self.metrics[_CONTROL_METRIC.get(kind) or f"control_{kind.__name__}"] += 1
         if isinstance(msg, m.Hello):
             return self._hello(identity, msg)
         owner = self._peers.get(identity)
@@ -243,12 +292,7 @@ class ProducerService(ConnectorService):
                 ErrorCode.UNAUTHENTICATED,
                 f"this connection said Hello as {owner!r}, not {msg.owner!r}",
             )
-        if isinstance(msg, m.Heartbeat):
-            self.leases.heartbeat(owner)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.Lookup):
-            return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
-        if isinstance(msg, m.Claim):
+        if isinstance(msg, m.Claim):  # the hot path: first
             # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
             lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1
@@ -257,9 +301,14 @@ class ProducerService(ConnectorService):
             return m.ClaimOk(
                 v=PROTOCOL_VERSION,
                 lease_id=lease.lease_id,
-                num_blocks=len(lease.keys),
+                num_blocks=len(lease.entries),  # one per leased key
                 ttl_s=lease.ttl_s,
             )
+        if isinstance(msg, m.Heartbeat):
+            self.leases.heartbeat(owner)
+            return m.Ok(v=PROTOCOL_VERSION)
+        if isinstance(msg, m.Lookup):
+            return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
         if isinstance(msg, m.Renew):
             return m.RenewOk(v=PROTOCOL_VERSION, unknown=self.leases.renew(owner, msg.lease_ids))
         if isinstance(msg, m.Release):
@@ -335,10 +384,28 @@ class ProducerService(ConnectorService):
         # its rows must not be evicted and rewritten while the data plane still reads them.
         lease = self.leases.pin_for_push(owner, msg.lease_id, msg.first_block, msg.num_blocks)
         lease.pushes += 1
+        job = _PushJob(
+            lease,
+            msg,
+            time.monotonic() + self.pcfg.push_timeout_s,
+            lease.entries[msg.first_block : end],
+        )
+        with self._push_cv:
+            self._push_jobs.add(job)
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch_pushes, name="disagg-push-watch", daemon=True
+                )
+                self._watcher.start()
         try:
-            self._pushes.submit(self._run_push, lease, msg)
+            self._pushes.submit(self._start_push, job, None)
         except RuntimeError:  # the pool is shut down (closing): nothing will read them
-            self._unpin_push(lease, msg)
+            with self._push_cv:
+                forget = not job.ended
+                job.ended = True
+                self._push_jobs.discard(job)
+            if forget:
+                self._unpin_push(lease, msg)
             raise
         return m.PushOk(v=PROTOCOL_VERSION, transfer_id=msg.transfer_id)
 
@@ -346,39 +413,176 @@ class ProducerService(ConnectorService):
         end = msg.first_block + msg.num_blocks
         self.store.unpin(lease.keys[msg.first_block : end], lease.entries[msg.first_block : end])
 
-    def _run_push(self, lease: Any, msg: Any) -> None:
-        """Push pool: wait (bounded) for the blocks to be STORED, then stream them."""
+    def _start_push(self, job: _PushJob, rows: np.ndarray | None) -> None:
+        """Push pool: post the push, its blocks being STORED (``rows``, or checked here
+        without waiting); blocks still being saved go to the watcher, which waits for them
+        and brings the push back here. Never waits on a save or a receiver."""
         assert self.pool is not None and self.data is not None
-        deadline = time.monotonic() + self.pcfg.push_timeout_s
-        entries = lease.entries[msg.first_block : msg.first_block + msg.num_blocks]
+        msg = job.msg
+        with self._push_cv:
+            if job.ended or self._push_closed:
+                return  # close() ends every push no worker holds
+            job.busy, job.queued = True, False
         try:
-            rows = self.store.wait_stored(entries, deadline)
+            if rows is None:
+                rows = self._stored_rows(job, time.monotonic())
+                if rows is None:  # still being saved: the watcher waits for the blocks
+                    with self._push_cv:
+                        job.busy = False
+                        if not self._push_closed:  # else close() has ended it (or will)
+                            self._push_waiting.append(job)
+                            self._push_kick = True
+                            self._push_cv.notify_all()
+                            return
+                    raise RuntimeError("the producer closed")
             pages = self._layer_pages(rows, msg) if msg.layerwise else self._group_pages(rows, msg)
+            job.pages = sum(len(p[2]) for p in pages)
             handle = self.data.post_push(
                 msg.data_endpoint,
                 msg.transfer_id,
-                lease.lease_id,
+                job.lease.lease_id,
                 msg.token,
                 pages,
-                deadline_s=max(0.001, deadline - time.monotonic()),
+                deadline_s=max(0.001, job.deadline - time.monotonic()),
             )
-            # The sender fails its own push at the deadline; the grace lets that land, so
-            # the rows are unpinned (finally) only once nothing references them any more.
-            state = self.data.wait_push(handle, max(0.001, deadline - time.monotonic()) + 2.0)
-            if not state.done:
-                raise RuntimeError(state.error or "push deadline passed")
-            self.metrics["pushes_done"] += 1
-            self.metrics["pushes_layerwise"] += int(msg.layerwise)
-            self.metrics["pages_pushed"] += sum(len(p[2]) for p in pages)
-            self.metrics["bytes_pushed"] += state.nbytes
         except Exception as exc:  # the consumer's transfer fails (deadline or report)
+            with self._push_cv:
+                job.busy = False
+            self._end_push(job, exc)
+            return
+        with self._push_cv:  # the watcher waits for it to be final
+            job.busy = False
+            job.handle = handle
+            self._push_posted.append(job)
+            self._push_kick = self._push_fresh = True
+            self._push_cv.notify_all()
+
+    def _stored_rows(self, job: _PushJob, now: float) -> np.ndarray | None:
+        """The push's store rows once every block is STORED, ``None`` while some are still
+        being saved; raises TimeoutError past the push's deadline, KeyError if a block was
+        aborted. Never waits."""
+        try:
+            return self.store.wait_stored(job.entries, 0.0)  # a deadline passed: no wait
+        except TimeoutError:
+            if now >= job.deadline:
+                raise
+            return None
+
+    def _kick_pushes(self) -> None:
+        with self._push_cv:
+            self._push_kick = True
+            self._push_cv.notify_all()
+
+    def _watch_pushes(self) -> None:
+        """The push watcher (one thread): every push waiting for its blocks, or posted and
+        not yet final, is looked at here, so none holds a push worker while it waits."""
+        delay = _WATCH_MIN_S
+        while True:
+            with self._push_cv:
+                if self._push_closed and not self._push_jobs:
+                    return
+                if not self._push_kick:
+                    if self._push_posted:
+                        timeout = delay
+                    elif self._push_waiting:
+                        timeout = _WATCH_STORED_S
+                    else:
+                        timeout = 1.0
+                    self._push_cv.wait(timeout)
+                delay = _WATCH_MIN_S if self._push_fresh else min(delay * 2, _WATCH_MAX_S)
+                self._push_kick = self._push_fresh = False
+                waiting, self._push_waiting = self._push_waiting, []
+                posted, self._push_posted = self._push_posted, []
+            try:
+                waiting, posted = self._watch_once(waiting, posted)
+            except Exception:  # not expected (each push is handled on its own): keep them
+                log.exception("push watcher failed")
+                waiting = [j for j in waiting if not j.queued]  # the pool has the others
+                time.sleep(_WATCH_STORED_S)
+            with self._push_cv:
+                self._push_waiting.extend(j for j in waiting if not j.ended)
+                self._push_posted.extend(j for j in posted if not j.ended)
+
+    def _watch_once(
+        self, waiting: list[_PushJob], posted: list[_PushJob]
+    ) -> tuple[list[_PushJob], list[_PushJob]]:
+        """One look at every push the watcher holds; returns those still not final."""
+        assert self.data is not None  # pushes were accepted: the plane exists
+        now = time.monotonic()
+        still_waiting: list[_PushJob] = []
+        for job in waiting:
+            if job.ended:  # close() ended it
+                continue
+            try:
+                rows = self._stored_rows(job, now)
+                if rows is None:
+                    still_waiting.append(job)
+                    continue
+                job.queued = True  # STORED: back to the pool, to build and post its pages
+                self._pushes.submit(self._start_push, job, rows)
+            except Exception as exc:  # deadline, aborted blocks, or the pool shut down
+                self._end_push(job, exc)
+        still_posted: list[_PushJob] = []
+        for job in posted:
+            try:
+                state: TransferStatus | None = self.data.poll_push(job.handle)
+            except Exception:
+                log.exception("polling push %d failed", job.msg.transfer_id)
+                state = None
+            if state is not None and state.final:
+                self._end_push(job, state)
+            elif now > job.deadline + PUSH_GRACE_S:  # not final yet: failed, unpinned
+                why = state.error if state is not None else None
+                self._end_push(job, RuntimeError(why or "push deadline passed"))
+            else:
+                still_posted.append(job)
+        return still_waiting, still_posted
+
+    def _end_push(self, job: _PushJob, result: TransferStatus | BaseException) -> None:
+        """A push is over (``result``: the plane's final status, or why it failed before
+        or while posting): account for it, report a failure to the consumer, and only then
+        unpin its blocks. Once per push, whoever gets here first; never raises."""
+        with self._push_cv:
+            if job.ended:
+                return
+            job.ended = True
+            self._push_jobs.discard(job)
+            if self._push_closed and not self._push_jobs:
+                self._push_cv.notify_all()  # the watcher may exit
+        msg, lease = job.msg, job.lease
+        try:
+            if isinstance(result, TransferStatus) and result.done:
+                self.metrics["pushes_done"] += 1
+                self.metrics["pushes_layerwise"] += int(msg.layerwise)
+                self.metrics["pages_pushed"] += job.pages
+                self.metrics["bytes_pushed"] += result.nbytes
+                return
+            why = str(result) if isinstance(result, BaseException) else result.error
+            why = why or "push deadline passed"
             self.metrics["pushes_failed"] += 1
-            log.warning("push %d for lease %d failed: %s", msg.transfer_id, lease.lease_id, exc)
+            log.warning("push %d for lease %d failed: %s", msg.transfer_id, lease.lease_id, why)
             report = getattr(self.data, "post_failure", None)
             if report is not None:
-                report(msg.data_endpoint, msg.transfer_id, msg.token, str(exc))
+                report(msg.data_endpoint, msg.transfer_id, msg.token, why)
+        except Exception:
+            log.exception("ending push %d failed", msg.transfer_id)
         finally:
-            self._unpin_push(lease, msg)
+            try:
+                self._unpin_push(lease, msg)
+            except Exception:
+                log.exception("unpinning push %d failed", msg.transfer_id)
+
+    def _close_pushes(self) -> None:
+        """close(), after the data plane's: every push that is neither posted nor held by a
+        worker ends now (failed, unpinned); a posted one ends when the closed plane reports
+        it final (or at its grace), and so does one a worker is posting (or it fails)."""
+        with self._push_cv:
+            self._push_closed = True
+            idle = [j for j in self._push_jobs if not j.busy and j.handle is None]
+            self._push_kick = True
+            self._push_cv.notify_all()
+        for job in idle:
+            self._end_push(job, RuntimeError("the producer closed"))
 
     def _group_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
         """Whole group pages, one entry per layer group (``-1`` destinations skipped: the
@@ -438,6 +642,8 @@ class ProducerService(ConnectorService):
             return False, "no KV cache registered yet"
         if not self._sweeper.is_alive():
             return False, "the lease/save sweeper stopped: timeouts are not enforced"
+        if self._watcher is not None and not self._watcher.is_alive():
+            return False, "the push watcher stopped: pushes are not ended nor unpinned"
         if self.server is not None and not self.server.alive():
             return False, "the control server stopped"
         return self.data.health() if self.data is not None else (False, "no data plane")
@@ -452,4 +658,5 @@ class ProducerService(ConnectorService):
         if self.data is not None:
             self.data.close()
         self._pushes.shutdown(wait=False, cancel_futures=True)
+        self._close_pushes()
         _registry.forget(self)

@@ -9,7 +9,10 @@ optional test hooks:
   long after the first one, printing ``{"event": "push_started"}`` first, so a kill or a
   link cut lands *in the middle* of a push;
 - ``hold`` (consumer): claims are made but no push is ever requested, so the consumer
-  holds its leases (its keepalive keeps renewing them) until told otherwise.
+  holds its leases (its keepalive keeps renewing them) until told otherwise;
+- ``dead_data`` (consumer): its data-plane receiver is closed before any push, so it claims
+  and asks for pushes that can never be delivered (a decode instance whose receiver died):
+  each such push ends only at the producer's push deadline.
 
 Control is line based: the child prints one JSON object per line on stdout (events and
 replies), and reads commands on stdin: ``state``, ``run`` (consumer: run every prompt to
@@ -117,6 +120,8 @@ def run_consumer(spec: dict[str, Any]) -> None:
     eng, svc = build(spec)
     if spec.get("hold"):
         svc.dispatch = lambda load, layerwise=False: None  # claim, never ask for the pages
+    if spec.get("dead_data"):
+        svc.data.close()  # nothing receives at its data endpoint any more
     emit({"event": "ready"})
     ids: list[int] = []
     for line in sys.stdin:
