@@ -1,7 +1,12 @@
 """Ceilings measured in the same run as the transports: what the medium itself can do.
 
 - memcpy: one thread copying the same bytes into a prefaulted buffer (``np.copyto``),
-  the ceiling for shared memory (a transfer cannot copy faster than one memcpy).
+  the ceiling for shared memory (a transfer cannot copy faster than one memcpy). Both
+  buffers come from ``hostmem.empty`` (huge pages where the kernel allows), like the
+  bench's store and pool, so the ceiling is measured on the memory the transfers use;
+  ``plain=True`` measures it on ordinary ``torch.empty`` buffers instead (4 KiB pages
+  unless THP is ``always``), for reference: 11.9-12.1 GB/s against 12.1-13.3 on huge
+  pages on the 2-core box (numpy's own big arrays are huge-page-advised too).
 - raw TCP / AF_UNIX: a child process streaming the bytes with ``sendall`` into
   ``recv_into`` a prefaulted buffer over the same loopback: the ceiling for tcp / ipc.
 - GPU (when present): pinned host->device, device->host and device->device copies.
@@ -25,9 +30,17 @@ from .units import median
 _CHUNK = 1 << 20
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
+def memcpy_gbps(nbytes: int, repeats: int, plain: bool = False) -> float:
+    import torch
+
+    from .. import hostmem
+
+    def alloc() -> np.ndarray:
+        t = torch.empty(nbytes, dtype=torch.uint8) if plain else hostmem.empty(nbytes)
+        return t.numpy()
+
+    src, dst = alloc(), alloc()
+    src[:] = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst.fill(1)  # prefault
     times = []
     for i in range(repeats + 1):

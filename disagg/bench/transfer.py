@@ -6,11 +6,14 @@ Per transport and page size: the producer holds a store of N pages (row k starts
 the 8-byte index k), the consumer a pool of 2N slots; each repetition draws N random
 destination slots, ``expect``s the transfer, tells the producer to push (a pipe stands
 in for the control Push), and times go -> receiver DONE. Pages are verified afterwards
-(each landed slot starts with its source index). Peers (NIXL, Mooncake) move the same
-pages with their own APIs (peers.py); a peer that cannot run keeps its row, with the
-error. Medium ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a
-device-to-device copy for ``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two
-processes on the same GPU; without a CUDA device their rows say so instead of a figure).
+(each landed slot starts with its source index). Host store and pool come from
+``hostmem.empty`` (huge pages where the kernel allows, like the producer's store); the
+memcpy ceiling is measured on the same kind of buffers (``memcpy_plain``, on ordinary
+ones, is printed for reference). Peers (NIXL, Mooncake) move the same pages with their
+own APIs (peers.py); a peer that cannot run keeps its row, with the error. Medium
+ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device copy for
+``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two processes on the same GPU;
+without a CUDA device their rows say so instead of a figure).
 ``ipc-shm``/``ipc-cuda`` are the same-host plane: the consumer copies from the producer's
 store (/dev/shm or CUDA IPC), so the medium is one copy.
 """
@@ -85,7 +88,9 @@ def _device(name: str) -> str:
 
 
 def _store(n: int, page_bytes: int) -> np.ndarray:
-    store = np.empty((n, page_bytes), dtype=np.uint8)
+    from .. import hostmem  # like the producer's BlockStore: huge pages, 2 MiB-aligned
+
+    store = hostmem.empty((n, page_bytes)).numpy()
     store.fill(7)  # prefault
     store[:, :8] = np.arange(n, dtype=np.int64).view(np.uint8).reshape(n, 8)
     return store
@@ -134,7 +139,12 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
         slots = 2 * n
-        pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=_device(name))
+        if _device(name) == "cpu":  # huge pages where the kernel allows (hostmem.py)
+            from .. import hostmem
+
+            pool = hostmem.empty((slots, page_bytes))
+        else:
+            pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=_device(name))
         pool.fill_(0)  # prefault
         rng = np.random.default_rng(1234)
         if name in ("nixl", "mooncake"):
@@ -230,15 +240,16 @@ def run(
 ) -> dict[str, Any]:
     log = log or sys.stderr
     ceil = {
-        "shm": ceilings.memcpy_gbps(total, repeats),
+        "shm": ceilings.memcpy_gbps(total, repeats),  # on hostmem buffers, like the pool
         "tcp": ceilings.socket_gbps("tcp", total, repeats),
         "ipc": ceilings.socket_gbps("unix", total, repeats),
     }
+    plain = ceilings.memcpy_gbps(total, repeats, plain=True)  # for reference only
     gpu = ceilings.gpu_ceilings(total, repeats)
     ceil_of: dict[str, float | None] = {**ceil, "d2d": gpu.get("d2d")}
     print(
         f"ceilings ({fmt_size(total)}): "
-        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, **gpu}.items()),
+        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in {**ceil, "memcpy_plain": plain, **gpu}.items()),
         file=log,
     )
     rows = []
@@ -276,6 +287,7 @@ def run(
         "repeats": repeats,
         "ceilings_gbps": {
             "memcpy": ceil["shm"],
+            "memcpy_plain": plain,
             "raw_tcp": ceil["tcp"],
             "raw_unix": ceil["ipc"],
             **gpu,

@@ -127,9 +127,12 @@ class BlockStore:
             )
         pin = device == "pinned" and torch.cuda.is_available()
         dev = "cpu" if device == "pinned" else device
-        self.slab = torch.empty(
-            (capacity, block_bytes), dtype=torch.uint8, device=dev, pin_memory=pin
-        )
+        if dev == "cpu":  # huge pages where the kernel allows (pinned: registered)
+            from ..hostmem import empty as host_empty
+
+            self.slab = host_empty((capacity, block_bytes), pin=pin)
+        else:
+            self.slab = torch.empty((capacity, block_bytes), dtype=torch.uint8, device=dev)
         self.block_bytes = block_bytes
         self.capacity = capacity
         self.save_timeout_s = save_timeout_s

@@ -56,10 +56,34 @@ segment before the next scatter, so the sender's copy into it overlaps this thre
 scatters (before: the thread scattered every completed segment, then posted receives, so
 the two processes copied in turn). Back-to-back A/B runs at 256 KiB-4 MiB pages: 0.29-0.41
 of memcpy before, 0.33-0.59 after; 64 KiB (already packed) unchanged at ~0.3-0.4 (the box
-was shared with other test runs, so every figure is noisy). The remaining gap is two copies (CMA, then the
-scatter), each on its own core at ~6-11 GB/s while the other core copies too; closing it
-needs one copy: CMA straight into the slots with an iovec per page (UCX's iov datatype is
-not exposed by ucxx 0.52), or a huge-page pool (then direct landing wins again).
+was shared with other test runs, so every figure is noisy).
+
+Two more things decide CMA's speed (``process_vm_writev`` timed on its own via ctypes,
+256 MiB in 16 MiB calls): the destination's page size (4 KiB pages 5.9-6.6 GB/s, huge
+pages 11.3-12.6, memcpy 12-13) and the *relative* alignment of source and destination:
+the kernel's ``rep movsb`` copy runs at 6.8-9 GB/s into huge pages when the two addresses
+differ modulo 64, 11.3-12.2 when they agree. numpy's big arrays start 16 bytes into a
+page and torch's 64 bytes, so the old numpy scratch made every copy from a torch store
+misaligned. The scratch now comes from ``hostmem.empty`` (2 MiB-aligned huge pages). And
+a receiver whose host regions all come from ``hostmem.empty`` (huge pages: the bench's
+pool, an operator's CPU pool) says so in its endpoint (``ucx+shm://<address>?direct=1``):
+a sender that sees it cuts host batches with ``DIRECT_MIN`` instead and sends their
+headers under ``_HDR_DIRECT_TAG`` (so the receiver cuts them the same way, whatever
+endpoint string the sender used), and runs of 1 MiB or more land in the rows with one
+copy. ``disagg bench transfer --transports ucx-shm``, hostmem store and pool, 5-7 runs
+each: 1 MiB pages 6.5-8.5 GB/s packed -> 9.2-11.3 direct, 4 MiB 6.9-8.5 -> 10.0-11.7
+(0.72-0.87 of memcpy). At 16-256 KiB (still packed) 4.1-8.7 GB/s (0.30-0.63) against
+2.5-6.6 (0.20-0.50) before (numpy scratch, and a numpy store, which happened to agree
+with it modulo 64): medians 1.05-1.15x, within this box's noise. From a torch store
+(the producer's, before hostmem) the old scratch was misaligned: 3.1-6.7 GB/s.
+
+What limits it now (``perf record -e cpu-clock`` of both processes): packed runs are two
+copies, CMA into the scratch on the sender's core (~60% of it in ``_copy_from_iter``) and
+the scatter on the receiver's (~70% in ``memmove``), both cores busy; direct runs are one
+CMA copy on the sender's progress thread (~85% of a core), the receiver idle. One copy
+for small pages needs CMA straight into the slots with an iovec per page (timed via
+ctypes into huge pages: 5.8 GB/s at 16 KiB, 9.8 at 64 KiB, 13 from 256 KiB; UCX's iov
+datatype is not exposed by ucxx 0.52).
 
 Endpoints (``endpoint`` property, carried unchanged by the control Push message):
 
@@ -67,11 +91,13 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
   peer fails the requests in flight).
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
-  peer that dies mid-transfer is then noticed by the deadline only.
+  peer that dies mid-transfer is then noticed by the deadline only. ``?direct=1``
+  once every registered host region is huge-page memory from ``hostmem.empty`` (see
+  "Shared memory"); older senders ignore the query and keep packing.
 
 CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
 sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
-(both header tags are taken with one masked probe, so headers and TransferDone keep
+(the header tags are taken with one masked probe, so headers and TransferDone keep
 their order) and the batch's payload follows as ONE message (up to ``BATCH_BYTES``),
 its rows gathered with one batched ``index_select`` (``pages.gather_rows``), or sent in
 place when they are one range; one stream sync per push. The receiver takes it with an
@@ -132,6 +158,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from .. import hostmem
 from ..pages import gather_rows, scatter_rows
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
@@ -166,7 +193,11 @@ BATCH_BYTES = 256 << 20
 _SCRATCH_BUFS = 4  # scratch segments in flight at once (each SEG_BYTES)
 _HDR_TAG = 1  # header of a batch whose payload follows in segments (host rows)
 _HDR_WHOLE_TAG = 2  # header of a batch whose payload follows as one message (CUDA rows)
-_HDR_MASK_TAGS = 3  # both header tags are probed with one mask, so they stay in order
+# header of a host batch cut with DIRECT_MIN on shm (the receiver's endpoint said its
+# rows are huge pages: "Shared memory"), so the receiver cuts it the same way
+_HDR_DIRECT_TAG = 3
+_HDR_MASK_TAGS = 3  # the header tags are probed with one mask, so they stay in order
+_SHM_DIRECT_QUERY = "direct=1"  # on a ucx+shm endpoint: runs may land in the rows
 _BIG_BUFS = 2  # whole-batch device scratch buffers per device (receive k+1, scatter k)
 _BIG_ALIGN = 2 << 20
 _HDR_MAX = 1 << 20
@@ -368,6 +399,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._endpoint = ""
+        self._shm_direct = False  # every host region is huge pages: ask for direct runs
         self._bind = urlsplit(bind)
         self._advertise = advertise
         self._thread = threading.Thread(target=self._run, name="disagg-ucx", daemon=True)
@@ -381,6 +413,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     # ================================ receiver ==========================================
     @property
     def endpoint(self) -> str:
+        if self._shm_direct:
+            return f"{self._endpoint}?{_SHM_DIRECT_QUERY}"
         return self._endpoint
 
     def register_regions(
@@ -414,9 +448,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 ]
                 self._streams[dev] = torch.cuda.Stream(dev)
         groups = build_groups(specs)
+        host = [r.tensor for g, regs in enumerate(specs) if gdev[g] is None for r in regs]
         with self._book.lock:
             self._book.groups = groups
             self._gdev, self._gdirect = gdev, gdirect
+            self._shm_direct = (
+                self.channel == "shm" and bool(host) and all(map(hostmem.is_huge, host))
+            )
 
     # ================================= sender ===========================================
     def post_push(
@@ -437,6 +475,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         devices = {rows.device for _, rows, _ in pages if rows.device.type == "cuda"}
         if devices and not self.cuda:
             raise ValueError("CUDA source rows need a plane made with cuda=True")
+        shm = endpoint.startswith("ucx+shm://")
+        direct = shm and _SHM_DIRECT_QUERY in urlsplit(endpoint).query.split("&")
         for group, rows, dst_slots in pages:
             msgs, n, seq = _plan_group(
                 transfer_id,
@@ -447,7 +487,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 dst_slots,
                 seq,
                 keep,
-                SHM_DIRECT_MIN if endpoint.startswith("ucx+shm://") else DIRECT_MIN,
+                SHM_DIRECT_MIN if shm and not direct else DIRECT_MIN,
+                _HDR_DIRECT_TAG if direct else _HDR_TAG,
             )
             plan.extend(msgs)
             npages += n
@@ -523,7 +564,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # (request, segment, scratch: np / torch / None, the free list it goes back to)
         self._rx_reqs: list[tuple[Any, _PendingSeg, Any, Any]] = []
         self._discards: list[Any] = []
-        self._scratch_free = [np.empty(SEG_BYTES, dtype=np.uint8) for _ in range(_SCRATCH_BUFS)]
+        # 2 MiB-aligned huge pages (hostmem): CMA writes into them at memcpy speed, and
+        # their rows agree modulo 64 with torch's stores and pools (numpy's start 16
+        # bytes into a page, which made every CMA copy ~1.5x slower; "Shared memory")
+        self._scratch_free = [hostmem.empty(SEG_BYTES).numpy() for _ in range(_SCRATCH_BUFS)]
         for b in self._scratch_free:
             b.fill(0)  # prefault once, not per transfer
         self._listener = None
@@ -624,7 +668,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             probe = worker.tag_probe(any_hdr, mask, remove=True)
             if not probe.matched:
                 return
-            whole = int(probe.sender_tag.value) == _HDR_WHOLE_TAG
+            hdr_tag = int(probe.sender_tag.value)
+            whole = hdr_tag == _HDR_WHOLE_TAG
             n = int(probe.length)
             buf = np.empty(max(n, 1), dtype=np.uint8)
             req = worker.tag_recv_with_handle(Array(buf), probe)
@@ -644,9 +689,11 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             except ProtocolError as e:
                 self.stats["rejected_" + e.code.name] += 1
                 continue
-            self._rx_header(msg, whole)
+            self._rx_header(msg, whole, DIRECT_MIN if hdr_tag == _HDR_DIRECT_TAG else None)
 
-    def _rx_header(self, msg: m.Message, whole: bool = False) -> None:
+    def _rx_header(
+        self, msg: m.Message, whole: bool = False, direct_min: int | None = None
+    ) -> None:
         book = self._book
         with book.lock:
             rx = book.authenticate(msg)
@@ -670,7 +717,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     book.cond.notify_all()
                     return
             else:
-                segs = segments(msg.runs, msg.page_bytes, self._direct_min)
+                dmin = self._direct_min if direct_min is None else direct_min
+                segs = segments(msg.runs, msg.page_bytes, dmin)
             seq0 = rx.seq
             rx.seq += len(segs)  # keep numbering in step with the sender even if refused
             if book.accept_batch(rx, msg) is not None:
@@ -1025,6 +1073,7 @@ def _plan_group(
     seq: int,
     keep: list[object],
     direct_min: int = DIRECT_MIN,
+    hdr_tag: int = _HDR_TAG,
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """One group's messages: batches of runs (``_batches``). Host rows: each batch cut
     into segments (``segments``), a segment whose source rows are not one range gathered
@@ -1075,7 +1124,7 @@ def _plan_group(
             msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
             continue
-        msgs.append((_frame(header), _HDR_TAG))
+        msgs.append((_frame(header), hdr_tag))
         for seg in segments(runs, pb, direct_min):
             rows_of = page_src[seg.first : seg.first + seg.pages]
             r0 = int(rows_of[0])
