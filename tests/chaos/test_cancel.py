@@ -150,3 +150,41 @@ def test_failed_forward_on_the_producer_gives_its_pages_back():
     produced = run(prod, fresh, 1)
     cons, _ = make_consumer(CFG, [psvc.endpoint])
     check_against_monolithic(produced, run(cons, fresh, 4), Engine(CFG).generate(fresh, 4))
+
+
+def test_tp_cancel_aborts_every_ranks_load(monkeypatch):
+    """TP=2, V2: the leader drops the load in ``request_finished`` (rank 0's transfer is
+    aborted there); rank 1 learns it from the next metadata and aborts its own before that
+    pass's forward. The next request on those pages gets the monolithic tokens."""
+    from chaos_role import slow_pushes
+    from harness import rank_endpoints, rank_services
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)
+    cfg = EngineConfig(**dict(SHAPE, tp=2), kv_manager="v2")
+    ps = prompts(n=2, length=300)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    started = [threading.Event(), threading.Event()]
+    plain = []
+    for r, svc in enumerate(rank_services(psvc)):
+        plain.append(svc.data._wait_writable)
+        slow_pushes(svc, 1.0, on_start=lambda tid, ev=started[r]: ev.set())
+    cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_timeout_s=10.0)
+    rid = cons.add_request(ps[0], 4)
+    cons.step()
+    assert all(ev.wait(10) for ev in started), "a rank's push never started"
+    c0, c1 = rank_services(csvc)
+    loads = [c0.loads[rid], c1.loads[rid]]
+    cons.cancel(rid)
+    cons.step()  # rank 0 aborts in request_finished
+    assert c0.metrics["loads_abandoned"] == 1
+    for r, svc in enumerate(rank_services(psvc)):
+        svc.data._wait_writable = plain[r]
+    got = run(cons, [ps[1]], 4)  # its pass's metadata tells rank 1
+    assert c1.metrics["loads_abandoned"] == 1
+    for c, load in zip((c0, c1), loads):
+        st = c.data.poll(load.transfer_id)
+        assert st.state is TransferState.FAILED and "ended before its pages landed" in st.error
+    assert [r.error for r in got] == [None]
+    assert [r.tokens for r in got] == Engine(cfg).generate([ps[1]], 4)
+    assert wait_for(lambda: all(s.leases.active() == 0 for s in rank_services(psvc)))
