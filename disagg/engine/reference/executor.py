@@ -612,8 +612,7 @@ class Engine:
         cfg, tpb = self.config, self.config.tokens_per_block
         if cfg.kv_manager == "v1" and cfg.store_blocks_on_release and any(req.pages):
             n = (len(req.tokens) - 1) // tpb
-            hashes = block_hashes(req.tokens[: n * tpb], tpb, req.cache_salt, req.adapter)
-            self.kv.register(req.pages, hashes, 0, n)
+            self.kv.register(req.pages, self._extend_hashes(req, n * tpb), 0, n)
         self.kv.free(req.pages)
 
     def _drop(self, req: Request) -> None:
