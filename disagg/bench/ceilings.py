@@ -112,15 +112,16 @@ def socket_gbps(kind: str, nbytes: int, repeats: int) -> float:
     return nbytes / median(times) / 1e9
 
 
-def gpu_ceilings(nbytes: int, repeats: int) -> dict[str, float]:
-    """Pinned H2D, D2H and D2D GB/s on cuda:0; empty when there is no GPU."""
+def gpu_ceilings(nbytes: int, repeats: int, only: str | None = None) -> dict[str, float]:
+    """Pinned H2D, D2H and D2D GB/s on cuda:0 (just ``only`` when given); empty when
+    there is no GPU."""
     try:
         import torch
     except ImportError:
         return {}
     if not torch.cuda.is_available():
         return {}
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(nbytes if only != "d2d" else 0, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev2 = torch.empty_like(dev)
     out = {}
@@ -129,7 +130,8 @@ def gpu_ceilings(nbytes: int, repeats: int) -> dict[str, float]:
         ("pinned_d2h", lambda: host.copy_(dev, non_blocking=True)),
         ("d2d", lambda: dev2.copy_(dev)),
     ):
-        out[name] = nbytes / cuda_time(fn, repeats) / 1e9
+        if only in (None, name):
+            out[name] = nbytes / cuda_time(fn, repeats) / 1e9
     return out
 
 

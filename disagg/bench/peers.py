@@ -1,5 +1,5 @@
 """Peers moving the same pages process to process with their own APIs: NIXL (UCX
-backend, one-sided WRITE of every page into its destination slot, completion by
+backend, one-sided WRITE of every page from its source row into its destination slot, completion by
 notification) and the Mooncake transfer engine (TCP, batch write). Optional: they are
 imported here only, and a failure becomes the row's error string."""
 
@@ -46,15 +46,15 @@ def _nixl_producer(store: np.ndarray, conn: Any) -> None:
     src = np.empty((store.shape[0], 3), dtype=np.int64)
     src[:, 0] = store.ctypes.data + np.arange(store.shape[0]) * pb
     src[:, 1], src[:, 2] = pb, 0
-    local = agent.get_xfer_descs(src, "DRAM")
     remote_name = None
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             break
-        _, meta, base, tid, dst = msg
+        _, meta, base, tid, rows, dst = msg
         if remote_name is None:
             remote_name = agent.add_remote_agent(meta)
+        local = agent.get_xfer_descs(src[rows], "DRAM")
         d = np.empty((len(dst), 3), dtype=np.int64)
         d[:, 0] = base + np.asarray(dst, dtype=np.int64) * pb
         d[:, 1], d[:, 2] = pb, 0
@@ -76,11 +76,13 @@ def _nixl_consumer(
     meta = agent.get_agent_metadata()
     agent.add_remote_agent(ready[1])
     times = []
+    from .transfer import draw
+
     for rep in range(repeats + 1):
-        dst = rng.permutation(pool.shape[0])[:n]
+        rows, dst = draw(rng, pool.shape[0], n)
         tid = str(rep + 1).encode()
         t = time.perf_counter()
-        conn.send(("push", meta, pool.ctypes.data, rep + 1, dst.tolist()))
+        conn.send(("push", meta, pool.ctypes.data, rep + 1, rows, dst))
         got = False
         while not got:
             for msgs in agent.get_new_notifs().values():
@@ -89,7 +91,7 @@ def _nixl_consumer(
         reply = conn.recv()
         if reply[1]:
             raise RuntimeError(reply[1])
-        if not np.array_equal(pool[dst, :8].copy().view(np.int64).reshape(-1), np.arange(n)):
+        if not np.array_equal(pool[dst, :8].copy().view(np.int64).reshape(-1), rows):
             raise RuntimeError("nixl pages landed wrong")
         if rep:
             times.append(dt)
@@ -113,12 +115,12 @@ def _mooncake_producer(store: np.ndarray, conn: Any) -> None:
         raise RuntimeError("mooncake register_memory failed")
     conn.send(("ready", None))
     pb = store.shape[1]
-    srcs = (store.ctypes.data + np.arange(store.shape[0]) * pb).tolist()
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             break
-        _, target, base, _tid, dst = msg
+        _, target, base, _tid, rows, dst = msg
+        srcs = (store.ctypes.data + np.asarray(rows, dtype=np.int64) * pb).tolist()
         dsts = (base + np.asarray(dst, dtype=np.int64) * pb).tolist()
         rc = 0
         # Its TCP transport queues a batch's requests on per-connection lanes of bounded
@@ -140,15 +142,17 @@ def _mooncake_consumer(pool: np.ndarray, n: int, repeats: int, conn: Any, rng: A
         raise RuntimeError("mooncake register_memory failed")
     target = f"127.0.0.1:{te.get_rpc_port()}"
     times = []
+    from .transfer import draw
+
     for rep in range(repeats + 1):
-        dst = rng.permutation(pool.shape[0])[:n]
+        rows, dst = draw(rng, pool.shape[0], n)
         t = time.perf_counter()
-        conn.send(("push", target, pool.ctypes.data, rep + 1, dst.tolist()))
+        conn.send(("push", target, pool.ctypes.data, rep + 1, rows, dst))
         reply = conn.recv()  # the write is synchronous on the producer
         dt = time.perf_counter() - t
         if reply[1]:
             raise RuntimeError(reply[1])
-        if not np.array_equal(pool[dst, :8].copy().view(np.int64).reshape(-1), np.arange(n)):
+        if not np.array_equal(pool[dst, :8].copy().view(np.int64).reshape(-1), rows):
             raise RuntimeError("mooncake pages landed wrong")
         if rep:
             times.append(dt)

@@ -2,18 +2,26 @@
 into a consumer process's page pool, through the real data planes, against ceilings
 measured in the same run.
 
-Per transport and page size: the producer holds a store of N pages (row k starts with
+Per transport and page size: the producer holds a store of 2N pages (row k starts with
 the 8-byte index k), the consumer a pool of 2N slots; each repetition draws N random
-destination slots, ``expect``s the transfer, tells the producer to push (a pipe stands
-in for the control Push), and times go -> receiver DONE. Pages are verified afterwards
-(each landed slot starts with its source index). Host store and pool come from
-``hostmem.empty`` (huge pages where the kernel allows, like the producer's store); the
-memcpy ceiling is measured on the same kind of buffers (``memcpy_plain``, on ordinary
-ones, is printed for reference). Peers (NIXL, Mooncake) move the same pages with their
-own APIs (peers.py); a peer that cannot run keeps its row, with the error. Medium
-ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device copy for
+source rows and N random destination slots, ``expect``s the transfer, tells the producer
+to push (a pipe stands in for the control Push), and times go -> receiver DONE. The
+producer hands the plane exactly what ``ProducerService`` hands it
+(``dataplane.push_source``): the rows left in the store for a plane that reads them there
+(``accepts_store_rows``), else their bytes gathered from the store, inside the timed
+window, as in production. Pages are verified afterwards (each landed slot starts with
+its source row's index). Host store and pool come from ``hostmem.empty`` (huge pages
+where the kernel allows, like the producer's store); the memcpy ceiling is measured on
+the same kind of buffers (``memcpy_plain``, on ordinary ones, is printed for reference).
+Peers (NIXL, Mooncake) move the same pages with their own APIs (peers.py), from the same
+random source rows; a peer that cannot run keeps its row, with the error.
+
+Ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device copy for
 ``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two processes on the same GPU;
-without a CUDA device their rows say so instead of a figure).
+without a CUDA device their rows say so instead of a figure). This box's ceilings move a
+lot between minutes (raw TCP 1.7-4.4 GB/s), so each row's ceiling is measured again right
+before the row (same bytes, same repeats) and its ratio is against that; the run-level
+``ceilings_gbps`` are the ones measured at the start.
 ``ipc-shm``/``ipc-cuda`` are the same-host plane: the consumer copies from the producer's
 store (/dev/shm or CUDA IPC), so the medium is one copy.
 """
@@ -97,29 +105,33 @@ def _store(n: int, page_bytes: int) -> np.ndarray:
 
 
 def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
-    """Serve push requests ("push", endpoint, tid, dst) until told to stop."""
+    """Serve push requests ("push", endpoint, tid, src rows, dst slots) until told to stop."""
     import torch
+
+    from ..transport.dataplane import push_source
 
     plane = None
     try:
         if name in ("nixl", "mooncake"):
             from . import peers
 
-            peers.producer(name, _store(n, page_bytes), conn)
+            peers.producer(name, _store(2 * n, page_bytes), conn)
             return
         # the consumer's first message on the pipe: the plane is up
         plane = _make_plane(name)
-        rows = torch.from_numpy(_store(n, page_bytes)).to(_device(name))
+        rows = torch.from_numpy(_store(2 * n, page_bytes)).to(_device(name))
         register = getattr(plane, "register_source", None)
         if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
             rows = register(rows)
+        cols = ((0, page_bytes),)
         conn.send(("ready", None))
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, endpoint, tid, dst = msg
-            h = plane.post_push(endpoint, tid, 1, b"bench", [(0, rows, dst)], deadline_s=300)
+            _, endpoint, tid, src, dst = msg
+            pages = [(0, *push_source(plane, rows, src, cols, dst))]
+            h = plane.post_push(endpoint, tid, 1, b"bench", pages, deadline_s=300)
             st = plane.wait_push(h, 300)
             conn.send(("pushed", st.error))
     except Exception:
@@ -138,7 +150,7 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         msg = conn.recv()
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
-        slots = 2 * n
+        slots = 2 * n  # the store has 2N rows too: sources are drawn from it at random
         if _device(name) == "cpu":  # huge pages where the kernel allows (hostmem.py)
             from .. import hostmem
 
@@ -156,11 +168,11 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
             plane.register_regions([[pool]])
             times = []
             for rep in range(repeats + 1):
-                dst = rng.permutation(slots)[:n]
+                src, dst = draw(rng, slots, n)
                 tid = rep + 1
                 plane.expect(tid, 1, b"bench", [n], 300)
                 t = time.perf_counter()
-                conn.send(("push", plane.endpoint, tid, dst.tolist()))
+                conn.send(("push", plane.endpoint, tid, src, dst))
                 st = plane.wait(tid, 300)
                 dt = time.perf_counter() - t
                 reply = conn.recv()
@@ -168,7 +180,7 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                     raise RuntimeError(f"transfer failed: {st.error}; producer: {reply[1]}")
                 got = pool[torch.as_tensor(dst, device=pool.device), :8].cpu().numpy()
                 got = got.copy().view(np.int64).reshape(-1)
-                if not np.array_equal(got, np.arange(n)):
+                if not np.array_equal(got, src):
                     raise RuntimeError("pages landed in the wrong slots or corrupted")
                 if rep:
                     times.append(dt)
@@ -183,6 +195,12 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
     finally:
         if plane is not None:
             plane.close()
+
+
+def draw(rng: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct random source rows of ``rows`` and ``n`` distinct random destination
+    slots of ``rows`` (int64 arrays)."""
+    return rng.permutation(rows)[:n].astype(np.int64), rng.permutation(rows)[:n].astype(np.int64)
 
 
 def measure(
@@ -230,6 +248,15 @@ def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, str 
                 return None, "; ".join(dead)
 
 
+def medium_gbps(medium: str, nbytes: int, repeats: int) -> float | None:
+    """The ceiling of ``medium`` (a SPEC medium) for ``nbytes``, measured now."""
+    if medium == "shm":
+        return ceilings.memcpy_gbps(nbytes, repeats)
+    if medium in ("tcp", "ipc"):
+        return ceilings.socket_gbps("tcp" if medium == "tcp" else "unix", nbytes, repeats)
+    return ceilings.gpu_ceilings(nbytes, repeats, only="d2d").get("d2d")
+
+
 def run(
     page_sizes: Sequence[int],
     total: int,
@@ -257,12 +284,14 @@ def run(
         transport, channel, medium = SPEC[name]
         for pb in page_sizes:
             n = max(1, total // pb)
-            ceiling = ceil_of[medium]
+            nbytes = n * pb
             gbps: float | None
             err: str | None
-            if medium == "d2d" and ceiling is None:
-                gbps, err = None, "no CUDA device"
+            ceiling: float | None
+            if medium == "d2d" and ceil_of["d2d"] is None:
+                ceiling, gbps, err = None, None, "no CUDA device"
             else:
+                ceiling = medium_gbps(medium, nbytes, repeats)  # right next to the row
                 gbps, err = measure(name, pb, n, repeats, timeout_s)
             row = {
                 "transport": transport,
@@ -279,7 +308,11 @@ def run(
             if err:
                 row["error"] = err
             rows.append(row)
-            shown = f"{gbps:.2f} GB/s ({row['ratio']:.2f}x)" if gbps is not None else f"ERROR {err}"
+            shown = (
+                f"{gbps:.2f} GB/s ({row['ratio']:.2f}x of {row['ceiling']} {ceiling:.2f})"
+                if gbps is not None and ceiling
+                else f"ERROR {err}"
+            )
             print(f"  {name:9s} {fmt_size(pb):>7s} x {n:6d}: {shown}", file=log, flush=True)
     return {
         "bench": "transfer",

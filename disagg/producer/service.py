@@ -61,7 +61,7 @@ from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
-from ..transport.dataplane import DataPlane, StoreRows, TransferStatus
+from ..transport.dataplane import DataPlane, TransferStatus, push_source
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
@@ -588,39 +588,30 @@ class ProducerService(ConnectorService):
         """Whole group pages, one entry per layer group (``-1`` destinations skipped: the
         consumer has no page there, outside its window)."""
         assert self.pool is not None
+        slab = self.store.slab
         pages = []
         for g, geo in enumerate(self.pool.groups):
             dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
             keep = dst >= 0
             if keep.any():
-                cols = [(self.pool.page_offsets[g], geo.page_bytes)]
-                pages.append((g, self._rows(rows[keep], cols), self._slots(dst[keep])))
+                cols = ((self.pool.page_offsets[g], geo.page_bytes),)
+                pages.append((g, *push_source(self.data, slab, rows[keep], cols, dst[keep])))
         return pages
 
     def _layer_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
         """Layer by layer in the order the engine runs them, into the receiver's per-layer
         groups (``PagePool.data_plane_groups``): layer i's bytes arrive before layer i+1's."""
         assert self.pool is not None
+        slab = self.store.slab
         pages, base = [], len(self.pool.groups)
         for i, layer in enumerate(self.pool.layers):
             g = self.pool.group_of_layer(layer)
             dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
             keep = dst >= 0
             if keep.any():
-                cols = self.pool.layer_store_columns(layer)
-                pages.append((base + i, self._rows(rows[keep], cols), self._slots(dst[keep])))
+                cols = tuple(self.pool.layer_store_columns(layer))
+                pages.append((base + i, *push_source(self.data, slab, rows[keep], cols, dst[keep])))
         return pages
-
-    def _slots(self, dst: np.ndarray) -> Any:
-        """Destination slots as the plane takes them fastest (an array, or a list)."""
-        return dst if getattr(self.data, "accepts_store_rows", False) else dst.tolist()
-
-    def _rows(self, rows: np.ndarray, cols: list[tuple[int, int]]) -> Any:
-        """The pages ``[len(rows), sum(lengths)]`` from store columns: left in the store
-        (StoreRows) for a plane that reads them there, else their bytes (a view when the
-        rows are one run and the columns one span, else one batched gather)."""
-        pages = StoreRows(self.store.slab, rows, tuple(cols))
-        return pages if getattr(self.data, "accepts_store_rows", False) else pages.materialize()
 
     # -- timeouts -----------------------------------------------------------------------
     def _sweep_loop(self) -> None:

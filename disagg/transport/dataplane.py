@@ -150,6 +150,22 @@ PageSource = tuple[int, torch.Tensor, Sequence[int]]
 RowsSource = tuple[int, "torch.Tensor | StoreRows", Sequence[int]]
 
 
+def push_source(
+    plane: object, slab: torch.Tensor, rows: Any, cols: tuple[tuple[int, int], ...], dst: Any
+) -> tuple[Any, Any]:
+    """``(pages, slots)`` of one group's push as ``plane`` takes them fastest: for a plane
+    with ``accepts_store_rows``, the rows left in ``slab`` (``StoreRows``) and the slots as
+    an int64 array; for any other, the pages' bytes (``materialize()``: a view when the
+    rows are one run, else one batched gather) and the slots as a list. The producer and
+    ``disagg bench transfer`` both push through this, so the bench pays what a push pays."""
+    rows = np.asarray(rows, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    pages = StoreRows(slab, rows, cols)
+    if getattr(plane, "accepts_store_rows", False):
+        return pages, dst
+    return pages.materialize(), dst.tolist()
+
+
 class DataPlane(abc.ABC):
     """Both sides of page transfer. Implementations: ZmqDataPlane (zmq_plane.py),
     UcxDataPlane (ucx_plane.py), IpcDataPlane (ipc_plane.py, one host only)."""
