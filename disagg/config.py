@@ -15,6 +15,8 @@ Schema (all sections are plain mappings; unknown keys are refused)::
     instance_id: str                         # default "<role>-<hostname>-<pid>"
     model_id: str | null                     # overrides the model fingerprint source
     transport: zmq | ucx | ipc               # data plane, default zmq (ipc: one host only)
+    transport_checksum: false                # zmq only: xxh3-64 over every payload, checked
+                                             # at the receiver (both ends must set it)
     producer:                                # required when role = producer, refused otherwise
       control: endpoint to bind              # default tcp://127.0.0.1:0
       events: endpoint to bind | null        # stored/removed event stream (PUB), default off
@@ -582,6 +584,7 @@ class DisaggConfig:
     instance_id: str | None = None
     model_id: str | None = None
     transport: str = "zmq"
+    transport_checksum: bool = False
     producer: ProducerConfig | None = None
     consumer: ConsumerConfig | None = None
     security: SecurityConfig | None = None
@@ -598,6 +601,17 @@ class DisaggConfig:
             raise _err("instance_id", f"must be a non-empty string, got {self.instance_id!r}")
         _set(self, "model_id", _opt_str(self.model_id, "model_id"))
         _choice(self.transport, TRANSPORTS, "transport")
+        if not isinstance(self.transport_checksum, bool):
+            raise _err(
+                "transport_checksum",
+                f"must be true or false, got {self.transport_checksum!r}",
+            )
+        if self.transport_checksum and self.transport != "zmq":
+            raise _err(
+                "transport_checksum",
+                f"only the zmq data plane checksums payloads; transport is "
+                f"'{self.transport}' (remove transport_checksum or set transport: zmq)",
+            )
         other = "consumer" if self.role == "producer" else "producer"
         if getattr(self, other) is not None:
             raise _err(
@@ -695,6 +709,7 @@ class DisaggConfig:
             "instance_id": self.instance_id,
             "model_id": self.model_id,
             "transport": self.transport,
+            "transport_checksum": self.transport_checksum,
         }
         for name in _SECTIONS:
             sec = getattr(self, name)

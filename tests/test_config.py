@@ -305,6 +305,17 @@ def test_bad_transport():
     assert e.field == "transport" and "zmq, ucx" in str(e)
 
 
+def test_transport_checksum():
+    assert DisaggConfig.from_dict(PRODUCER).transport_checksum is False
+    cfg = DisaggConfig.from_dict(dict(CONSUMER, transport_checksum=True))
+    assert cfg.transport_checksum is True
+    assert DisaggConfig.from_dict(cfg.to_dict()) == cfg
+    e = err(dict(PRODUCER, transport_checksum="yes"))
+    assert e.field == "transport_checksum" and "true or false" in str(e)
+    e = err(dict(PRODUCER, transport="ucx", transport_checksum=True))
+    assert e.field == "transport_checksum" and "only the zmq" in str(e)
+
+
 @pytest.mark.parametrize("port", [-1, 65536, "9100", True])
 def test_bad_metrics_port(port):
     e = err(dict(PRODUCER, metrics={"port": port}))

@@ -251,7 +251,10 @@ class ConsumerService(ConnectorService):
     def attach(self, pool: PagePool) -> None:
         self._attach_pool(pool)
         self.data = make_data_plane(
-            self.config.transport, bind=self.ccfg.data, advertise_host=self.ccfg.advertise_host
+            self.config.transport,
+            bind=self.ccfg.data,
+            advertise_host=self.ccfg.advertise_host,
+            checksum=self.config.transport_checksum,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())

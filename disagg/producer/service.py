@@ -169,7 +169,7 @@ class ProducerService(ConnectorService):
             max_ttl_s=self.pcfg.lease_ttl_s,
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
         )
-        self.data = make_data_plane(self.config.transport)
+        self.data = make_data_plane(self.config.transport, checksum=self.config.transport_checksum)
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)
             self.store.slab = register(self.store.slab)

@@ -6,12 +6,22 @@ from .dataplane import DataPlane
 
 
 def make_data_plane(
-    transport: str, *, bind: str = "tcp://127.0.0.1:0", advertise_host: str | None = None
+    transport: str,
+    *,
+    bind: str = "tcp://127.0.0.1:0",
+    advertise_host: str | None = None,
+    checksum: bool = False,
 ) -> DataPlane:
     """``zmq`` (always available), ``ucx`` (needs ``pip install disagg[ucx]``) or ``ipc``
     (producer and consumer on one host: the consumer copies from the producer's store).
 
-    ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told."""
+    ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told.
+    ``checksum`` (config ``transport_checksum``): xxh3-64 over every zmq payload, checked
+    by the receiver; only the zmq plane has it (ValueError for the others)."""
+    if checksum and transport != "zmq":
+        raise ValueError(
+            f"transport_checksum: only the zmq data plane checksums, not {transport!r}"
+        )
     advertise = None
     if advertise_host and bind.startswith("tcp://"):
         port = bind.rsplit(":", 1)[1]
@@ -20,7 +30,7 @@ def make_data_plane(
     if transport == "zmq":
         from .zmq_plane import ZmqDataPlane
 
-        return ZmqDataPlane(bind, advertise=advertise)
+        return ZmqDataPlane(bind, advertise=advertise, checksum=checksum)
     if transport == "ucx":
         try:
             from .ucx_plane import UcxDataPlane

@@ -172,8 +172,8 @@ def test_transfer_writes_only_its_own_slots(planes):
     assert torch.equal(dst[4], src[0]) and torch.equal(dst[0], src[1])
 
 
-def test_hostile_frames(planes):
-    rx, _ = planes
+def test_hostile_frames():
+    rx = ZmqDataPlane(checksum=True)  # tid 13 checks the optional payload checksum
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
     s = zmq.Context.instance().socket(zmq.PUSH)
@@ -210,6 +210,7 @@ def test_hostile_frames(planes):
         assert rx.stats["rejected_BAD_FRAME"] == 1
     finally:
         s.close()
+        rx.close()
 
 
 CHILD = textwrap.dedent(
