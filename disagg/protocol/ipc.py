@@ -19,7 +19,7 @@ from .messages import encode as encode  # one encoder for every message
 from .version import MAX_CONTROL_FRAME, MAX_GROUPS, MAX_KEYS
 
 Handle = Annotated[bytes, msgspec.Meta(max_length=256)]
-Blob = Annotated[bytes, msgspec.Meta(min_length=8, max_length=8 * MAX_KEYS)]
+Blob = Annotated[bytes, msgspec.Meta(min_length=4, max_length=8 * MAX_KEYS)]
 Spans = Annotated[list[tuple[NonNeg, Pos]], msgspec.Meta(min_length=1, max_length=1024)]
 
 
@@ -49,7 +49,11 @@ class IpcBatch(msgspec.Struct, frozen=True, kw_only=True):
     """Pages of one layer group: page ``i`` is the concatenation of ``spans`` (column,
     length) of source row ``rows[i]`` of export ``export_id``, whose row ``r`` starts at
     byte ``base + r * row_stride``; it lands in slot ``slots[i]``. ``rows`` and ``slots``
-    are int64 little-endian arrays (one blob each: thousands of pages decode at once)."""
+    are little-endian signed integer arrays of ``index_bytes`` each (one blob each:
+    thousands of pages decode at once; 4 bytes whenever every index fits, which halves
+    what crosses the socket and what the receiver stages for the GPU). The receiver
+    refuses a blob whose length is not a multiple of ``index_bytes`` or differs between
+    the two."""
 
     group: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
     export_id: U64
@@ -59,6 +63,7 @@ class IpcBatch(msgspec.Struct, frozen=True, kw_only=True):
     slots: Blob
     spans: Spans
     page_bytes: Pos
+    index_bytes: Literal[4, 8] = 8
 
 
 class IpcPush(Message, frozen=True, tag="ipc_push"):

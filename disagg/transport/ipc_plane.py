@@ -3,28 +3,31 @@ the sender's store.
 
 Why: a push over a socket moves each page at least three times (gather, wire, scatter);
 between processes of one host the receiver can map the sender's store instead and move
-each page once, source row to destination slot, with ``page_copy.copy_indexed`` (one
-Triton kernel on a GPU, torch's index kernels on the host). On an H200, 1 GiB of scattered
-64 KiB pages moves between two processes at 0.61-0.75 of the device-to-device copy rate
-with 4-8 pushes in flight, 0.22 for one push alone (its Python control path, ~1.1 ms,
-outweighs the 0.62 ms copy); UCX's cuda_ipc path reached 0.02-0.13 (``disagg bench gpu``).
+each page once, source row to destination slot, with ``page_copy`` (one Triton kernel on
+a GPU, torch's index kernels on the host). UCX's cuda_ipc path reached 0.02-0.13 of the
+device-to-device copy rate for the same pages (``disagg bench gpu``).
 
 How:
 - The sender registers its store once (``register_source``): a device store is shared
   through CUDA IPC (torch's storage share), a host store is moved into a /dev/shm file
   (pinned again if it was pinned). Each push describes its pages as rows of an export
-  (``protocol.ipc.IpcBatch``) and carries the export descriptions; the receiver opens an
-  export once and keeps it.
-- The receiver checks everything before it copies a byte: the transfer's token and lease,
-  the ReceiverBook's slot checks and promises, that every source row lies inside the
-  export, that the export is from this host (boot id) and, for CUDA, that its GPU is
-  visible here. Then it copies and answers ``IpcAck`` once the copy is over: host copies
+  (``protocol.ipc.IpcBatch``: rows and slots as raw little-endian int arrays, 4 bytes
+  each when they fit) and carries the export descriptions; the receiver opens an export
+  once and keeps it.
+- The receiver checks everything before it copies a byte, with numpy over whole index
+  arrays (no per-page Python): the transfer's token and lease, the ReceiverBook's slot
+  checks and promises, that every source row lies inside the export, that the export is
+  from this host (boot id) and, for CUDA, that its GPU is visible here. Then it copies:
+  both index arrays go up in one host-to-device copy from pinned memory, and each piece
+  of a page layout is one kernel launch whose views were worked out by the first push of
+  that layout (``_prepared``). It answers ``IpcAck`` once the copy is over: host copies
   at once, device copies from the landing thread when their CUDA event fires (so the
   receiver thread checks the next push while the GPU copies). The sender's push is DONE
   only on that answer, so the sender never reuses rows a copy may still read.
 - Zombie reads: a push carries the sender's deadline on CLOCK_MONOTONIC (one clock per
   host). The sender keeps its rows until the push is final, and fails it no earlier than
-  that deadline; the receiver starts no copy after it, and a copy it sees end after it
+  that deadline (also when its connection drops after the push left: the receiver may
+  still copy it); the receiver starts no copy after it, and a copy it sees end after it
   fails the transfer instead of landing (the rows may have been reused meanwhile).
 - Limits: one host only (a peer on another host is refused with a message naming the
   fix). A CUDA export is only as alive as the sender process: CUDA leaves reads of a dead
@@ -32,9 +35,30 @@ How:
   copy, which narrows but cannot close that window. (A /dev/shm export stays readable:
   the mapping outlives the sender.)
 
-Control messages travel on ZMQ: the receiver binds a ROUTER at ``endpoint`` (its thread
-owns the socket; the landing thread hands it acks through a pipe); the sender keeps one
-DEALER per receiver, on one thread that also collects the acks.
+Control messages travel on framed stream sockets (``framed.py``: TCP or AF_UNIX at
+``endpoint``, not ZMQ, whose two I/O threads cost a thread wake-up each way): the
+receiver thread accepts and reads every connection (at most ``MAX_CONNS``; a frame over
+``MAX_IPC_FRAME``, a bad preamble or a sender that reads no acks closes that connection,
+counted); the landing thread writes its acks itself. The sender thread owns one
+connection per receiver, sends the pushes the posting threads encoded, reads the acks,
+and retries a refused connection until the pushes' deadlines.
+
+Measured on one H200 (a Firecracker VM; its CPU runs a thread's first few hundred
+microseconds after a sleep 2-3x slower than a busy loop, so every Python step of a
+single push counts double). 1 GiB of random 64 KiB pages from a 2 GiB store into random
+slots, ``disagg bench gpu --ipc-only --page-sizes 64KiB,256KiB,1MiB --ipc-depths 1,4,8``,
+ratio to the device-to-device copy, pushes in flight 1 / 4 / 8:
+  ZMQ control, 8-byte indices:      64K 0.19/0.60/0.68  256K 0.24/0.63/0.73  1M 0.42/0.57/0.74
+  framed sockets (two machines):    64K 0.25-0.31/0.52-0.55/0.59-0.64  256K 0.37-0.40/
+                                    0.66-0.68/0.77-0.78  1M 0.38-0.42/0.68-0.72/0.78-0.80
+``disagg bench transfer --transports ipc-cuda`` (one push, its timing includes the
+bench's own pipe and list conversions): 0.25/0.36/0.33 before, 0.26/0.31/0.36 after
+(machines 20-30% apart in their host ceilings). Where one 64 KiB push's time goes
+(a per-stage timeline across both processes, median of 20): the ZMQ hop in was 350 us
+and the ack back 400 us; framed sockets 125-155 and 130-145 us. What remains of the
+~2.2 ms for a 0.45-0.5 ms kernel: post_push + encode 190-250 us, the sender thread's
+wake and send 230-250, checks 175-370, staging + launch 455-570 (cold CPU; the same
+calls take 180 us in a busy loop), and the wake-ups of the landing and waiting threads.
 """
 
 from __future__ import annotations
@@ -46,23 +70,24 @@ import mmap
 import os
 import queue
 import re
+import selectors
 import threading
 import time
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import zmq
 
 from ..protocol import ipc as wire
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
+from . import framed
 from .dataplane import DataPlane, RowsSource, StoreRows, TransferState, TransferStatus
-from .page_copy import copy_indexed
+from .page_copy import DeviceCopy, copy_indexed, launch_device, prepare_device
 from .receiver import BookedReceiver, Group, ReceiverBook, Rx
 
 log = logging.getLogger(__name__)
@@ -75,9 +100,24 @@ MAX_OPEN_EXPORTS = 256
 # control frame, still bounded.
 MAX_IPC_FRAME = 64 << 20  # receiver-side cache of mapped exports
 IDLE_SOCKET_S = 30.0
+MAX_CONNS = 1024  # receiver: connections beyond this are closed at once (counted)
+MAX_ACK_FRAME = 1 << 20  # sender: an ack is a few hundred bytes
+MAX_PENDING_ACK_BYTES = 16 << 20  # receiver: acks queued for a sender that reads none
+_RETRY_S = 0.05  # sender: pause between connection attempts to an absent receiver
+_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
+_I32 = 1 << 31
+_TORCH_INT = {4: torch.int32, 8: torch.int64}
+_WAKE = object()  # selector tag of the receiver's wake-up pipe
 # The receiver refuses to *start* a copy this close to the sender's deadline: the copy
 # must end before the sender (and then the producer, after its grace) reuses the rows.
 COPY_MARGIN_S = 0.25
+
+# A plane's cache of prepared copies: (export tensor, group, layout) -> the prepared
+# device copy of each piece. The receiver thread's alone. Entries hold the tensor and the
+# group themselves, so their ids (in the key) cannot be reused while cached.
+Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy]]]
+MAX_PREPARED = 256
+
 
 _ids = itertools.count(1)
 # Exports of this process, by id: a receiver in the same process uses the tensor itself
@@ -124,7 +164,8 @@ class PushHandle:
     nbytes: int = 0
     state: TransferState = TransferState.PENDING
     error: str | None = None
-    unsent: bytes | None = None  # the encoded push until the socket took it
+    frame: bytes = b""  # the encoded message (encoded by the posting thread)
+    sent_end: int = 0  # where its frame ends in its connection's stream
     ended: threading.Event = field(default_factory=threading.Event)
 
     def finish(self, state: TransferState, error: str | None = None) -> None:
@@ -138,48 +179,48 @@ class PushHandle:
 
 @dataclass
 class _Peer:
-    sock: zmq.Socket
-    inflight: dict[int, PushHandle] = field(default_factory=dict)
+    """The sender's connection to one receiver (the sender thread's alone)."""
+
+    endpoint: str
+    conn: framed.Conn | None = None
+    connected: bool = False
+    waiting: deque[PushHandle] = field(default_factory=deque)  # not yet on a connection
+    inflight: dict[int, PushHandle] = field(default_factory=dict)  # sent: awaiting acks
     last_used: float = field(default_factory=time.monotonic)
+    retry_at: float = 0.0
 
 
 class IpcDataPlane(BookedReceiver, DataPlane):
     """Both DataPlane sides for processes on one host (see the module docstring).
-    ``bind``: the ROUTER endpoint (``tcp://127.0.0.1:0`` or ``ipc://path``)."""
+    ``bind``: where the receiver listens (``tcp://127.0.0.1:0`` or ``ipc://path``)."""
 
     accepts_store_rows = True  # producers hand StoreRows: no gather before a push
 
-    def __init__(
-        self,
-        bind: str = "tcp://127.0.0.1:0",
-        *,
-        advertise: str | None = None,
-        context: zmq.Context | None = None,
-    ) -> None:
-        self._ctx = context or zmq.Context.instance()
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", *, advertise: str | None = None) -> None:
         self.stats: Counter[str] = Counter()
         self._book = ReceiverBook(self.stats)
         self._stop = threading.Event()
         self._sources: list[_Source] = []
         self._mapped: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_IPC_FRAME)
-        self._router.bind(bind)
-        self._endpoint = advertise or self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._prepared: Prepared = OrderedDict()
+        self._listener, bound = framed.listen(bind)
+        self._unix_path = bound[len("ipc://") :] if bound.startswith("ipc://") else None
+        self._endpoint = advertise or bound
         self._jobs: queue.Queue[PushHandle] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # the landing thread writes acks itself; it pokes the receiver thread only when a
+        # connection's buffer is full (the receiver then flushes it when writable)
+        self._ack_r, self._ack_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w, self._ack_r, self._ack_w):
+            os.set_blocking(fd, False)
+        self._blocked: queue.Queue[framed.Conn] = queue.Queue()
+        self._rx_scratch = bytearray(framed.RECV_CHUNK)  # the receiver thread's
+        self._tx_scratch = bytearray(framed.RECV_CHUNK)  # the sender thread's
         self._rx_thread = threading.Thread(target=self._rx_run, name="disagg-ipc-rx", daemon=True)
         self._tx_thread = threading.Thread(target=self._tx_run, name="disagg-ipc-tx", daemon=True)
         # device copies land on their own thread, so the receiver checks the next push
-        # while the GPU copies this one; acks come back to the receiver through a pipe
+        # while the GPU copies this one
         self._landings: queue.Queue[_Landing] = queue.Queue()
-        self._acks: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self._ack_r, self._ack_w = os.pipe()
-        for fd in (self._ack_r, self._ack_w):
-            os.set_blocking(fd, False)
         self._land_thread = threading.Thread(
             target=self._land_run, name="disagg-ipc-land", daemon=True
         )
@@ -305,7 +346,10 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         batches, exports, keep = [], {}, []
         count = nbytes = 0
         for group, src, dst_slots in pages:
-            dst = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+            if isinstance(dst_slots, list):  # a third faster than asarray for long lists
+                dst = np.fromiter(dst_slots, dtype=np.int64, count=len(dst_slots))
+            else:
+                dst = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
             if group < 0:
                 raise ValueError(f"layer group must be >= 0, got {group}")
             if dst.size and int(dst.min()) < -1:
@@ -321,16 +365,20 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             export, base = self._locate(sr.slab)
             exports[export.export_id] = export
             keep.append(sr.slab)
+            # 4-byte indices whenever they fit: half the bytes to send, decode and stage
+            narrow = int(rows.max()) < _I32 and int(rows.min()) >= -_I32 and int(dst.max()) < _I32
+            dt = "<i4" if narrow else "<i8"
             batches.append(
                 wire.IpcBatch(
                     group=group,
                     export_id=export.export_id,
                     base=base,
                     row_stride=max(1, sr.slab.stride(0)),
-                    rows=rows.astype("<i8").tobytes(),
-                    slots=dst.astype("<i8").tobytes(),
+                    rows=rows.astype(dt).tobytes(),
+                    slots=dst.astype(dt).tobytes(),
                     spans=[(int(o), int(n)) for o, n in sr.cols],
                     page_bytes=sr.page_bytes,
+                    index_bytes=4 if narrow else 8,
                 )
             )
             count += rows.size
@@ -362,82 +410,142 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         self._submit(PushHandle(transfer_id, endpoint, time.monotonic() + 1.0, msg, []))
 
     def _submit(self, h: PushHandle) -> None:
+        h.frame = wire.encode(h.msg)  # on the posting thread: the sender thread only sends
         self._jobs.put(h)
-        _poke(self._wake_w)  # wake the sender thread out of its poll
+        _poke(self._wake_w)  # wake the sender thread out of its select
 
     def _tx_run(self) -> None:
+        """Sender thread: owns every connection to receivers; sends queued pushes, reads
+        acks, fails pushes at their deadline, retries connections refused so far."""
         peers: dict[str, _Peer] = {}
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while not self._stop.is_set():
-                self._tx_take_jobs(peers, poller)
-                for sock, _ in poller.poll(_POLL_MS):
-                    if sock == self._wake_r:
+                self._tx_take_jobs(peers, sel)
+                for key, events in sel.select(_POLL_MS / 1000):
+                    peer = key.data
+                    if peer is None:
                         _drain_pipe(self._wake_r)
+                    elif not peer.connected:
+                        self._tx_connected(peer, sel)
                     else:
-                        self._tx_read_acks(sock, peers)
-                self._tx_expire(peers, poller)
+                        if events & selectors.EVENT_WRITE and peer.conn is not None:
+                            self._tx_watch(peer, sel, peer.conn.flush())
+                        if events & selectors.EVENT_READ:
+                            self._tx_read_acks(peer, sel)
+                self._tx_expire(peers, sel)
         finally:
             for peer in peers.values():
-                for h in peer.inflight.values():
+                for h in [*peer.inflight.values(), *peer.waiting]:
                     self._tx_fail(h, "data plane closed")
-                peer.sock.close(linger=0)
+                if peer.conn is not None:
+                    peer.conn.close()
             while not self._jobs.empty():
                 self._tx_fail(self._jobs.get_nowait(), "data plane closed")
+            sel.close()
 
-    def _tx_take_jobs(self, peers: dict[str, _Peer], poller: zmq.Poller) -> None:
+    def _tx_take_jobs(self, peers: dict[str, _Peer], sel: selectors.BaseSelector) -> None:
+        touched = set()
         while True:
             try:
                 h = self._jobs.get_nowait()
             except queue.Empty:
-                return
-            try:
-                peer = peers.get(h.endpoint)
-                if peer is None:
-                    sock = self._ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for an absent peer
-                    try:
-                        sock.connect(h.endpoint)
-                    except zmq.ZMQError:
-                        sock.close(linger=0)
-                        raise
-                    peer = peers[h.endpoint] = _Peer(sock)
-                    poller.register(sock, zmq.POLLIN)
-                peer.last_used = time.monotonic()
-                if isinstance(h.msg, wire.IpcFail):
-                    peer.sock.send(wire.encode(h.msg), zmq.NOBLOCK)
-                    continue
+                break
+            peer = peers.get(h.endpoint)
+            if peer is None:
+                peer = peers[h.endpoint] = _Peer(h.endpoint)
+            peer.last_used = time.monotonic()
+            if isinstance(h.msg, wire.IpcPush):
                 h.state = TransferState.RECEIVING
-                peer.inflight[h.transfer_id] = h
-                h.unsent = wire.encode(h.msg)
-                self._tx_try_send(peer, h)
-            except zmq.ZMQError as e:  # e.g. a hostile endpoint string: fail this push only
-                self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+            peer.waiting.append(h)
+            touched.add(h.endpoint)
+        for ep in touched:
+            self._tx_pump(peers[ep], sel)
 
-    def _tx_try_send(self, peer: _Peer, h: PushHandle) -> None:
-        if h.unsent is None:
-            return
-        try:
-            peer.sock.send(h.unsent, zmq.NOBLOCK)
-            h.unsent = None
-        except zmq.Again:  # not connected yet: retried until the deadline
-            pass
-
-    def _tx_read_acks(self, sock: zmq.Socket, peers: dict[str, _Peer]) -> None:
-        peer = next((p for p in peers.values() if p.sock is sock), None)
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+    def _tx_pump(self, peer: _Peer, sel: selectors.BaseSelector) -> None:
+        """Connect if needed, then hand waiting frames to the connection in order."""
+        if peer.conn is None:
+            if time.monotonic() < peer.retry_at:
                 return
+            try:
+                sock, now_up = framed.connect(peer.endpoint)
+            except ValueError as e:  # a hostile or mistyped endpoint: fail its pushes
+                for h in peer.waiting:
+                    self._tx_fail(h, f"send to {peer.endpoint} failed: {e}")
+                peer.waiting.clear()
+                return
+            except OSError:  # nobody listening (yet): retried until the deadlines
+                peer.retry_at = time.monotonic() + _RETRY_S
+                return
+            peer.conn = framed.Conn(sock, greet=True, max_frame=MAX_ACK_FRAME)
+            peer.connected = now_up
+            sel.register(peer.conn, selectors.EVENT_WRITE if not now_up else _RW, peer)
+        if not peer.connected:
+            return
+        conn = peer.conn
+        while peer.waiting:
+            h = peer.waiting.popleft()
+            pending = conn.send(h.frame)
+            h.sent_end, h.frame = conn.queued, b""
+            if isinstance(h.msg, wire.IpcPush):
+                peer.inflight[h.transfer_id] = h
+            self._tx_watch(peer, sel, pending)
+
+    def _tx_watch(self, peer: _Peer, sel: selectors.BaseSelector, pending: bool) -> None:
+        """Watch the connection for acks, and for room to write while bytes wait."""
+        if peer.conn is not None and not peer.conn.closed:
+            want = _RW if pending else selectors.EVENT_READ
+            if sel.get_key(peer.conn).events != want:
+                sel.modify(peer.conn, want, peer)
+
+    def _tx_connected(self, peer: _Peer, sel: selectors.BaseSelector) -> None:
+        assert peer.conn is not None
+        try:
+            framed.finish_connect(peer.conn.sock)
+        except OSError:
+            self._tx_drop(peer, sel)
+            return
+        peer.connected = True
+        sel.modify(peer.conn, _RW, peer)  # the preamble may still wait to be written
+        self._tx_pump(peer, sel)
+        self._tx_watch(peer, sel, peer.conn.flush())
+
+    def _tx_drop(self, peer: _Peer, sel: selectors.BaseSelector) -> None:
+        """The connection failed or the receiver closed it. Pushes whose frames fully left
+        this process may still be copied by the receiver: they keep their rows until
+        their deadline (never failed sooner); the rest never arrived whole and cannot be
+        copied: they are sent again on a new connection."""
+        conn = peer.conn
+        if conn is None:
+            return
+        sel.unregister(conn)
+        conn.close()
+        for tid, h in list(peer.inflight.items()):
+            if h.sent_end > conn.accepted:
+                del peer.inflight[tid]
+                h.frame = wire.encode(h.msg)
+                peer.waiting.appendleft(h)
+        peer.conn, peer.connected = None, False
+        peer.retry_at = time.monotonic() + _RETRY_S
+
+    def _tx_read_acks(self, peer: _Peer, sel: selectors.BaseSelector) -> None:
+        assert peer.conn is not None
+        try:
+            frames = peer.conn.read_frames(self._tx_scratch)
+        except framed.FrameError as e:
+            self.stats["rejected_" + e.code] += 1
+            frames = None
+        if frames is None:
+            self._tx_drop(peer, sel)
+            return
+        for frame in frames:
             try:
                 ack = wire.decode(frame)
             except ProtocolError as e:
                 self.stats["rejected_" + e.code.name] += 1
                 continue
-            if not isinstance(ack, wire.IpcAck) or peer is None:
+            if not isinstance(ack, wire.IpcAck):
                 self.stats["rejected_kind"] += 1
                 continue
             h = peer.inflight.pop(ack.transfer_id, None)
@@ -450,56 +558,126 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             else:
                 self._tx_fail(h, f"receiver refused the transfer: {ack.message}")
 
-    def _tx_expire(self, peers: dict[str, _Peer], poller: zmq.Poller) -> None:
+    def _tx_expire(self, peers: dict[str, _Peer], sel: selectors.BaseSelector) -> None:
         now = time.monotonic()
         for ep, peer in list(peers.items()):
             for tid, h in list(peer.inflight.items()):
                 if now > h.deadline:
                     del peer.inflight[tid]
                     self._tx_fail(h, f"peer {ep} did not answer before the deadline")
-                else:
-                    self._tx_try_send(peer, h)
-            if not peer.inflight and now - peer.last_used > IDLE_SOCKET_S:
-                poller.unregister(peer.sock)
-                peer.sock.close(linger=0)
+            if any(now > h.deadline for h in peer.waiting):
+                for h in peer.waiting:
+                    if now > h.deadline:
+                        self._tx_fail(h, f"peer {ep} did not answer before the deadline")
+                peer.waiting = deque(h for h in peer.waiting if not h.state.final)
+            if peer.waiting:
+                self._tx_pump(peer, sel)  # a connection refused so far: try again
+            elif not peer.inflight and now - peer.last_used > IDLE_SOCKET_S:
+                if peer.conn is not None:
+                    sel.unregister(peer.conn)
+                    peer.conn.close()
                 del peers[ep]
 
     def _tx_fail(self, h: PushHandle, why: str) -> None:
         if not h.state.final:
             h.finish(TransferState.FAILED, why)
-            self.stats["push_failed"] += 1
+            if isinstance(h.msg, wire.IpcPush):
+                self.stats["push_failed"] += 1
 
     # ================================ receiver ==========================================
     def _rx_run(self) -> None:
-        sock = self._router
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._ack_r, zmq.POLLIN)
+        """Receiver thread: accepts connections, reads pushes and checks them, starts
+        their copies; flushes acks the landing thread could not write at once."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        sel.register(self._ack_r, selectors.EVENT_READ, _WAKE)
+        conns: set[framed.Conn] = set()
         last_sweep = 0.0
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(_POLL_MS))
-                if self._ack_r in ready:
-                    _drain_pipe(self._ack_r)
-                while not self._acks.empty():  # answers of finished device copies
-                    sock.send_multipart(list(self._acks.get_nowait()))
-                if sock in ready:
-                    try:
-                        self._rx_message(sock)
-                    except Exception:  # never let one message kill the receiver
-                        log.exception("ipc data plane receiver error")
-                        self.stats["internal_error"] += 1
+                for key, events in sel.select(_POLL_MS / 1000):
+                    conn = key.data
+                    if conn is None:
+                        self._rx_accept(sel, conns)
+                    elif conn is _WAKE:
+                        _drain_pipe(self._ack_r)
+                        self._rx_blocked(sel, conns)
+                    else:
+                        try:
+                            keep = self._rx_ready(conn, events, sel)
+                        except Exception:  # never let one message kill the receiver
+                            log.exception("ipc data plane receiver error")
+                            self.stats["internal_error"] += 1
+                            keep = True
+                        if not keep or conn.closed:
+                            self._rx_close(conn, sel, conns)
                 last_sweep = self._sweep_if_due(last_sweep)
         finally:
-            sock.close(linger=0)
+            for conn in conns:
+                conn.close()
+            self._listener.close()
+            sel.close()
             self._fail_all_closed()
 
-    def _rx_message(self, sock: zmq.Socket) -> None:
-        parts = sock.recv_multipart()
-        if len(parts) != 2:
-            self.stats["rejected_BAD_FRAME"] += 1
-            return
-        ident, frame = parts
+    def _rx_accept(self, sel: selectors.BaseSelector, conns: set[framed.Conn]) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors: counted, the listener stays
+                self.stats["rejected_connection"] += 1
+                return
+            if len(conns) >= MAX_CONNS:
+                self.stats["rejected_connection"] += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = framed.Conn(sock, greet=False, max_frame=MAX_IPC_FRAME)
+            conns.add(conn)
+            sel.register(conn, selectors.EVENT_READ, conn)
+
+    def _rx_blocked(self, sel: selectors.BaseSelector, conns: set[framed.Conn]) -> None:
+        """Connections whose acks wait for room: watch them for writability."""
+        while True:
+            try:
+                conn = self._blocked.get_nowait()
+            except queue.Empty:
+                return
+            if conn not in conns or conn.closed:
+                continue
+            if len(conn.out) > MAX_PENDING_ACK_BYTES:
+                self.stats["rejected_slow_reader"] += 1  # a sender that reads no acks
+                self._rx_close(conn, sel, conns)
+            else:
+                sel.modify(conn, _RW, conn)
+
+    def _rx_close(
+        self, conn: framed.Conn, sel: selectors.BaseSelector, conns: set[framed.Conn]
+    ) -> None:
+        if conn in conns:
+            conns.discard(conn)
+            sel.unregister(conn)  # before the close: its descriptor may be reused at once
+        conn.close()
+
+    def _rx_ready(self, conn: framed.Conn, events: int, sel: selectors.BaseSelector) -> bool:
+        """Serve one connection's events; False: close it (peer gone, framing broken)."""
+        if events & selectors.EVENT_WRITE and not conn.flush() and not conn.closed:
+            sel.modify(conn, selectors.EVENT_READ, conn)
+        if not events & selectors.EVENT_READ:
+            return True
+        try:
+            frames = conn.read_frames(self._rx_scratch)
+        except framed.FrameError as e:
+            self.stats["rejected_" + e.code] += 1
+            return False
+        if frames is None:
+            return False
+        for frame in frames:
+            self._rx_message(conn, frame)
+        return True
+
+    def _rx_message(self, conn: framed.Conn, frame: bytes) -> None:
         try:
             msg = wire.decode(frame, MAX_IPC_FRAME)
         except ProtocolError as e:
@@ -508,14 +686,22 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         if isinstance(msg, wire.IpcFail):
             self._rx_fail(msg)
         elif isinstance(msg, wire.IpcPush):
-            error = self._rx_push(msg, ident)
+            error = self._rx_push(msg, conn)
             if error is not QUEUED:
                 ack = wire.IpcAck(
                     transfer_id=msg.transfer_id, ok=error is None, message=error or ""
                 )
-                sock.send_multipart([ident, wire.encode(ack)])
+                self._ack(conn, wire.encode(ack))
         else:
             self.stats["rejected_kind"] += 1
+
+    def _ack(self, conn: framed.Conn, frame: bytes) -> None:
+        """Send an ack from any thread; a full connection is flushed by the receiver
+        thread once writable. (A sender that never reads its acks fills its buffer up to
+        MAX_PENDING_ACK_BYTES, then its connection is closed.)"""
+        if conn.send(frame):
+            self._blocked.put(conn)
+            _poke(self._ack_w)
 
     def _rx_fail(self, msg: wire.IpcFail) -> None:
         book = self._book
@@ -527,7 +713,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             book.fail(rx, f"sender failed the transfer: {msg.message}")
             book.cond.notify_all()
 
-    def _rx_push(self, msg: wire.IpcPush, ident: bytes) -> str | None:
+    def _rx_push(self, msg: wire.IpcPush, conn: framed.Conn) -> str | None:
         """Check one push and copy it: returns None (done) or why it was refused, or
         QUEUED when device copies are under way (the landing thread acks it)."""
         book = self._book
@@ -549,7 +735,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 return str(e)
             rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
-        landing = _Landing(rx, ident, msg.not_after)
+        landing = _Landing(rx, conn, msg.not_after)
         try:
             devices: set[torch.device] = set()
             for plan in plans:
@@ -595,7 +781,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
 
     def _land_run(self) -> None:
         """Landing thread: waits for queued device copies in order, then finishes their
-        transfers and hands the acks to the receiver thread (which owns the socket)."""
+        transfers and writes their acks itself (no hop through the receiver thread)."""
         while not (self._stop.is_set() and self._landings.empty()):
             try:
                 landing = self._landings.get(timeout=_POLL_MS / 1000)
@@ -610,8 +796,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             ack = wire.IpcAck(
                 transfer_id=landing.rx.transfer_id, ok=error is None, message=error or ""
             )
-            self._acks.put((landing.ident, wire.encode(ack)))
-            _poke(self._ack_w)
+            self._ack(landing.conn, wire.encode(ack))
 
     def _plan(self, rx: Rx, msg: wire.IpcPush) -> list[_Plan]:
         """Validate every batch (and open its export) before any byte moves."""
@@ -627,8 +812,8 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 raise _Refused(
                     f"batch for group {batch.group}: spans add up to {sum(n for _, n in batch.spans)} bytes, pages are {batch.page_bytes}"
                 )
-            rows = _int64s(batch.rows, "rows", batch.group)
-            slots = _int64s(batch.slots, "slots", batch.group)
+            rows = _indices(batch.rows, batch.index_bytes, "rows", batch.group)
+            slots = _indices(batch.slots, batch.index_bytes, "slots", batch.group)
             if rows.size != slots.size:
                 raise _Refused(
                     f"batch for group {batch.group}: {rows.size} source rows for {slots.size} slots"
@@ -645,11 +830,15 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                     f"batch for group {batch.group} reads up to byte {last} of export "
                     f"{export.export_id}, which has {export.nbytes}"
                 )
-            why = self._book.accept_slots(rx, batch.group, batch.page_bytes, slots)
+            # the book's mask checks index with these: numpy casts a 4-byte index array
+            # on every fancy index (2-3x slower), so cast once; the 4-byte array is staged
+            checked = slots if slots.dtype == np.intp else slots.astype(np.intp)
+            why = self._book.accept_slots(rx, batch.group, batch.page_bytes, checked)
             if why is not None:
                 raise _Refused(why)
             src = self._open(export)
-            plans.append(_Plan(self._book.groups[batch.group], batch, slots, rows, n_rows, src))
+            grp = self._book.groups[batch.group]
+            plans.append(_Plan(grp, batch, slots, rows, n_rows, src, self._prepared))
         return plans
 
     def _open(self, e: wire.Export) -> torch.Tensor:
@@ -729,6 +918,11 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 os.close(fd)
             except OSError:
                 pass
+        if self._unix_path is not None:
+            try:
+                os.unlink(self._unix_path)
+            except OSError:
+                pass
         for src in self._sources:
             _local.pop(src.export.export_id, None)
             if src.path is not None:
@@ -737,6 +931,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 except OSError:
                     pass
         self._sources = []
+        self._prepared.clear()  # drops its references to mapped exports
 
 
 @dataclass
@@ -744,7 +939,7 @@ class _Landing:
     """A push whose copies were started: finished (and acked) once they end."""
 
     rx: Rx
-    ident: bytes
+    conn: framed.Conn  # where the ack goes
     not_after: float  # the sender's deadline: a copy must be seen over before it
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event per device
     batches: list[tuple[int, int, int]] = field(default_factory=list)  # group, pages, bytes
@@ -767,25 +962,34 @@ class _Plan(NamedTuple):
     rows: np.ndarray
     n_rows: int  # one past the highest source row (checked inside the export)
     src: torch.Tensor  # the export, uint8 1-D
+    cache: Prepared  # the plane's prepared device copies
 
 
 def _copy(plan: _Plan) -> set[torch.device]:
     """Copy one batch: each piece where a source span meets a destination region is one
     ``copy_indexed`` over all pages of the batch. Host copies are done on return; device
     copies are queued on the current streams of the devices returned."""
-    grp, b, slots, rows, n_rows, src = plan
+    grp, b, slots, rows, n_rows, src, _ = plan
     dev = grp.regions[0].tensor.device
     if dev.type == "cuda" and all(r.tensor.device == dev for r in grp.regions):
         # Both index arrays in one host-to-device copy, from pinned memory: a copy from
         # pageable memory would block this thread until the GPU finished the copies
         # queued before it, so the next push could not be checked meanwhile. (torch's
         # pinned allocator keeps the buffer until the copy has run.)
-        staged = torch.empty(slots.size + rows.size, dtype=torch.int64, pin_memory=True)
+        staged = torch.empty(
+            slots.size + rows.size, dtype=_TORCH_INT[slots.dtype.itemsize], pin_memory=True
+        )
         np.concatenate((slots, rows), out=staged.numpy())
         both = staged.to(dev, non_blocking=True)
         dst_idx, src_idx = both[: slots.size], both[slots.size :]
-    else:
-        dst_idx, src_idx = torch.from_numpy(slots.copy()), torch.from_numpy(rows.copy())
+        prepared = _prepared(plan.cache, grp, b, src)
+        if prepared is not None:  # the usual case: views worked out by an earlier push
+            for c in prepared:
+                launch_device(c, dst_idx, src_idx)
+            return {dev}
+    else:  # host index kernels take int64 (and a copy: the message's view is read-only)
+        dst_idx = torch.from_numpy(slots.astype(np.int64))
+        src_idx = torch.from_numpy(rows.astype(np.int64))
     devices = set()
     for src_col, region, dst_col, length in _pieces(b.spans, [r.size for r in grp.regions]):
         view = src.as_strided(
@@ -796,6 +1000,34 @@ def _copy(plan: _Plan) -> set[torch.device]:
         if t.device.type == "cuda":
             devices.add(t.device)
     return devices
+
+
+def _prepared(
+    cache: Prepared, grp: Group, b: wire.IpcBatch, src: torch.Tensor
+) -> list[DeviceCopy] | None:
+    """The batch's device copies over views of every row the export holds (not just
+    this push's: the views then serve every push of that layout; each push's rows were
+    checked to lie inside the export, and ``as_strided`` checks the views against the
+    storage). None where the Triton kernel cannot do it (then ``copy_indexed``)."""
+    key = (id(src), id(grp), b.base, b.row_stride, tuple(b.spans))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is src and hit[1] is grp:
+        cache.move_to_end(key)
+        return hit[2]
+    out = []
+    for src_col, region, dst_col, length in _pieces(b.spans, [r.size for r in grp.regions]):
+        first = b.base + src_col  # byte of row 0's piece; rows lie every row_stride bytes
+        n_view = (src.numel() - first - length) // b.row_stride + 1
+        view = src.as_strided((n_view, length), (b.row_stride, 1), src.storage_offset() + first)
+        t = grp.regions[region].tensor
+        c = prepare_device(t[:, dst_col : dst_col + length], view)
+        if c is None:
+            return None
+        out.append(c)
+    cache[key] = (src, grp, out)
+    while len(cache) > MAX_PREPARED:
+        cache.popitem(last=False)
+    return out
 
 
 def _pieces(
@@ -820,11 +1052,15 @@ def _pieces(
     return out
 
 
-def _int64s(blob: bytes, what: str, group: int) -> np.ndarray:
-    if len(blob) % 8:
-        raise _Refused(f"batch for group {group}: {what} blob of {len(blob)} bytes is not int64s")
-    # read-only view of the message: staged into pinned memory (device) or copied (host)
-    return np.frombuffer(blob, dtype="<i8")
+def _indices(blob: bytes, width: int, what: str, group: int) -> np.ndarray:
+    """The batch's ``width``-byte little-endian index array (a read-only view of the
+    message: staged into pinned memory for a device copy, copied for a host one)."""
+    if len(blob) % width:
+        raise _Refused(
+            f"batch for group {group}: {what} blob of {len(blob)} bytes is not "
+            f"{width}-byte integers"
+        )
+    return np.frombuffer(blob, dtype=f"<i{width}")
 
 
 def _rows_of(t: torch.Tensor) -> StoreRows:

@@ -9,7 +9,11 @@ rows and writes its own page slots), so it is the one place where bytes move:
   size into random slots): 1.83-1.87 TB/s for block sizes 2048-8192 and 8-16 warps,
   against about 0.87 TB/s for ``index_select`` + ``index_copy_`` (two passes, and
   ``index_copy_`` scatters at about 0.4 TB/s) and 2.06 TB/s for one contiguous
-  device-to-device copy.
+  device-to-device copy. Indices may be int32 or int64 (the kernel widens each one it
+  loads). A caller that repeats copies between the same two views (the ipc plane, push
+  after push) prepares them once (``prepare_device``) and then only launches
+  (``launch_device``): on the H200's VM each Python step before a launch costs tens of
+  microseconds on a CPU just woken.
 - **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.
 - **Host**: one pass when either side is a run of rows (scatter from the source slice,
   or gather into the destination slice); otherwise a gather into a cache-sized buffer and
@@ -22,7 +26,7 @@ rows and writes its own page slots), so it is the one place where bytes move:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +62,7 @@ def _triton_kernel() -> Any:
     return copy_pages, triton.cdiv
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
 _WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 
 
@@ -80,8 +85,8 @@ def copy_indexed(
     dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
 ) -> None:
     """``dst[dst_idx] = src[src_idx]`` for uint8 ``[rows, n]`` views with contiguous rows
-    (row strides may differ). Indices are int64 host or device tensors; the caller has
-    checked their bounds. On CUDA the copy is queued on the current stream (the caller
+    (row strides may differ). Indices are int64 (or, on a device, int32) host or device
+    tensors; the caller has checked their bounds. On CUDA the copy is queued on the current stream (the caller
     synchronises); on the host it is done when this returns."""
     if dst_idx.numel() != src_idx.numel():
         raise ValueError(f"{dst_idx.numel()} destination rows for {src_idx.numel()} sources")
@@ -95,29 +100,67 @@ def copy_indexed(
     elif dst.device == src.device:
         _copy_device(dst, dst_idx, src, src_idx)
     else:  # across devices (a host store into device slots): gather, move, scatter
-        rows = gather_rows(src, src_idx.to(src.device))
-        scatter_rows(dst, dst_idx.cpu(), rows.to(dst.device, non_blocking=True))
+        rows = gather_rows(src, src_idx.to(src.device, torch.int64))
+        scatter_rows(dst, dst_idx.to("cpu", torch.int64), rows.to(dst.device, non_blocking=True))
+
+
+class DeviceCopy(NamedTuple):
+    """A same-device copy between two fixed views, prepared once (``prepare_device``)."""
+
+    ws: torch.Tensor  # the source view as its widest element
+    wd: torch.Tensor  # the destination view likewise
+    src_stride: int
+    dst_stride: int
+    n_elems: int  # elements per row
+    block: int
+    chunks: int  # programs per row
+
+
+def prepare_device(dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy | None:
+    """For repeated copies between the same two views on one CUDA device: the element
+    views and launch shape, worked out once (each push of the ipc plane then launches
+    with no per-call Python beyond the launch itself). None where the Triton kernel is
+    unavailable or the views are not both on one CUDA device: use ``copy_indexed``."""
+    kernel = _triton_kernel()
+    if kernel is None or dst.device.type != "cuda" or dst.device != src.device:
+        return None
+    if dst.shape[1] != src.shape[1]:
+        raise ValueError(f"rows of {src.shape[1]} bytes cannot land in rows of {dst.shape[1]}")
+    ws, wd = _as_elems(src, dst)
+    n_elems = ws.shape[1]
+    block = min(4096, 1 << max(6, (n_elems - 1).bit_length()))
+    return DeviceCopy(ws, wd, ws.stride(0), wd.stride(0), n_elems, block, kernel[1](n_elems, block))
+
+
+def launch_device(c: DeviceCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """``copy_indexed`` for a prepared copy: int32 or int64 indices already on the
+    device, bounds checked by the caller; queued on the current stream."""
+    n = dst_idx.numel()
+    if n != src_idx.numel():
+        raise ValueError(f"{n} destination rows for {src_idx.numel()} sources")
+    if n == 0 or c.n_elems == 0:
+        return
+    copy_pages = _triton_kernel()[0]
+    copy_pages[(n, c.chunks)](
+        c.ws, c.wd, src_idx, dst_idx, c.src_stride, c.dst_stride, c.n_elems,
+        BLOCK=c.block, num_warps=8,
+    )  # fmt: skip
 
 
 def _copy_device(
     dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
 ) -> None:
-    kernel = _triton_kernel()
-    if kernel is None:
-        rows = gather_rows(src, src_idx.to(src.device, non_blocking=True))
-        scatter_rows(dst, dst_idx.to(dst.device, non_blocking=True), rows)
+    prepared = prepare_device(dst, src)
+    if prepared is None:  # torch's index kernels want int64 indices
+        rows = gather_rows(src, src_idx.to(src.device, torch.int64, non_blocking=True))
+        scatter_rows(dst, dst_idx.to(dst.device, torch.int64, non_blocking=True), rows)
         return
-    copy_pages, cdiv = kernel
-    ws, wd = _as_elems(src, dst)
-    n_elems = ws.shape[1]
-    block = min(4096, 1 << max(6, (n_elems - 1).bit_length()))
-    si, di = src_idx, dst_idx
-    if si.device != src.device or si.dtype != torch.int64:
+    si, di = src_idx, dst_idx  # int32 or int64: the kernel widens each index it loads
+    if si.device != src.device or si.dtype not in _INDEX_DTYPES:
         si = si.to(src.device, dtype=torch.int64, non_blocking=True)
-    if di.device != dst.device or di.dtype != torch.int64:
+    if di.device != dst.device or di.dtype not in _INDEX_DTYPES:
         di = di.to(dst.device, dtype=torch.int64, non_blocking=True)
-    grid = (si.numel(), cdiv(n_elems, block))
-    copy_pages[grid](ws, wd, si, di, ws.stride(0), wd.stride(0), n_elems, BLOCK=block, num_warps=8)
+    launch_device(prepared, di, si)
 
 
 def _copy_host(

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
+import struct
 import time
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from disagg.protocol import ipc as wire
+from disagg.protocol.errors import ProtocolError
 from disagg.protocol.version import PROTOCOL_VERSION
+from disagg.transport import framed
 from disagg.transport.dataplane import StoreRows, TransferState
 from disagg.transport.ipc_plane import HOST, IpcDataPlane, _pieces
 from disagg.transport.page_copy import copy_indexed
@@ -128,31 +131,61 @@ def test_refused_pushes_write_nothing(planes, change, why):
         assert rx.poll(3).failed and why in rx.poll(3).error
 
 
+def _dial(endpoint: str, magic: bytes = framed.MAGIC) -> socket.socket:
+    """A plain blocking connection to a receiver, its preamble sent."""
+    family, addr = framed.sockaddr(endpoint)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(addr)
+    sock.sendall(magic)
+    return sock
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
+def _read_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            assert chunk, "connection closed"
+            out += chunk
+        return out
+
+    (n,) = struct.unpack("<I", exactly(4))
+    return exactly(n)
+
+
 def _raw_push(rx: IpcDataPlane, **kw) -> wire.IpcAck:
     """Send one hand-made frame to ``rx`` and return its answer."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(rx.endpoint)
+    sock = _dial(rx.endpoint)
     try:
-        sock.send(kw.pop("frame") if "frame" in kw else wire.encode(_push(**kw)))
-        assert sock.poll(5000), "no answer"
-        ack = wire.decode(sock.recv())
+        sock.sendall(_frame(kw.pop("frame") if "frame" in kw else wire.encode(_push(**kw))))
+        ack = wire.decode(_read_frame(sock))
         assert isinstance(ack, wire.IpcAck)
         return ack
     finally:
         sock.close()
 
 
-def _push(export: wire.Export, rows: list[int], slots: list[int], **over) -> wire.IpcPush:
+def _push(
+    export: wire.Export, rows: list[int] | bytes, slots: list[int] | bytes, width=8, **over
+) -> wire.IpcPush:
+    def blob(x):
+        return x if isinstance(x, bytes) else np.asarray(x, dtype=f"<i{width}").tobytes()
+
     batch = wire.IpcBatch(
         group=0,
         export_id=export.export_id,
         base=0,
         row_stride=96,
-        rows=np.asarray(rows, dtype="<i8").tobytes(),
-        slots=np.asarray(slots, dtype="<i8").tobytes(),
+        rows=blob(rows),
+        slots=blob(slots),
         spans=[(0, 96)],
         page_bytes=96,
+        index_bytes=width,
     )
     fields = dict(
         transfer_id=4,
@@ -235,20 +268,31 @@ def test_malformed_frames_are_counted_and_the_plane_keeps_serving(planes):
     slab = tx.register_source(_store())
     regions = _regions(8, (96,))
     rx.register_regions([regions])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(rx.endpoint)
+    sock = _dial(rx.endpoint)
     bad_version = wire.encode(_push(_shm_export(), [0], [0])).replace(
         bytes([0xA1, ord("v"), PROTOCOL_VERSION]), bytes([0xA1, ord("v"), 0x7F])
     )
     nested = b"\x81\xa4kind" + b"\x91" * 100_000 + b"\x00"  # deeper than any stack
     frames = (b"", b"\xff\x00garbage", nested, bad_version, wire.encode(wire.IpcAck(transfer_id=1)))
     for frame in frames:
-        sock.send(frame)
-    sock.send_multipart([b"a", b"b"])  # two frames
-    time.sleep(0.3)
+        sock.sendall(_frame(frame))
+    # the same connection still serves: a frame split across writes is put back together
+    whole = _frame(wire.encode(_push(_shm_export(), [0], [0], transfer_id=77)))
+    sock.sendall(whole[:3])
+    time.sleep(0.05)
+    sock.sendall(whole[3:])
+    ack = wire.decode(_read_frame(sock))
+    assert isinstance(ack, wire.IpcAck) and ack.transfer_id == 77 and "not expected" in ack.message
     sock.close()
-    assert rx.stats["rejected_BAD_FRAME"] >= 3 and rx.stats["rejected_BAD_VERSION"] == 1
+    # framing errors close that connection only: a stranger's preamble, a frame over the
+    # limit
+    for payload in (b"GET / HTTP/1.1\r\n\r\n", framed.MAGIC + struct.pack("<I", 1 << 31)):
+        s2 = _dial(rx.endpoint, magic=b"")
+        s2.sendall(payload)
+        assert s2.recv(1) == b"", "the receiver kept a connection that broke the framing"
+        s2.close()
+    assert rx.stats["rejected_BAD_FRAME"] >= 3 and rx.stats["rejected_BAD_VERSION"] == 2
+    assert rx.stats["rejected_TOO_LARGE"] == 1
     assert rx.stats["rejected_kind"] == 1
     rx.expect(5, 1, b"t", [1], 10.0)
     h = tx.post_push(rx.endpoint, 5, 1, b"t", [(0, slab[2:3], [6])])
@@ -340,3 +384,112 @@ def test_copy_indexed_matches_fancy_indexing(width, offset):
     assert torch.equal(dst[15:18], src[[7, 1, 44]])
     with pytest.raises(ValueError, match="destination rows"):
         copy_indexed(dst, di[:2], src, si)
+
+
+def test_pushes_carry_four_byte_indices_and_land_them(planes):
+    """Indices that fit travel as int32 (half the bytes to send and stage); the receiver
+    lands 4- and 8-byte index blobs alike."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store())
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    rx.expect(21, 1, b"t", [2], 10.0, [[5, 2]])
+    h = tx.post_push(rx.endpoint, 21, 1, b"t", [(0, StoreRows(slab, [7, 3], ((0, 96),)), [5, 2])])
+    assert h.msg.batches[0].index_bytes == 4 and len(h.msg.batches[0].rows) == 8
+    assert tx.wait_push(h, 10).done and rx.poll(21).done
+    assert torch.equal(_landed(regions, [5, 2]), slab[[7, 3]])
+    export = tx._sources[0].export
+    for tid, width, row, slot in ((22, 8, 1, 6), (23, 4, 2, 7)):
+        rx.expect(tid, 1, b"t", [1], 10.0)
+        ack = _raw_push(rx, export=export, rows=[row], slots=[slot], width=width, transfer_id=tid)
+        assert ack.ok, ack.message
+        assert torch.equal(regions[0][slot], slab[row])
+
+
+@pytest.mark.parametrize(
+    "rows, slots, width, why",
+    [
+        ([0, 1], [0], 8, "2 source rows for 1 slots"),
+        ([0], [0, 1], 4, "1 source rows for 2 slots"),
+        (b"\x00" * 12, [0], 8, "rows blob of 12 bytes is not 8-byte integers"),
+        ([0], b"\x00" * 6, 4, "slots blob of 6 bytes is not 4-byte integers"),
+        ([-1], [0], 4, "negative source row -1"),
+        ([1 << 40], [0], 8, "reads up to byte"),
+        ([0], [-5], 4, "outside"),
+        ([0], [1 << 33], 8, "outside"),
+    ],
+)
+def test_malformed_index_blobs_are_refused_by_name(planes, rows, slots, width, why):
+    rx, tx = planes(), planes()
+    tx.register_source(_store())
+    regions = _regions(8, (96,))
+    rx.register_regions([regions])
+    rx.expect(4, 1, b"t", [1], 10.0)
+    ack = _raw_push(rx, export=tx._sources[0].export, rows=rows, slots=slots, width=width)
+    assert not ack.ok and why in ack.message, ack.message
+    assert rx.poll(4).failed and not regions[0].any()
+
+
+def test_index_width_other_than_4_or_8_is_a_bad_field(planes):
+    rx, tx = planes(), planes()
+    tx.register_source(_store())
+    rx.register_regions([_regions(8, (96,))])
+    frame = wire.encode(_push(tx._sources[0].export, [0], [0])).replace(
+        b"\xabindex_bytes\x08", b"\xabindex_bytes\x02"
+    )
+    with pytest.raises(ProtocolError, match="index_bytes"):
+        wire.decode(frame)
+    sock = _dial(rx.endpoint)
+    sock.sendall(_frame(frame))
+    deadline = time.monotonic() + 5
+    while rx.stats["rejected_BAD_FIELD"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock.close()
+    assert rx.stats["rejected_BAD_FIELD"] == 1
+
+
+def test_a_receiver_started_late_still_gets_the_push(planes):
+    """Nobody listens at first: the sender retries the connection until its deadline
+    (never failing sooner), and the push lands once the receiver is up."""
+    tx = planes()
+    slab = tx.register_source(_store())
+    path = f"/tmp/disagg-test-ipc-{os.getpid()}.sock"
+    h = tx.post_push(f"ipc://{path}", 31, 1, b"t", [(0, slab[3:4], [2])], deadline_s=10)
+    time.sleep(0.3)
+    assert not tx.poll_push(h).final
+    rx = IpcDataPlane(f"ipc://{path}.new")  # ready before the sender can reach it
+    try:
+        regions = _regions(4, (96,))
+        rx.register_regions([regions])
+        rx.expect(31, 1, b"t", [1], 10.0)
+        os.rename(f"{path}.new", path)
+        assert tx.wait_push(h, 10).done and rx.poll(31).done
+        assert torch.equal(regions[0][2], slab[3])
+    finally:
+        rx.close()
+        os.unlink(path)
+
+
+def test_repeated_pushes_of_one_layout_land_exactly(planes):
+    """Later pushes of the same layout reuse the views worked out for the first (on a
+    GPU: prepared copies over every row of the export); each lands only its own rows."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store(rows=64))
+    regions = _regions(40, (24, 40))
+    rx.register_regions([regions])
+    cols = ((10, 30), (50, 34))
+    g = np.random.default_rng(5)
+    for tid in (41, 42, 43):
+        rows = g.permutation(64)[:5]
+        slots = g.permutation(40)[:5].tolist()
+        for r in regions:
+            r.zero_()
+        rx.expect(tid, 5, b"t", [5], 10.0, [slots])
+        h = tx.post_push(rx.endpoint, tid, 5, b"t", [(0, StoreRows(slab, rows, cols), slots)])
+        assert tx.wait_push(h, 10).done and rx.wait(tid, 10).done
+        want = torch.cat([slab[:, 10:40], slab[:, 50:84]], dim=1)[torch.from_numpy(rows).to(DEVICE)]
+        assert torch.equal(_landed(regions, slots), want)
+        untouched = [s for s in range(40) if s not in slots]
+        assert not _landed(regions, untouched).any()
+    if DEVICE == "cuda":
+        assert len(rx._prepared) == 1, "the layout's copies were prepared more than once"
