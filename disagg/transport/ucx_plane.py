@@ -82,8 +82,43 @@ copies, CMA into the scratch on the sender's core (~60% of it in ``_copy_from_it
 the scatter on the receiver's (~70% in ``memmove``), both cores busy; direct runs are one
 CMA copy on the sender's progress thread (~85% of a core), the receiver idle. One copy
 for small pages needs CMA straight into the slots with an iovec per page (timed via
-ctypes into huge pages: 5.8 GB/s at 16 KiB, 9.8 at 64 KiB, 13 from 256 KiB; UCX's iov
-datatype is not exposed by ucxx 0.52).
+ctypes into huge pages: 5.8 GB/s at 16 KiB, 9.8 at 64 KiB, 13 from 256 KiB). UCX 1.21
+does not do that through its tag API even when asked through libucp directly (ucx_iov.py:
+an IOV receive is answered with sysv copy-in copy-out pieces, fast when both cores are free,
+collapsing to 2-3 GB/s when a third thread takes one); an RMA get into an iov of the slots
+is one copy but measured no better than the scratch path at 64-256 KiB.
+
+Sender, store rows (``accepts_store_rows``; bench changed at f2b6b52 to draw the N source
+rows at random from a 2N-row store and to time the producer's gather). ``post_push``
+takes ``StoreRows`` of a host slab and plans the same batches and segments as before
+(the wire is unchanged; the receiver cannot tell): a segment whose pages are one span of
+the slab goes as a view; on ``shm`` a scattered one goes as ONE scatter-gather message
+from the rows where they lie (``ucx_iov``: ``ucp_tag_send_nbx`` with ``UCP_DATATYPE_IOV``
+through ctypes on the ucxx endpoint's ``ucp_ep_h``; off, or libucp not as expected:
+gather); over tcp (and ``ucx+addr``) a numpy ``take`` per segment. Why not iov over tcp:
+that endpoint (error handling on) sends an iov message in 8 KiB copy-in pieces, 0.19-0.45
+of raw TCP at 64 KiB against 0.35-0.69 gathered. Why not a one-copy iov *receive*: UCX
+1.21 answers an IOV receive buffer with "fragmented copy-in copy-out" through the sysv
+FIFO (two copies in lock step), and an IOV send on shm likewise (``UCX_PROTO_INFO=used``:
+"rendezvous data send from iov[255] ... fragmented copy-in copy-out, sysv"); details and
+spike numbers in ucx_iov.py. ``disagg bench transfer --transports ucx-shm,ucx-tcp
+--page-sizes 64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5``, A/B back to back
+(``DISAGG_UCX_IOV=0`` for B), GB/s (ratio of the row's ceiling):
+
+- before (torch gather of ``materialize()`` in the timed window, ~2.3 GB/s): shm
+  2.13/1.63/2.33/2.27 (0.15/0.13/0.17/0.17); tcp 1.46/1.21/1.78/1.80 (0.35/0.33/0.41/0.45)
+- shm iov sends, 3 runs: 64 KiB 3.74-4.00 (0.28-0.33), 256 KiB 3.84-4.60 (0.28-0.35), 1 MiB
+  6.34-8.19 (0.48-0.66), 4 MiB 8.47-10.47 (0.62-0.77); shm numpy gather instead:
+  2.71/2.45/7.73/11.0 (0.19/0.17/0.60/0.82)
+- tcp numpy gather, 3 runs: 1.36-1.91 (0.36-0.69), 1.58-1.77 (0.40-0.51), 2.71-3.82
+  (0.77-0.96), 2.80-3.58 (0.67-1.05)
+
+What limits the packed sizes (64-256 KiB) now: three copies on shm (UCX packs the iov into
+the FIFO, unpacks into the scratch, numpy scatters), and on tcp the gather runs up front
+on the caller's thread into freshly allocated memory (np.take into fresh buffers: 0.5-4.6
+GB/s, page faults; into prefaulted ones 6.3-6.5 GB/s). Next: gather per segment on the
+progress thread into a ring of prefaulted send buffers recycled on completion (overlaps
+the gather with the wire, no faults).
 
 Endpoints (``endpoint`` property, carried unchanged by the control Push message):
 
@@ -162,7 +197,8 @@ from .. import hostmem
 from ..pages import gather_rows, scatter_rows
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from .dataplane import DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
+from . import ucx_iov
+from .dataplane import DataPlane, RegionSpec, RowsSource, StoreRows, TransferState, TransferStatus
 from .receiver import BookedReceiver, Group, ReceiverBook, Rx, build_groups, runs_slots
 
 # ucxx reads these at import / context creation; its own defaults collapse TCP
@@ -357,6 +393,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     this process has already initialised CUDA. Use ``shm``/``auto`` for CUDA peers on one
     node: cuda_ipc needs worker-address endpoints."""
 
+    # producers hand StoreRows of their host slab: a message of scattered rows leaves
+    # from where they lie (ucx_iov: one scatter-gather send), never gathered up front
+    accepts_store_rows = True
+
     # wait() sleeps on the book's condition (notified as pages land and transfers end)
     # in short slices: the base class's backoff grows to 10 ms, a third of a 30 ms transfer
     wait_slice_s = _BUSY_WAIT_S * 5
@@ -463,7 +503,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         transfer_id: int,
         lease_id: int,
         token: bytes,
-        pages: Sequence[PageSource],
+        pages: Sequence[RowsSource],
         deadline_s: float = 30.0,
     ) -> PushHandle:
         if not endpoint.startswith(("ucx+tcp://", "ucx+shm://", "ucx+addr://")):
@@ -472,12 +512,24 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         keep: list[object] = []
         npages = 0
         seq = 0
-        devices = {rows.device for _, rows, _ in pages if rows.device.type == "cuda"}
+        # Over tcp (and ucx+addr, which may be tcp) UCX sends an iov message in 8 KiB
+        # copy-in pieces: there a numpy gather per segment is faster (module docstring)
+        shm = endpoint.startswith("ucx+shm://")
+        iov = shm and ucx_iov.available()
+        srcs: list[tuple[int, torch.Tensor | StoreRows, Sequence[int]]] = []
+        for group, src, dst_slots in pages:
+            if isinstance(src, StoreRows) and src.slab.device.type != "cpu":
+                src = src.materialize()  # device slab: whole mode, one batched gather
+            srcs.append((group, src, dst_slots))
+        devices = {
+            src.device
+            for _, src, _ in srcs
+            if isinstance(src, torch.Tensor) and src.device.type == "cuda"
+        }
         if devices and not self.cuda:
             raise ValueError("CUDA source rows need a plane made with cuda=True")
-        shm = endpoint.startswith("ucx+shm://")
         direct = shm and _SHM_DIRECT_QUERY in urlsplit(endpoint).query.split("&")
-        for group, rows, dst_slots in pages:
+        for group, rows, dst_slots in srcs:
             msgs, n, seq = _plan_group(
                 transfer_id,
                 lease_id,
@@ -489,6 +541,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 keep,
                 SHM_DIRECT_MIN if shm and not direct else DIRECT_MIN,
                 _HDR_DIRECT_TAG if direct else _HDR_TAG,
+                iov,
             )
             plan.extend(msgs)
             npages += n
@@ -561,6 +614,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._accepted: list[Any] = []  # endpoints the listener made (kept alive)
         self._dead_eps: list[Any] = []
         self._tx_active: list[PushHandle] = []
+        self._raw_zombies: list[ucx_iov.RawRequest] = []  # failed pushes' iov sends
         # (request, segment, scratch: np / torch / None, the free list it goes back to)
         self._rx_reqs: list[tuple[Any, _PendingSeg, Any, Any]] = []
         self._discards: list[Any] = []
@@ -975,7 +1029,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         try:
             ep = self._connect(h.endpoint)
             for buf, tag in h.plan:
-                h.requests.append(ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)))
+                if isinstance(buf, ucx_iov.IovBuf):  # scattered store rows, sent in place
+                    h.requests.append(ucx_iov.tag_send(ep.handle, buf, tag))
+                else:
+                    h.requests.append(ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)))
                 if tag & _DATA_BIT:
                     h.nbytes += buf.nbytes
         except Exception as exc:
@@ -991,10 +1048,17 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         ep = self._eps.pop(h.endpoint, None)
         if ep is not None:
             self._close_ep(ep)  # cancels what is still queued for this peer
+        # Scatter-gather sends are ours to free, and UCX reads their iov arrays until they
+        # complete (cancelled with the ep): keep them until then (_tx_reap).
+        self._raw_zombies.extend(
+            r for r in h.requests if isinstance(r, ucx_iov.RawRequest) and not r.completed
+        )
         # Only now may the caller reuse the rows: requests were cancelled with the ep.
         h.plan, h.keep, h.requests = [], [], []
 
     def _tx_reap(self) -> None:
+        if self._raw_zombies:
+            self._raw_zombies = [r for r in self._raw_zombies if not r.completed]
         if not self._tx_active:
             return
         now = time.monotonic()
@@ -1068,20 +1132,29 @@ def _plan_group(
     lease_id: int,
     token: bytes,
     group: int,
-    rows: torch.Tensor,
+    rows: torch.Tensor | StoreRows,
     dst_slots: Sequence[int],
     seq: int,
     keep: list[object],
     direct_min: int = DIRECT_MIN,
     hdr_tag: int = _HDR_TAG,
+    iov: bool = False,
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """One group's messages: batches of runs (``_batches``). Host rows: each batch cut
     into segments (``segments``), a segment whose source rows are not one range gathered
     once with numpy. CUDA rows (whole mode, header under ``_HDR_WHOLE_TAG``): each batch
     is one message, its rows gathered with one batched ``index_select`` on the device
-    (or sent in place when they are one range). Returns (messages, pages, next seq)."""
+    (or sent in place when they are one range). ``StoreRows`` of a host slab (the
+    caller checked ``ucx_iov.available()``): a segment whose pages are not one range of
+    the slab goes as one scatter-gather message (``ucx_iov.IovBuf``) from the rows where
+    they lie, the same bytes a gather would have sent. Returns (messages, pages, next
+    seq)."""
     key = _tag_key(token)
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+    if isinstance(rows, StoreRows):
+        return _plan_store_rows(
+            transfer_id, lease_id, token, group, rows, slots, seq, keep, direct_min, hdr_tag, iov
+        )
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
         raise ValueError(
             f"group {group}: rows must be uint8 [len(dst_slots)={slots.shape[0]}, page_bytes], "
@@ -1136,3 +1209,91 @@ def _plan_group(
             msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
     return msgs, int(idx.size), seq
+
+
+def _store_source(
+    group: int, src: StoreRows, n: int
+) -> tuple[np.ndarray, np.ndarray, tuple[tuple[int, int], ...], int]:
+    """``(slab as numpy, rows, cols, page_bytes)`` of a host StoreRows push source,
+    checked: a 2-D uint8 slab with contiguous rows, ``n`` rows inside it, columns inside
+    a row."""
+    slab, rows = src.slab, np.asarray(src.rows, dtype=np.int64).reshape(-1)
+    if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.device.type != "cpu":
+        raise ValueError(
+            f"group {group}: the source slab must be a 2-D uint8 host tensor, got "
+            f"{slab.dtype} {tuple(slab.shape)} on {slab.device}"
+        )
+    if slab.shape[1] > 1 and slab.stride(1) != 1:
+        raise ValueError(f"group {group}: the source slab's rows must be contiguous")
+    if rows.size != n:
+        raise ValueError(f"group {group}: {rows.size} source rows for {n} destination slots")
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= slab.shape[0]):
+        raise ValueError(f"group {group}: source rows outside the slab's {slab.shape[0]}")
+    width = int(slab.shape[1])
+    cols = tuple((int(o), int(c)) for o, c in src.cols)
+    if not cols or any(o < 0 or c < 1 or o + c > width for o, c in cols):
+        raise ValueError(f"group {group}: columns {cols} must lie inside rows of {width} bytes")
+    return slab.numpy(), rows, cols, sum(c for _, c in cols)
+
+
+def _plan_store_rows(
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    src: StoreRows,
+    slots: np.ndarray,
+    seq: int,
+    keep: list[object],
+    direct_min: int,
+    hdr_tag: int,
+    iov_sends: bool,
+) -> tuple[list[tuple[Any, int]], int, int]:
+    """``_plan_group`` for StoreRows of a host slab: the same batches, headers and
+    segments as for the gathered pages (the receiver cannot tell), each segment sent
+    from the slab: a plain view when its pages are one span of it, else an iov of the
+    spans (``ucx_iov.iov_entries``: adjacent rows merged)."""
+    slab, srows, cols, pb = _store_source(group, src, int(slots.shape[0]))
+    if (slots < -1).any():
+        raise ValueError(f"group {group}: destination slots must be >= -1")
+    keep.append(slab)
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
+        return [], 0, seq
+    key = _tag_key(token)
+    base, stride = int(slab.ctypes.data), int(slab.strides[0])
+    flat = slab.reshape(-1) if slab.flags.c_contiguous else None
+    msgs: list[tuple[Any, int]] = []
+    for runs, page_src in _batches(slots[idx], idx, pb):
+        header = m.PageBatch(
+            transfer_id=transfer_id,
+            lease_id=lease_id,
+            token=token,
+            group=group,
+            runs=runs,
+            page_bytes=pb,
+        )
+        msgs.append((_frame(header), hdr_tag))
+        for seg in segments(runs, pb, direct_min):
+            rows_of = srows[page_src[seg.first : seg.first + seg.pages]]
+            iov = ucx_iov.iov_entries(base, stride, rows_of, cols)
+            buf: Any
+            if iov.shape[0] == 1 and flat is not None:  # one span of the slab: a view
+                start = int(iov[0, 0]) - base
+                buf = flat[start : start + int(iov[0, 1])]
+            elif iov_sends:
+                buf = ucx_iov.IovBuf(iov, seg.pages * pb, slab)
+            else:  # one numpy gather for this message
+                buf = _gather(slab, rows_of, cols)
+                keep.append(buf)
+            msgs.append((buf, _data_tag(key, transfer_id, seq)))
+            seq += 1
+    return msgs, int(idx.size), seq
+
+
+def _gather(slab: np.ndarray, rows: np.ndarray, cols: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Pages ``rows`` (columns ``cols`` of each) of a host slab, packed: one numpy take
+    for whole rows (~memcpy speed; torch's uint8 row gather ran at ~2.3 GB/s here)."""
+    if len(cols) == 1 and cols[0] == (0, slab.shape[1]):
+        return np.take(slab, rows, axis=0).reshape(-1)
+    return np.concatenate([slab[rows, o : o + c] for o, c in cols], axis=1).reshape(-1)

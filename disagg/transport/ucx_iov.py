@@ -1,0 +1,265 @@
+"""Scatter-gather tag sends on a ucxx endpoint, through libucp directly (ctypes).
+
+ucxx 0.52's Python API sends one contiguous buffer per message. UCX itself takes an
+array of (pointer, length) pairs (``UCP_DATATYPE_IOV``), so a message whose pages lie in
+scattered rows of a store slab can leave from where they lie instead of being gathered
+into a buffer first. This module calls ``ucp_tag_send_nbx`` with that datatype on the
+very ``ucp_ep_h`` a ucxx ``UCXEndpoint`` wraps (``ep.handle``), from the thread that
+owns the worker, and polls the request with ``ucp_request_check_status`` (no callback,
+so no Python runs inside UCX). The receiver cannot tell: the message's bytes are the
+same as those of the gathered buffer.
+
+Capability check (``available()``): libucp is the copy ucxx loaded (found in
+``/proc/self/maps``, else next to the ``libucx`` wheel), the symbols exist, and the
+library's API version is the one whose struct layouts are mirrored here (1.x with
+x >= 10, where ``ucp_request_param_t`` took its current 72-byte shape; checked
+field by field against a C compile in tests/transport/test_ucx_iov.py when a compiler
+is around). Anything else: ``available()`` is False and callers gather as before.
+
+Why only sends (measured on the 2-core box, 128 MiB of 64 KiB-1 MiB pages between two
+processes, /scratch spikes, huge-page store and pool): UCX 1.21 never lands an IOV
+*receive* with one copy. Its rendezvous puts no rkey in the RTR of a non-contiguous
+receive buffer, so the sender answers with "fragmented copy-in copy-out" (8 KiB pieces
+through the sysv shared-memory FIFO: two copies, on two cores in lock step). That ran
+at 8.3-10.9 GB/s at 64 KiB (scratch + numpy scatter: 7.3-8.3; memcpy 11-15), but in
+about one run in four it fell to 2.1-3.0 GB/s for the whole run, and with one busy
+process beside it 5.1-5.3 against the scratch path's 6.3-7.5: a lock-step pipeline
+stalls whenever a third thread takes a core. An RMA ``ucp_get_nbx`` into an IOV of the
+slots does copy once (cma, one ``process_vm_readv`` per entry), but it needs the sender's
+memory registered and its rkey on the wire, and ran at 7.2 GB/s at 64 KiB, 8.3-10.3 at
+256 KiB and 10.8-12.3 at 1 MiB: no clear gain over today's receive at 64-256 KiB.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# ucp.h (1.21): enum ucp_op_attr_t, ucp_dt_type, ucs_memory_type_t, ucs_status_t
+_OP_ATTR_FIELD_DATATYPE = 1 << 3
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+_DATATYPE_IOV = 2
+_MEMORY_TYPE_HOST = 0
+_UCS_OK = 0
+_UCS_INPROGRESS = 1
+_UCS_ERR_LAST = -100
+_PTR_ERR_MIN = (1 << 64) + _UCS_ERR_LAST  # UCS_PTR_IS_ERR: (uintptr_t)p >= UCS_ERR_LAST
+
+
+class RequestParam(ctypes.Structure):
+    """``ucp_request_param_t`` (ucp.h): 72 bytes; the unions are pointer-sized."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+# (field, offset) of the C layout, checked at load and against a C compile in the tests
+PARAM_LAYOUT = {
+    "op_attr_mask": 0,
+    "flags": 4,
+    "request": 8,
+    "cb": 16,
+    "datatype": 24,
+    "user_data": 32,
+    "reply_buffer": 40,
+    "memory_type": 48,
+    "recv_info": 56,
+    "memh": 64,
+}
+PARAM_SIZE = 72
+IOV_ENTRY_SIZE = 16  # ucp_dt_iov_t: void *buffer; size_t length
+
+
+class _Lib:
+    """The bound libucp functions and the one request-parameter block sends use."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+        # ucs_status_t is a packed enum (one signed byte): read it as int8, not int
+        status = ctypes.c_int8
+        lib.ucp_tag_send_nbx.restype = vp
+        lib.ucp_tag_send_nbx.argtypes = [vp, vp, sz, u64, vp]
+        lib.ucp_request_check_status.restype = status
+        lib.ucp_request_check_status.argtypes = [vp]
+        lib.ucp_request_free.restype = None
+        lib.ucp_request_free.argtypes = [vp]
+        lib.ucp_get_version.restype = None
+        lib.ucp_get_version.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+        self.lib = lib
+        self.path = path
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        self.version = (major.value, minor.value, release.value)
+        p = RequestParam()
+        p.op_attr_mask = _OP_ATTR_FIELD_DATATYPE | _OP_ATTR_FIELD_MEMORY_TYPE
+        p.datatype = _DATATYPE_IOV
+        p.memory_type = _MEMORY_TYPE_HOST  # host only: spares UCX a lookup per entry
+        self.iov_param = p
+        self.iov_param_ref = ctypes.byref(p)
+
+
+_lib: _Lib | None = None
+_lib_error: str | None = None
+
+
+def _libucp_path() -> str | None:
+    """The libucp that ucxx loaded (so both speak to the same worker objects)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libucp.so"):
+                    return parts[-1]
+    except OSError:
+        pass
+    try:
+        import libucx
+
+        cand = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
+        return cand if os.path.exists(cand) else None
+    except Exception:
+        return None
+
+
+def _layout_ok() -> bool:
+    if ctypes.sizeof(RequestParam) != PARAM_SIZE:
+        return False
+    return all(getattr(RequestParam, f).offset == off for f, off in PARAM_LAYOUT.items())
+
+
+def load() -> _Lib | None:
+    """Bind libucp once (after ucxx is imported); None, with the reason logged, when
+    the capability check fails."""
+    global _lib, _lib_error
+    if _lib is not None or _lib_error is not None:
+        return _lib
+    if os.environ.get("DISAGG_UCX_IOV", "1") == "0":
+        _lib_error = "turned off by DISAGG_UCX_IOV=0"
+        return None
+    path = _libucp_path()
+    try:
+        if path is None:
+            raise OSError("libucp not found (is ucxx imported?)")
+        if not _layout_ok():
+            raise RuntimeError("ctypes layout of ucp_request_param_t does not match ucp.h")
+        lib = _Lib(path)
+        if lib.version[0] != 1 or lib.version[1] < 10:
+            raise RuntimeError(f"libucp {lib.version}: struct layouts mirrored for 1.10+")
+        _lib = lib
+    except Exception as exc:
+        _lib_error = f"{type(exc).__name__}: {exc}"
+        log.info("UCX scatter-gather sends unavailable (%s): gathering instead", _lib_error)
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _lib_error
+
+
+@dataclass
+class IovBuf:
+    """One message's payload as ``ucp_dt_iov_t`` entries: ``iov`` is uint64 [k, 2]
+    (address, length), kept alive (with what it points into, ``owner``) until the send
+    completes."""
+
+    iov: np.ndarray
+    nbytes: int
+    owner: Any
+
+
+def iov_entries(
+    base: int, row_stride: int, rows: np.ndarray, cols: tuple[tuple[int, int], ...]
+) -> np.ndarray:
+    """The (address, length) entries of pages ``rows`` (slab row numbers, in page order)
+    of a host slab at ``base`` with ``row_stride`` bytes per row, each page the
+    concatenation of column spans ``cols``; entries that continue one another in memory
+    are merged (adjacent rows of full-width columns become one entry). Vectorised: no
+    Python step per page. Returns uint64 [k, 2]."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    offs = np.array([o for o, _ in cols], dtype=np.int64)
+    lens = np.array([n for _, n in cols], dtype=np.int64)
+    addr = (base + rows[:, None] * row_stride + offs[None, :]).reshape(-1)
+    ln = np.broadcast_to(lens, (rows.size, lens.size)).reshape(-1)
+    if addr.size == 0:
+        return np.empty((0, 2), dtype=np.uint64)
+    keep = ln > 0
+    addr, ln = addr[keep], ln[keep]
+    # a new entry starts wherever the previous one does not end right here
+    start = np.ones(addr.size, dtype=bool)
+    start[1:] = addr[1:] != addr[:-1] + ln[:-1]
+    first = np.flatnonzero(start)
+    out = np.empty((first.size, 2), dtype=np.uint64)
+    out[:, 0] = addr[first]
+    out[:, 1] = np.add.reduceat(ln, first)
+    return out
+
+
+class RawRequest:
+    """A libucp send request polled from the worker's thread; duck-types the bits of a
+    ucxx request the plane uses (``completed``, ``check_error``). Frees itself the first
+    time it is seen complete."""
+
+    __slots__ = ("_lib", "_ptr", "_status", "buf")
+
+    def __init__(self, lib: _Lib, ptr: int | None, status: int, buf: IovBuf) -> None:
+        self._lib = lib
+        self._ptr = ptr
+        self._status = status
+        self.buf = buf  # the iov and its memory stay alive as long as this does
+
+    @property
+    def completed(self) -> bool:
+        if self._ptr is not None:
+            st = int(self._lib.lib.ucp_request_check_status(self._ptr))
+            if st == _UCS_INPROGRESS:
+                return False
+            self._lib.lib.ucp_request_free(self._ptr)
+            self._ptr, self._status = None, st
+        return True
+
+    def check_error(self) -> None:
+        if self._status not in (_UCS_OK, _UCS_INPROGRESS):
+            raise RuntimeError(f"UCX scatter-gather send failed: ucs_status {self._status}")
+
+
+def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
+    """Post ``buf`` as one tagged message on the ``ucp_ep_h`` ``ep_handle`` (call from the
+    worker's thread). Raises when UCX refuses it at once."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"UCX scatter-gather sends unavailable: {_lib_error}")
+    iov = buf.iov
+    if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
+        raise ValueError("iov must be a C-contiguous uint64 [k, 2] array")
+    ptr = lib.lib.ucp_tag_send_nbx(
+        ep_handle, iov.ctypes.data, iov.shape[0], tag & ((1 << 64) - 1), lib.iov_param_ref
+    )
+    if ptr is None:  # completed in place (small message)
+        return RawRequest(lib, None, _UCS_OK, buf)
+    if ptr >= _PTR_ERR_MIN:
+        status = ptr - (1 << 64)
+        raise RuntimeError(f"ucp_tag_send_nbx (iov) failed: ucs_status {status}")
+    return RawRequest(lib, ptr, _UCS_INPROGRESS, buf)
