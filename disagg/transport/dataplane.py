@@ -135,12 +135,12 @@ class StoreRows:
         rows = np.asarray(self.rows, dtype=np.int64)
         r0 = int(rows[0]) if rows.size else 0
         run = bool(rows.size) and np.array_equal(rows, np.arange(r0, r0 + rows.size))
+        # the index must live where the slab does (a device store gathers on its device)
+        idx = None if run else torch.from_numpy(rows).to(self.slab.device)
         parts = []
         for off, length in self.cols:
             view = self.slab[:, off : off + length]
-            parts.append(
-                view[r0 : r0 + rows.size] if run else gather_rows(view, torch.from_numpy(rows))
-            )
+            parts.append(view[r0 : r0 + rows.size] if idx is None else gather_rows(view, idx))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 

@@ -3,6 +3,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -283,3 +284,20 @@ def test_any_framing_lands_and_extra_frames_refused(planes):
         assert st.failed and "more payload frames" in st.error
     finally:
         s.close()
+
+
+def test_store_rows_materialize_gathers_on_the_slab_device():
+    """Scattered StoreRows of a slab gather where the slab lives (on the H200 run,
+    DISAGG_TEST_DEVICE=cuda: a device store; the index used to stay on the host and the
+    gather raised, so zmq/ucx pushes from a CUDA store failed)."""
+    from harness import DEVICE
+
+    from disagg.transport.dataplane import StoreRows
+
+    slab = torch.arange(64 * 32, dtype=torch.int64, device=DEVICE).view(torch.uint8).view(64, -1)
+    rows = np.array([5, 1, 63, 2])
+    got = StoreRows(slab, rows, ((8, 16), (0, 8))).materialize()
+    want = torch.cat([slab[rows.tolist(), 8:24], slab[rows.tolist(), 0:8]], dim=1)
+    assert got.device == slab.device and torch.equal(got, want)
+    run = StoreRows(slab, np.arange(3, 9), ((0, slab.shape[1]),)).materialize()
+    assert run.data_ptr() == slab[3].data_ptr()  # one run of rows: a view, no copy
