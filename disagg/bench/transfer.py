@@ -173,9 +173,9 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                 plane.expect(tid, 1, b"bench", [n], 300)
                 t = time.perf_counter()
                 conn.send(("push", plane.endpoint, tid, src, dst))
-                st = plane.wait(tid, 300)
+                st, reply = _await(plane, tid, conn, 300)
                 dt = time.perf_counter() - t
-                reply = conn.recv()
+                reply = reply or conn.recv()
                 if not st.done:
                     raise RuntimeError(f"transfer failed: {st.error}; producer: {reply[1]}")
                 got = pool[torch.as_tensor(dst, device=pool.device), :8].cpu().numpy()
@@ -195,6 +195,24 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
     finally:
         if plane is not None:
             plane.close()
+
+
+def _await(plane: Any, tid: int, conn: Any, timeout_s: float) -> tuple[Any, Any]:
+    """The transfer's final status, polled every 0.2 ms (``DataPlane.wait`` backs off to
+    10 ms, too coarse to time a 20-100 ms transfer), and the producer's reply if it came
+    first; a producer that failed (its "error" reply) raises at once instead of leaving
+    the transfer to time out."""
+    end = time.monotonic() + timeout_s
+    reply = None
+    while True:
+        st = plane.poll(tid)
+        if st.final or time.monotonic() >= end:
+            return st, reply
+        if reply is None and conn.poll():
+            reply = conn.recv()
+            if reply[0] == "error":
+                raise RuntimeError(f"producer: {reply[1]}")
+        time.sleep(0.0002)
 
 
 def draw(rng: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,9 +15,12 @@ rows and writes its own page slots), so it is the one place where bytes move:
   (``launch_device``): on the H200's VM each Python step before a launch costs tens of
   microseconds on a CPU just woken.
 - **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.
-- **Host**: one pass when either side is a run of rows (scatter from the source slice,
-  or gather into the destination slice); otherwise a gather into a cache-sized buffer and
-  a scatter out of it, chunk by chunk, so the second pass reads from cache. torch's index
+- **Host**: one memcpy per row, straight from the source row to its slot, on up to
+  HOST_THREADS threads without the GIL (``_rowcopy.c``, built at install; indices checked
+  there before a byte moves). Without it: one pass when either side is a run of rows
+  (scatter from the source slice, or gather into the destination slice); otherwise a
+  gather into a cache-sized buffer and a scatter out of it, chunk by chunk, so the second
+  pass reads from cache. torch's index
   kernels on 4- or 8-byte elements (they use every core: 15 GB/s scattering 64 KiB rows
   on the 2-core CI box, against 13 GB/s for one memcpy thread and 12 for numpy); numpy
   for rows that only byte or 2-byte elements fit.
@@ -26,6 +29,7 @@ rows and writes its own page slots), so it is the one place where bytes move:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,6 +39,14 @@ from ..pages import copy_rows, gather_rows, scatter_rows
 
 # Host path: rows gathered per chunk; about the size of a core's share of L2/L3.
 HOST_CHUNK_BYTES = 2 << 20
+HOST_THREADS = 4  # threads of the C row copy for copies of 8 MiB or more
+
+try:  # the C row copy (_rowcopy.c, built by pip install; optional like the key helper)
+    from . import _rowcopy
+except ImportError:  # no compiler at install time: torch/numpy two-pass copy below
+    _rowcopy = None  # type: ignore[assignment]
+    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+        raise
 
 
 @functools.cache
@@ -172,6 +184,17 @@ def _copy_host(
         s0, d0, n = int(si[0]), int(di[0]), si.size
         copy_rows(dst[d0 : d0 + n], src[s0 : s0 + n])
         return
+    if _rowcopy is not None and _native_ok(dst, src):
+        nbytes = si.size * src.shape[1] * src.element_size()
+        threads = min(HOST_THREADS, os.cpu_count() or 1) if nbytes >= 8 << 20 else 1
+        esz = src.element_size()
+        _rowcopy.copy_rows(
+            dst.data_ptr(), dst.shape[0], dst.stride(0) * esz,
+            src.data_ptr(), src.shape[0], src.stride(0) * esz,
+            src.shape[1] * esz, np.ascontiguousarray(si, dtype=np.int64),
+            np.ascontiguousarray(di, dtype=np.int64), threads,
+        )  # fmt: skip
+        return
     ws, wd = _as_elems(src, dst)
     if ws.element_size() >= 4:  # torch's index kernels run on every core
         _copy_host_torch(wd, di, ws, si, s_run, d_run)
@@ -211,6 +234,18 @@ def _copy_host_torch(
         k = min(per, si.size - start)
         torch.index_select(ws, 0, st[start : start + k], out=buf[:k])
         wd.index_copy_(0, dt[start : start + k], buf[:k])
+
+
+def _native_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the C row copy applies: two 2-D host views of one dtype whose rows are
+    contiguous (any row stride) and of one width."""
+    return (
+        dst.dim() == 2
+        and src.dim() == 2
+        and dst.dtype == src.dtype
+        and dst.shape[1] == src.shape[1]
+        and (dst.shape[1] <= 1 or (dst.stride(1) == 1 and src.stride(1) == 1))
+    )
 
 
 def _is_run(idx: np.ndarray) -> bool:
