@@ -356,9 +356,12 @@ def test_consumer_killed_holding_leases_frees_them(children):
     assert psvc.leases.stats.freed_dead_owner + psvc.leases.stats.expired >= len(PROMPTS)
 
 
-def test_consumer_killed_while_receiving_frees_everything(children):
+def test_consumer_killed_while_receiving_frees_everything(children, monkeypatch):
     from chaos_role import slow_pushes
 
+    from disagg.transport import zmq_plane
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes changes it
     psvc, used = prefilled_producer()
     started = threading.Event()
     slow_pushes(psvc, 2.0, on_start=lambda tid: started.set())
