@@ -150,6 +150,45 @@ PageSource = tuple[int, torch.Tensor, Sequence[int]]
 RowsSource = tuple[int, "torch.Tensor | StoreRows", Sequence[int]]
 
 
+def check_store_rows(
+    group: int, src: StoreRows, n: int, width: int
+) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+    """The rows (int64) and columns of a StoreRows push source whose slab rows are
+    ``width`` bytes, checked: ``n`` rows, all inside the slab, and non-empty column spans
+    inside a row. ValueError naming the group and what is wrong. (Planes check the slab's
+    dtype and memory themselves: what they accept differs.)"""
+    rows = np.asarray(src.rows, dtype=np.int64).reshape(-1)
+    if rows.size != n:
+        raise ValueError(f"group {group}: {rows.size} source rows for {n} destination slots")
+    capacity = int(src.slab.shape[0])
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= capacity):
+        raise ValueError(f"group {group}: source rows outside the slab's {capacity}")
+    cols = tuple((int(o), int(c)) for o, c in src.cols)
+    if not cols or any(o < 0 or c < 1 or o + c > width for o, c in cols):
+        raise ValueError(f"group {group}: columns {cols} must lie inside rows of {width} bytes")
+    return rows, cols
+
+
+def gather_pages(
+    out: np.ndarray, slab: np.ndarray, rows: np.ndarray, cols: tuple[tuple[int, int], ...]
+) -> None:
+    """``out`` (contiguous uint8, ``len(rows) * page_bytes``) = the pages: columns ``cols``
+    of rows ``rows`` of ``slab`` (2-D uint8), concatenated per page. The rows must have
+    been checked (``check_store_rows``): they are not checked again here."""
+    pages = out.reshape(rows.size, -1)
+    if len(cols) == 1 and cols[0] == (0, slab.shape[1]):
+        # whole rows: one take at memcpy speed. mode="clip" skips numpy's bounds check,
+        # which buffers ``out`` (a copy more: 4.3 against 11-12 GB/s on the 2-core box)
+        np.take(slab, rows, axis=0, out=pages, mode="clip")
+        return
+    # column spans: a fancy-index copy per span (~8 GB/s; a take into the strided span
+    # of ``out`` falls back to a byte loop at ~0.5 GB/s)
+    col = 0
+    for o, c in cols:
+        pages[:, col : col + c] = slab[rows, o : o + c]
+        col += c
+
+
 def push_source(
     plane: object, slab: torch.Tensor, rows: Any, cols: tuple[tuple[int, int], ...], dst: Any
 ) -> tuple[Any, Any]:

@@ -86,6 +86,8 @@ from .dataplane import (
     StoreRows,
     TransferState,
     TransferStatus,
+    check_store_rows,
+    gather_pages,
 )
 from .receiver import BookedReceiver, ReceiverBook, Rx, runs_slots
 
@@ -506,7 +508,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         if slot[0].size < msg.nbytes:
             slot[0] = np.empty(max(msg.nbytes, MSG_BYTES), dtype=np.uint8)
         assert msg.gather is not None
-        _gather(slot[0][: msg.nbytes], *msg.gather)
+        gather_pages(slot[0][: msg.nbytes], *msg.gather)
         return slot
 
     def _wait_writable(self, sock: zmq.Socket, h: PushHandle) -> bool:
@@ -556,7 +558,7 @@ def _source(
     contiguous rows, ``n`` rows inside it and columns inside a row. A device source is
     copied to the host first (the zmq path moves host memory only)."""
     if isinstance(src, StoreRows):
-        slab, rows, cols = src.slab, np.asarray(src.rows, dtype=np.int64).reshape(-1), src.cols
+        slab = src.slab
         if slab.device.type != "cpu":
             return _source(group, src.materialize().cpu(), n)
         if slab.dtype != torch.uint8 or slab.dim() != 2:
@@ -566,14 +568,7 @@ def _source(
             )
         if slab.shape[1] > 1 and slab.stride(1) != 1:
             slab = slab.contiguous()
-        if rows.size != n:
-            raise ValueError(f"group {group}: {rows.size} source rows for {n} destination slots")
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= slab.shape[0]):
-            raise ValueError(f"group {group}: source rows outside the slab's {slab.shape[0]}")
-        width = int(slab.shape[1])
-        cols = tuple((int(o), int(c)) for o, c in cols)
-        if not cols or any(o < 0 or c < 1 or o + c > width for o, c in cols):
-            raise ValueError(f"group {group}: columns {cols} must lie inside rows of {width} bytes")
+        rows, cols = check_store_rows(group, src, n, int(slab.shape[1]))
         return slab, rows, cols
     if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[0] != n:
         raise ValueError(
@@ -689,21 +684,6 @@ def _split(mv: memoryview, unit: int) -> list[memoryview]:
 def _frames_of(buf: np.ndarray, nbytes: int, pb: int) -> list[memoryview]:
     """A staging buffer's first ``nbytes`` (whole pages) as frames."""
     return _split(memoryview(buf[:nbytes]), pb)  # type: ignore[arg-type]
-
-
-def _gather(
-    out: np.ndarray, arr: np.ndarray, rows: np.ndarray, cols: tuple[tuple[int, int], ...]
-) -> None:
-    """``out`` (``len(rows) * page_bytes`` bytes) = the pages: columns ``cols`` of rows
-    ``rows`` of ``arr``, concatenated per page. Rows were bounds-checked at planning."""
-    pb = sum(c for _, c in cols)
-    out2 = out.reshape(rows.size, pb)
-    col = 0
-    for off, length in cols:
-        np.take(
-            arr[:, off : off + length], rows, axis=0, out=out2[:, col : col + length], mode="clip"
-        )
-        col += length
 
 
 def _place(direct: np.ndarray, slots: np.ndarray, pb: int, off: int, src: np.ndarray) -> None:
