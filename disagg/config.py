@@ -25,6 +25,7 @@ Schema (all sections are plain mappings; unknown keys are refused)::
       store_device: cpu | pinned | cuda      # default cpu
       lease_ttl_s: 30
       owner_dead_after_s: 15                 # default 3 x the default heartbeat (5 s)
+      lease_max_hold_s: 600                  # no lease outlives this, renewed or not
       save_timeout_s: 30
       push_timeout_s: 30
     consumer:                                # required when role = consumer, refused otherwise
@@ -358,6 +359,7 @@ class ProducerConfig:
     store_device: str = "cpu"
     lease_ttl_s: float = 30.0
     owner_dead_after_s: float | None = None  # resolved to 3 x DEFAULT_HEARTBEAT_S
+    lease_max_hold_s: float = 600.0
     save_timeout_s: float = 30.0
     push_timeout_s: float = 30.0
 
@@ -369,8 +371,14 @@ class ProducerConfig:
             _set(self, "events", parse_endpoint(self.events, p + "events").url)
         _set(self, "advertise_host", _opt_str(self.advertise_host, p + "advertise_host"))
         _choice(self.store_device, STORE_DEVICES, p + "store_device")
-        for name in ("lease_ttl_s", "save_timeout_s", "push_timeout_s"):
+        for name in ("lease_ttl_s", "lease_max_hold_s", "save_timeout_s", "push_timeout_s"):
             _set(self, name, _seconds(getattr(self, name), p + name))
+        if self.lease_max_hold_s < self.lease_ttl_s:
+            raise _err(
+                p + "lease_max_hold_s",
+                f"{self.lease_max_hold_s} s is shorter than {p}lease_ttl_s "
+                f"({self.lease_ttl_s} s): raise it (default 600) or lower lease_ttl_s",
+            )
         if self.owner_dead_after_s is None:
             _set(self, "owner_dead_after_s", 3 * DEFAULT_HEARTBEAT_S)
         else:

@@ -205,7 +205,14 @@ class DisaggCollector(Collector):
             if table is not None:
                 g["leases_held"].add_metric([inst], float(table.active()))
                 ls = table.stats
-                for event in ("granted", "released", "expired", "freed_dead_owner", "renewed"):
+                for event in (
+                    "granted",
+                    "released",
+                    "expired",
+                    "freed_dead_owner",
+                    "max_hold_exceeded",
+                    "renewed",
+                ):
                     leases.add_metric([inst, event], float(getattr(ls, event, 0)))
         yield from g.values()
         yield evictions

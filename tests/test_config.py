@@ -270,6 +270,7 @@ def test_good_endpoints():
         ("producer", PRODUCER, "save_timeout_s"),
         ("producer", PRODUCER, "push_timeout_s"),
         ("producer", PRODUCER, "owner_dead_after_s"),
+        ("producer", PRODUCER, "lease_max_hold_s"),
         ("consumer", CONSUMER, "claim_timeout_s"),
         ("consumer", CONSUMER, "load_timeout_s"),
         ("consumer", CONSUMER, "heartbeat_s"),
@@ -281,6 +282,13 @@ def test_timeouts_positive(section, base, key, value):
         return  # null means "default"
     e = err(with_(base, section, **{key: value}))
     assert e.field == f"{section}.{key}" and "> 0" in str(e)
+
+
+def test_lease_max_hold_at_least_the_ttl():
+    e = err(with_(PRODUCER, "producer", lease_ttl_s=60, lease_max_hold_s=30))
+    assert e.field == "producer.lease_max_hold_s" and "lease_ttl_s" in str(e)
+    cfg = DisaggConfig.from_dict(with_(PRODUCER, "producer", lease_max_hold_s=60))
+    assert cfg.producer is not None and cfg.producer.lease_max_hold_s == 60
 
 
 def test_heartbeat_shorter_than_lease():

@@ -2,9 +2,16 @@
 
 Lease states and the named timeout that ends each one:
 
-    ACTIVE --release / LEASE_TTL unrenewed / OWNER_DEAD_AFTER without heartbeat--> freed
+    ACTIVE --release / LEASE_TTL unrenewed / OWNER_DEAD_AFTER without heartbeat
+           / LEASE_MAX_HOLD since the grant--> freed
 
 A lease pins its blocks in the store (no eviction, no reuse of their rows) until freed.
+LEASE_MAX_HOLD bounds the one zombie the other two miss: a consumer that is alive and
+renewing, but never releases (a request its engine leaked, a bug): without it those
+blocks would stay pinned for the life of that consumer. Renewals never move a deadline
+past it. A push in flight holds pins of its own, so freeing its lease cannot pull the
+rows from under it; the consumer learns the lease is gone at its next renewal (reported
+unknown) or push (UNKNOWN_LEASE), and its failure rule applies.
 Deadlines are not ordered (renewals move them), so ``sweep`` looks at every lease.
 """
 
@@ -24,6 +31,7 @@ from .store import BlockStore, Entry
 
 DEFAULT_LEASE_TTL_S = 30.0
 DEFAULT_OWNER_DEAD_AFTER_S = 15.0
+DEFAULT_LEASE_MAX_HOLD_S = 600.0
 
 
 @dataclass
@@ -35,6 +43,7 @@ class Lease:
     entries: list[Entry]
     ttl_s: float
     deadline: float
+    hold_until: float = float("inf")  # LEASE_MAX_HOLD: no renewal moves deadline past it
     pushes: int = 0
     rows: np.ndarray | None = None  # entries[i].row (from the claim's pin)
     unique_rows: bool = False  # no entry listed twice (a vectorised unpin is exact)
@@ -46,6 +55,7 @@ class LeaseStats:
     released: int = 0
     expired: int = 0
     freed_dead_owner: int = 0
+    max_hold_exceeded: int = 0
     renewed: int = 0
     owners_declared_dead: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -60,10 +70,16 @@ class LeaseTable:
         *,
         max_ttl_s: float = DEFAULT_LEASE_TTL_S,
         owner_dead_after_s: float = DEFAULT_OWNER_DEAD_AFTER_S,
+        max_hold_s: float = DEFAULT_LEASE_MAX_HOLD_S,
     ):
+        if max_hold_s < max_ttl_s:
+            raise ValueError(
+                f"a lease's max hold ({max_hold_s} s) must be at least its TTL ({max_ttl_s} s)"
+            )
         self.store = store
         self.max_ttl_s = max_ttl_s
         self.owner_dead_after_s = owner_dead_after_s
+        self.max_hold_s = max_hold_s
         self._leases: dict[int, Lease] = {}
         self._last_seen: dict[str, float] = {}
         self._ids = itertools.count(1)
@@ -98,6 +114,7 @@ class LeaseTable:
                 entries,
                 ttl,
                 now + ttl,
+                hold_until=now + self.max_hold_s,
                 rows=rows,
                 unique_rows=unique,
             )
@@ -137,9 +154,10 @@ class LeaseTable:
                 return lease
         return self.get(owner, lease_id)  # raises the typed error (unknown or foreign)
 
-    def renew(self, owner: str, lease_ids: list[int]) -> list[int]:
-        """Extend the caller's leases by their TTL; returns the ids it does not hold."""
-        now = time.monotonic()
+    def renew(self, owner: str, lease_ids: list[int], now: float | None = None) -> list[int]:
+        """Extend the caller's leases by their TTL (never past LEASE_MAX_HOLD); returns the
+        ids it does not hold."""
+        now = time.monotonic() if now is None else now
         unknown = []
         with self._lock:
             self._last_seen[owner] = now
@@ -148,7 +166,7 @@ class LeaseTable:
                 if lease is None or lease.owner != owner:
                     unknown.append(lid)
                     continue
-                lease.deadline = now + lease.ttl_s
+                lease.deadline = min(now + lease.ttl_s, lease.hold_until)
                 self.stats.renewed += 1
         return unknown
 
@@ -161,7 +179,8 @@ class LeaseTable:
         self.store.unpin(lease.keys, lease.entries, lease.rows, lease.unique_rows)
 
     def sweep(self, now: float | None = None) -> int:
-        """Free expired leases and every lease of owners silent past OWNER_DEAD_AFTER."""
+        """Free expired leases (LEASE_TTL unrenewed, or LEASE_MAX_HOLD reached) and every
+        lease of owners silent past OWNER_DEAD_AFTER."""
         now = time.monotonic() if now is None else now
         freed: list[Lease] = []
         with self._lock:
@@ -174,6 +193,8 @@ class LeaseTable:
             for lid, lease in list(self._leases.items()):
                 if lease.owner in dead:
                     self.stats.freed_dead_owner += 1
+                elif lease.hold_until < now:
+                    self.stats.max_hold_exceeded += 1
                 elif lease.deadline < now:
                     self.stats.expired += 1
                 else:

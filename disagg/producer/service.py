@@ -168,6 +168,7 @@ class ProducerService(ConnectorService):
             self.store,
             max_ttl_s=self.pcfg.lease_ttl_s,
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
+            max_hold_s=self.pcfg.lease_max_hold_s,
         )
         self.data = make_data_plane(self.config.transport, checksum=self.config.transport_checksum)
         register = getattr(self.data, "register_source", None)

@@ -112,3 +112,31 @@ def test_rows_freed_together_come_back_as_one_ascending_run():
     fill(s, [key(i) for i in range(6)], 1)  # rows 0..5, LRU order 0..5
     rows = s.plan([key(10 + i) for i in range(3)])  # evicts keys 0,1,2
     assert rows.tolist() == [0, 1, 2]
+
+
+def test_lease_max_hold_frees_a_lease_renewed_forever():
+    """A consumer alive and renewing but never releasing (a leaked request): its lease
+    ends at LEASE_MAX_HOLD, renewals never move the deadline past it, and its blocks
+    become evictable again; the owner learns at its next renewal."""
+    s = BlockStore(8, 8 * 8)
+    fill(s, [key(1), key(2)], 1)
+    t = LeaseTable(s, max_ttl_s=10, owner_dead_after_s=5, max_hold_s=20)
+    lease = t.grant("a", "r1", [key(1), key(2)], 10.0)
+    assert lease is not None and s.pinned_blocks() == 2
+    start = time.monotonic()
+    for step in range(1, 5):  # renewals and heartbeats every 4 s: never expired, never dead
+        t.heartbeat("a", start + 4 * step)
+        assert t.renew("a", [lease.lease_id], start + 4 * step) == []
+        assert t.sweep(start + 4 * step) == 0
+    assert lease.deadline <= lease.hold_until  # renewals stop at the max hold
+    t.heartbeat("a", start + 20.5)
+    assert t.sweep(start + 20.5) == 1
+    assert t.stats.max_hold_exceeded == 1 and t.stats.expired == 0
+    assert s.pinned_blocks() == 0 and t.active() == 0
+    assert t.renew("a", [lease.lease_id], start + 21) == [lease.lease_id]  # it is gone
+
+
+def test_lease_max_hold_shorter_than_ttl_is_refused():
+    s = BlockStore(8, 8 * 8)
+    with pytest.raises(ValueError, match="max hold"):
+        LeaseTable(s, max_ttl_s=30, max_hold_s=10)
