@@ -155,8 +155,8 @@ def bench_page_size(
     import torch
     import torch.multiprocessing as mp
 
-    from ..pages import gather_rows
     from ..producer.saving import PassCopy, copy_layer_to_store, flush_pass, land
+    from ..transport.page_copy import copy_indexed
 
     n = max(1, total // page_bytes)
     pool = _pool(2 * n, page_bytes, layers)
@@ -217,17 +217,21 @@ def bench_page_size(
 
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_ipc_owner, args=(q, done, n, page))
+    child = ctx.Process(target=_ipc_owner, args=(q, done, 2 * n, page))
     child.start()
     try:
         remote = q.get(timeout=120)  # the producer's store, mapped through CUDA IPC
-        src_rows = rows.cuda()
+        # n rows drawn at random from its 2n into random slots, by the ipc plane's kernel
+        src_rows = torch.randperm(2 * n, generator=gen)[:n].cuda()
+        (region,) = pool.data_plane_groups()[0]
+        dst_idx = slots.cuda()
         row(
-            "ipc remote store->device slots",
-            cuda_time(lambda: pool.write_pages(0, slots, gather_rows(remote, src_rows)), repeats),
+            "ipc remote store->device slots (kernel)",
+            cuda_time(lambda: copy_indexed(region, dst_idx, remote, src_rows), repeats),
             "d2d",
         )
-        assert torch.equal(pool.read_pages(0, slots), remote), "ipc path corrupted pages"
+        want = remote[src_rows]
+        assert torch.equal(pool.read_pages(0, slots), want), "ipc path corrupted pages"
     finally:
         done.set()
         child.join(30)

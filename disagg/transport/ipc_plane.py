@@ -59,6 +59,20 @@ and the ack back 400 us; framed sockets 125-155 and 130-145 us. What remains of 
 ~2.2 ms for a 0.45-0.5 ms kernel: post_push + encode 190-250 us, the sender thread's
 wake and send 230-250, checks 175-370, staging + launch 455-570 (cold CPU; the same
 calls take 180 us in a busy loop), and the wake-ups of the landing and waiting threads.
+
+Session 5 (H200, ``disagg bench gpu --ipc-only --page-sizes 64KiB,1MiB --total 1GiB
+--ipc-depths 1,4``, A/B/A/B in one run): one push 0.30-0.33 (64K) / 0.38-0.45 (1M) of d2d,
+four in flight 0.51-0.62 / 0.68-0.75. The kernel itself runs at 0.90 of d2d (see
+``page_copy``); the ~1.6 ms of a single 1 GiB push is ~0.58 ms of copy and ~1 ms of
+CPU steps in series. Tried, measured, and dropped (neither was faster): (1) sending the
+push frame from the posting thread instead of waking the sender thread: post_push + send
+229 us against 93 + 124 (the cost is the 128 KiB ``sendmsg`` on loopback TCP itself, not
+the wake-up; an AF_UNIX endpoint is the lead there); (2) checking and launching a large
+push in parts so the GPU starts early: each part cost the receiver thread ~160 us of
+checks + launch, more than the GPU time of the first parts (one push 0.28-0.32 split
+against 0.32-0.33 whole). What remains per 64 KiB push (timeline, no pause between
+pushes): post_push ~95, send ~125, receiver wake ~60, decode ~22, checks ~220, staging +
+launch ~320, landing + ack + waiter wake-ups ~180 us.
 """
 
 from __future__ import annotations
@@ -736,22 +750,32 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 return str(e)
             rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
         landing = _Landing(rx, conn, msg.not_after)
+        devices: set[torch.device] = set()  # where copies were (or may have been) queued
         try:
-            devices: set[torch.device] = set()
             for plan in plans:
                 if rx.state.final:  # aborted (or expired) between batches
                     break
-                devices |= _copy(plan)
+                # before the copy: one that fails halfway may have queued some launches
+                devices |= {r.tensor.device for r in plan.grp.regions if r.tensor.is_cuda}
+                _copy(plan)
                 b = plan.batch
                 landing.batches.append((b.group, int(plan.slots.size), b.page_bytes))
+        except Exception as exc:  # a CUDA error, a mapping gone: the transfer fails
+            log.exception("ipc copy of transfer %d failed", rx.transfer_id)
+            landing.error = f"copy failed: {type(exc).__name__}: {exc}"
+        try:
             for d in devices:  # device copies are queued: they land when these fire
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(d))
                 landing.events.append(ev)
-        except Exception as exc:  # a CUDA error, a mapping gone: the transfer fails
-            log.exception("ipc copy of transfer %d failed", rx.transfer_id)
-            landing.error = f"copy failed: {type(exc).__name__}: {exc}"
-        if landing.events and landing.error is None:
+        except Exception as exc:  # cannot tell when they end: fail, and ack only after
+            log.exception("ipc copy of transfer %d: no completion event", rx.transfer_id)
+            landing.error = landing.error or f"copy failed: {type(exc).__name__}: {exc}"
+            for d in devices:
+                torch.cuda.synchronize(d)
+        # Also after an error, the ack waits until no queued copy reads the sender's rows
+        # or writes the slots: both sides reuse them as soon as the transfer is final.
+        if landing.events:
             self._landings.put(landing)  # the landing thread finishes and acks it
             return QUEUED
         return self._land(landing)
