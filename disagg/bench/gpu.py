@@ -88,7 +88,12 @@ def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -
 
 
 def bench_ipc_plane(
-    page_bytes: int, total: int, repeats: int, ceil: dict[str, float], depths: tuple[int, ...]
+    page_bytes: int,
+    total: int,
+    repeats: int,
+    ceil: dict[str, float],
+    depths: tuple[int, ...],
+    bind: str = "tcp://127.0.0.1:0",
 ) -> list[dict[str, Any]]:
     """The ipc data plane between two processes on one GPU: ``total`` bytes of pages
     drawn at random from a store twice that size into random slots of a pool twice that
@@ -108,7 +113,7 @@ def bench_ipc_plane(
     src_rows = gen.permutation(2 * n)[:n]
     dst_slots = gen.permutation(2 * n)[:n]
     pool = torch.zeros((2 * n, page_bytes), dtype=torch.uint8, device="cuda")
-    plane = IpcDataPlane()
+    plane = IpcDataPlane(bind)
     plane.register_regions([[pool]])
     rounds = [1] + [d for d in depths for _ in range(repeats)]  # first: warm-up
     promised = [dst_slots.tolist()]
@@ -137,7 +142,8 @@ def bench_ipc_plane(
         gbps = depth * n * page_bytes / seconds / 1e9
         rows.append(
             {
-                "path": f"ipc plane, {depth} push{'es' if depth > 1 else ''} in flight",
+                "path": f"ipc plane, {depth} push{'es' if depth > 1 else ''} in flight"
+                + (" (unix)" if bind.startswith("ipc://") else ""),
                 "page_bytes": page_bytes,
                 "pages": n,
                 "gbps": round(gbps, 2),
@@ -238,6 +244,18 @@ def bench_page_size(
     return out
 
 
+def _bind(control: str) -> str:
+    """The receiver's bind for ``--ipc-control``."""
+    if control == "tcp":
+        return "tcp://127.0.0.1:0"
+    if control == "unix":
+        import os
+        import tempfile
+
+        return f"ipc://{tempfile.mkdtemp(prefix='disagg-bench-')}/{os.getpid()}.sock"
+    raise SystemExit(f"--ipc-control: {control!r} is not tcp, unix or both")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="disagg bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--page-sizes", default="64KiB,256KiB,1MiB,4MiB")
@@ -246,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers per page (save is layer-wise)")
     p.add_argument("--ipc-only", action="store_true", help="only the ipc data plane rows")
     p.add_argument("--ipc-depths", default="1,4", help="ipc plane rows: pushes in flight at once")
+    p.add_argument(
+        "--ipc-control",
+        default="tcp",
+        help="ipc plane control sockets: tcp, unix, or both (one set of rows each)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import torch
@@ -267,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             [] if args.ipc_only else bench_page_size(size, total, args.repeats, args.layers, ceil)
         )
         depths = tuple(int(d) for d in args.ipc_depths.split(","))
-        for r in [*found, *bench_ipc_plane(size, total, args.repeats, ceil, depths)]:
+        for control in ("tcp", "unix") if args.ipc_control == "both" else (args.ipc_control,):
+            found += bench_ipc_plane(size, total, args.repeats, ceil, depths, _bind(control))
+        for r in found:
             rows.append(r)
             print(
                 f"{r['path']:40} {r['page_bytes'] >> 10:>6}Ki {r['gbps']:>8.1f} "
