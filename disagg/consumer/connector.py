@@ -11,9 +11,26 @@ and claims on every rank of a producer (``ConsumerService.claim``); the metadata
 per load, the producer and each rank's lease id (``LoadPlan``), and the requests whose
 loads were dropped since the last metadata. Rank 0's worker shares the scheduler's ``Load``;
 rank r's worker builds its own from the plan and asks producer rank r to push into its own
-shard's slots (the slots are the same on every rank). Each rank's ``get_finished`` reports
-its own load, a failure on any rank raises naming the request before a forward pass on that
-rank reads the pages, and rank 0's keepalive renews and releases every rank's leases.
+shard's slots (the slots are the same on every rank). Rank 0's keepalive renews and
+releases every rank's leases.
+
+TP: every rank decides the same about a load, before any rank computes on it. A rank that
+alone raised in a forward hook would fail only its own batch while the others ran the layer
+and waited forever in its all-reduce (TensorRT-LLM catches hook errors per rank). So the
+ranks share each load's outcome over a side channel (``rank_bus``: rank 0's service binds
+it, its address travels in this metadata) and decide from every rank's outcome:
+
+- async loads: ``get_finished`` reports a request once its load is over on *every* rank; if
+  it failed on any, every rank records the failure, so at the request's first forward (the
+  same iteration on every rank: TensorRT-LLM intersects the ranks' reports) every rank
+  raises in ``wait_for_layer_load`` (``start_load_kv`` with ``stop_on_failure``);
+- sync (layer-wise) loads: before layer i, every rank waits until every rank has layer i's
+  pages, or one has failed short of them: then all raise at layer i, or all proceed;
+- a load the leader failed before dispatching it is listed in the metadata (``failed``), so
+  every rank records it (rank > 0 never had a plan for it).
+
+Every wait is bounded: by the load's deadline (``load_timeout_s``) plus a grace for a peer's
+report to arrive; a peer rank silent past that counts as failed (logged naming the rank).
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ class LoadPlan:
     num_blocks: int
     first_block: int
     dst_slots: list[list[int]]
+    uid: int = 0  # the load's id on the ranks' outcome bus (chosen by the leader)
 
 
 @dataclass
@@ -56,6 +74,9 @@ class ConsumerMeta:
     scheduled: list[int] = field(default_factory=list)  # every request computed this pass
     plans: list[LoadPlan] = field(default_factory=list)  # TP > 1: the loads, for ranks > 0
     dropped: list[int] = field(default_factory=list)  # TP > 1: loads released since last
+    # loads that failed before dispatch (request id, why): every rank fails the request
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    bus: tuple[str, bytes] | None = None  # TP > 1: the outcome bus (address, secret)
 
 
 class ConsumerScheduler(KvCacheConnectorScheduler):
@@ -103,7 +124,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return 0, False
         if claimed is None:
             return 0, False
-        svc.loads[rid] = Load(rid, claimed, first_block=first)
+        svc.loads[rid] = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
         return claimed.num_blocks * tpb, self.is_async
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
@@ -139,7 +160,13 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         tp = self.service.tp_size > 1
         if tp:
             meta.dropped, self._dropped = self._dropped, []
+            bus = self.service.bus
+            if bus is not None and bus.address is not None:
+                meta.bus = (bus.address, bus.secret)
         for rid, load in self.service.loads.items():
+            if load.done and load.error and not load.dispatched and not load.announced:
+                load.announced = True  # failed before dispatch: every rank must know
+                meta.failed.append((rid, load.error))
             if not load.dispatched and load.dst_slots is not None and not load.done:
                 meta.loads.append(rid)
                 if tp:
@@ -152,6 +179,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                             c.num_blocks,
                             load.first_block,
                             load.dst_slots,
+                            load.uid,
                         )
                     )
         return meta
@@ -209,6 +237,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
         self._sync_pending: list[Load] = []
         self._cancelled: set[int] = set()  # TP, ranks > 0: parked loads the leader dropped
         self._holding: set[int] = set()  # finished requests whose pages await their load
+        self._tp = self.service.tp_size > 1
+        self._failed_early: set[int] = set()  # the leader failed these before dispatch
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -261,7 +291,13 @@ class ConsumerWorker(KvCacheConnectorWorker):
         if not isinstance(meta, ConsumerMeta):
             return
         if self.service.tp_rank != 0:
+            if meta.bus is not None and self.service.bus is not None:
+                self.service.bus.connect(*meta.bus)
             self._adopt_plans(meta)
+        for rid, why in meta.failed:  # every rank fails these requests alike
+            self._failed[rid] = why
+            if self.is_async:  # parked: get_finished reports it (rank > 0 has no load)
+                self._failed_early.add(rid)
         if self.service.stop_on_failure:
             # Raised here, outside the forward's error handler, this stops the executor in
             # every TensorRT-LLM version, before the request's blocks could be released.
@@ -298,18 +334,26 @@ class ConsumerWorker(KvCacheConnectorWorker):
             link = svc.links[plan.producer]
             claimed = Claimed(link, plan.lease_ids[rank], plan.num_blocks)
             svc.loads[plan.request_id] = Load(
-                plan.request_id, claimed, plan.first_block, [list(g) for g in plan.dst_slots]
+                plan.request_id,
+                claimed,
+                plan.first_block,
+                [list(g) for g in plan.dst_slots],
+                uid=plan.uid,
             )
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before each layer: synchronous loads wait (bounded) for this layer's pages, and
         any request of this batch whose load failed raises an error naming it, so no layer
-        reads pages that did not land."""
-        for load in self._sync_pending:
-            self.service.wait_layer(load, layer_idx)
-            if load.error:
-                self._failed[load.request_id] = load.error
-        self._sync_pending = [ld for ld in self._sync_pending if not ld.done and not ld.error]
+        reads pages that did not land. TP: every rank waits for every rank's pages of
+        this layer (``rank_decision``), so all ranks raise here or none does."""
+        if self._tp:
+            self._wait_layer_all_ranks(layer_idx)
+        else:
+            for load in self._sync_pending:
+                self.service.wait_layer(load, layer_idx)
+                if load.error:
+                    self._failed[load.request_id] = load.error
+            self._sync_pending = [ld for ld in self._sync_pending if not ld.done and not ld.error]
         if not self._failed:
             return
         meta = self._metadata
@@ -318,6 +362,22 @@ class ConsumerWorker(KvCacheConnectorWorker):
         if bad:
             msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)
             raise self._load_failed(msg)
+
+    def _wait_layer_all_ranks(self, layer_idx: int) -> None:
+        svc, keep = self.service, []
+        for load in self._sync_pending:
+            if svc.loads.get(load.request_id) is not load:
+                continue  # dropped (its request ended)
+            need = svc.layers_needed(load, layer_idx)
+            if need == -1:  # this layer loads nothing
+                keep.append(load)
+                continue
+            err = svc.rank_decision(load, need, wait=True)
+            if err:
+                self._failed[load.request_id] = err
+            elif need is not None:  # more layers to come
+                keep.append(load)
+        self._sync_pending = keep
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """A consumer saves nothing."""
@@ -330,11 +390,16 @@ class ConsumerWorker(KvCacheConnectorWorker):
     ) -> tuple[list[int], list[int]]:
         """Every iteration: report each handed-in async load once it is over. A failed load
         is reported too (so the request leaves the parking lot) and recorded, so its first
-        forward pass raises in ``wait_for_layer_load`` instead of reading its pages."""
+        forward pass raises in ``wait_for_layer_load`` instead of reading its pages. TP: a
+        load is reported once it is over on every rank, failed if it failed on any."""
         self._loading.update(started_loading_req_ids)
         self._holding.update(finished_gen_req_ids)
         done = []
         for rid in list(self._loading):
+            if rid in self._failed_early:  # the leader failed it before dispatch
+                self._failed_early.discard(rid)
+                done.append(rid)
+                continue
             load = self.service.loads.get(rid)
             if load is None and self.service.tp_rank != 0 and rid not in self._cancelled:
                 continue  # TP: this rank has not seen the leader's plan for it yet
@@ -346,7 +411,14 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 self._cancelled.discard(rid)
                 done.append(rid)
                 continue
-            if self.service.poll(load):
+            if self._tp:
+                self.service.poll(load)  # our own news first (the bus thread polls too)
+                err = self.service.rank_decision(load, None, wait=False)
+                if err is not None:
+                    done.append(rid)
+                    if err:
+                        self._failed[rid] = err
+            elif self.service.poll(load):
                 done.append(rid)
                 if load.error:
                     self._failed[rid] = load.error
@@ -363,12 +435,18 @@ class ConsumerWorker(KvCacheConnectorWorker):
             load = svc.loads.get(rid)
             if load is not None and not svc.poll(load):
                 continue
+            err = load.error if load is not None else None
+            if load is not None and self._tp:  # every rank stops, or none does
+                decided = svc.rank_decision(load, None, wait=False)
+                if decided is None:
+                    continue
+                err = decided or None
             if load is not None:
                 svc.loads.pop(rid, None)
                 if svc.tp_rank == 0:  # the leader gives back every rank's lease
                     svc.release(load.claimed)
-                if load.error:
-                    raise self._load_failed(f"request {rid} (already finished): {load.error}")
+                if err:
+                    raise self._load_failed(f"request {rid} (already finished): {err}")
             self._holding.discard(rid)
             out.append(rid)
         return out

@@ -33,10 +33,21 @@ rank leases travel to the other ranks in the (picklable) metadata; renewals and 
 every rank's leases are sent by rank 0's keepalive. A rank grant that fails or times out
 makes the whole claim a miss (the granted leases are released; one that answers after the
 deadline expires by its TTL).
+
+TP > 1, load outcomes (``rank_bus``): every rank must reach the same decision about a
+request's load before any rank computes on it, or the rank that raises leaves the others
+waiting in the layer's all-reduce. Each rank's bus thread polls the rank's in-flight loads
+(``tick``) and publishes their states (layers landed, done, failed: ``_publish``, on every
+transition wherever it is learned); ``rank_decision`` reads the common decision (every rank
+landed, or which one failed), waiting at most until the load's deadline plus
+``PEER_GRACE_S``. A load whose own transfer fails is aborted before its failure is
+published, so no decision drawn from it can let pages be freed under a write still landing.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import secrets
 import threading
@@ -60,6 +71,7 @@ from ..transport.control import ControlClient
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
 from ..transport.security import CurveClientKeys, client_keys_from
+from .rank_bus import PEER_GRACE_S, RankBus
 
 log = logging.getLogger("disagg.consumer")
 
@@ -189,6 +201,12 @@ class Load:
     deadline: float = 0.0
     # layer-wise loads: pages landed once each layer is complete (layer id -> count)
     layer_marks: dict[int, int] | None = None
+    # TP > 1: the load's id on every rank (the leader's choice, in the plan), the leading
+    # layers landed here, and whether this rank's final state was published
+    uid: int = 0
+    progress: int = 0
+    published_final: bool = False
+    announced: bool = False  # leader: a failure before dispatch was told to every rank
 
 
 class ConsumerService(ConnectorService):
@@ -236,6 +254,12 @@ class ConsumerService(ConnectorService):
         # A failed load stops the engine instead of failing its request (set by the worker
         # at registration, from ``on_load_failure``): the engine publishes freed pages.
         self.stop_on_failure = False
+        # TP > 1: the ranks' load-outcome bus (``rank_bus``), from ``attach``; loads' uids
+        self.bus: RankBus | None = None
+        self._uids = itertools.count(secrets.randbits(40) << 20)
+        # transitions of a load (landed, failed, abandoned) and the abort that goes with a
+        # failure happen under this lock: the bus thread and the engine thread both poll
+        self._load_lock = threading.RLock()
 
     def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
         """Producer ``p``'s rank ``rank``: listed explicitly, or rank 0's port + rank."""
@@ -262,6 +286,16 @@ class ConsumerService(ConnectorService):
             target=self._keepalive_loop, name="disagg-keepalive", daemon=True
         )
         self._keepalive.start()
+        if self.tp_size > 1:
+            data = self.ccfg.data
+            host = data[len("tcp://") :].rpartition(":")[0] if data.startswith("tcp://") else ""
+            self.bus = RankBus(
+                self.tp_rank,
+                self.tp_size,
+                self.tick,
+                bind_host=host.strip("[]") or "127.0.0.1",
+                advertise_host=self.ccfg.advertise_host,
+            )
 
     def _call(
         self,
@@ -452,26 +486,34 @@ class ConsumerService(ConnectorService):
         layer into the per-layer groups, see ``wait_layer``). A failure marks the load
         failed (reported by the adapter), it never raises into the engine."""
         assert self.data is not None and load.dst_slots is not None and self.pool is not None
-        load.transfer_id = next(self._transfer_ids)
-        load.token = secrets.token_bytes(16)
-        load.dispatched = True
-        load.deadline = time.monotonic() + self.ccfg.load_timeout_s
         slots_by_group = list(load.dst_slots)
-        if layerwise:
-            by_layer = [load.dst_slots[self.pool.group_of_layer(la)] for la in self.pool.layers]
-            slots_by_group = [[] for _ in load.dst_slots] + by_layer
-            counts = np.cumsum([sum(1 for s in g if s >= 0) for g in by_layer])
-            load.layer_marks = dict(zip(self.pool.layers, counts.tolist()))
-        pages_by_group = [sum(1 for s in g if s >= 0) for g in slots_by_group]
+        # under the load lock: the bus thread (TP) polls a load only once it is dispatched,
+        # which it is only once the plane expects it
+        with self._load_lock:
+            load.transfer_id = next(self._transfer_ids)
+            load.token = secrets.token_bytes(16)
+            load.deadline = time.monotonic() + self.ccfg.load_timeout_s
+            if layerwise:
+                by_layer = [load.dst_slots[self.pool.group_of_layer(la)] for la in self.pool.layers]
+                slots_by_group = [[] for _ in load.dst_slots] + by_layer
+                counts = np.cumsum([sum(1 for s in g if s >= 0) for g in by_layer])
+                load.layer_marks = dict(zip(self.pool.layers, counts.tolist()))
+            pages_by_group = [sum(1 for s in g if s >= 0) for g in slots_by_group]
+            try:
+                self.data.expect(
+                    load.transfer_id,
+                    load.claimed.lease_id,
+                    load.token,
+                    pages_by_group,
+                    self.ccfg.load_timeout_s,
+                    slots_by_group=slots_by_group,
+                )
+            except Exception as exc:
+                load.dispatched = True
+                self.fail(load, f"the data plane refused the transfer: {exc}")
+                return
+            load.dispatched = True
         try:
-            self.data.expect(
-                load.transfer_id,
-                load.claimed.lease_id,
-                load.token,
-                pages_by_group,
-                self.ccfg.load_timeout_s,
-                slots_by_group=slots_by_group,
-            )
             self._call(
                 load.claimed.link,
                 m.Push(
@@ -492,9 +534,16 @@ class ConsumerService(ConnectorService):
             self.fail(load, f"push request to {load.claimed.link.endpoint} failed: {exc}")
 
     def fail(self, load: Load, why: str) -> None:
-        load.error, load.done = why, True
-        self.metrics["loads_failed"] += 1
-        self._abort_transfer(load, why)
+        """The load failed (a no-op once it is over: the first outcome stands). Its
+        transfer is aborted (no byte of it lands afterwards) before the failure is
+        published to the other ranks."""
+        with self._load_lock:
+            if load.done:
+                return
+            load.error, load.done = why, True
+            self.metrics["loads_failed"] += 1
+            self._abort_transfer(load, why)
+            self._publish(load)
         log.warning("KV load for request %d failed: %s", load.request_id, why)
 
     def abandon(self, load: Load, why: str) -> None:
@@ -503,10 +552,12 @@ class ConsumerService(ConnectorService):
         says so). Fails the transfer and waits (bounded by the plane's abort wait) for
         writes of it under way, so that once this returns no byte of it lands: the engine
         frees and reuses those pages right after. The lease is released separately."""
-        if load.dispatched and not load.done:
-            self.metrics["loads_abandoned"] += 1
-            load.error, load.done = why, True
-            self._abort_transfer(load, why)
+        with self._load_lock:  # also waits for a failure's abort under way on the bus thread
+            if load.dispatched and not load.done:
+                self.metrics["loads_abandoned"] += 1
+                load.error, load.done = why, True
+                self._abort_transfer(load, why)
+                self._publish(load)
 
     def _abort_transfer(self, load: Load, why: str) -> None:
         if self.data is None or not load.transfer_id:
@@ -521,20 +572,103 @@ class ConsumerService(ConnectorService):
             log.error("%s", self.stuck_writes)
 
     def poll(self, load: Load) -> bool:
-        """True once the load is over (done or failed)."""
-        if load.done or not load.dispatched:
+        """True once the load is over (done or failed). Any thread (the engine's, the bus
+        thread's ``tick``); TP > 1: publishes what it learns (layers landed, the end)."""
+        with self._load_lock:
+            if load.done or not load.dispatched:
+                return load.done
+            assert self.data is not None
+            st = self.data.poll(load.transfer_id)
+            if st.state is TransferState.DONE:
+                load.done = True
+                self.metrics["loads_done"] += 1
+                self.metrics["pages_loaded"] += sum(
+                    sum(1 for s in g if s >= 0) for g in load.dst_slots or []
+                )
+                self._publish(load)
+            elif st.state is TransferState.FAILED:
+                self.fail(load, st.error or "transfer failed")
+            elif self.bus is not None and load.layer_marks is not None:
+                marks = list(load.layer_marks.values())[:-1]  # the last counts when DONE
+                landed = bisect.bisect_right(marks, st.pages)
+                if landed > load.progress:
+                    load.progress = landed
+                    self._publish(load)
+                if time.monotonic() > load.deadline:
+                    self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
             return load.done
-        assert self.data is not None
-        st = self.data.poll(load.transfer_id)
-        if st.state is TransferState.DONE:
-            load.done = True
-            self.metrics["loads_done"] += 1
-            self.metrics["pages_loaded"] += sum(
-                sum(1 for s in g if s >= 0) for g in load.dst_slots or []
+
+    # -- TP > 1: the ranks' common decision (rank_bus) -----------------------------------
+    def new_load_uid(self) -> int:
+        return next(self._uids)
+
+    def _publish(self, load: Load) -> None:
+        """Our state of ``load`` to every rank (load lock held)."""
+        if self.bus is None or load.published_final:
+            return
+        final = None
+        if load.done:
+            final, load.published_final = load.error or "", True
+        self.bus.record(load.uid, load.progress, final)
+
+    def tick(self) -> bool:
+        """Bus thread, every pass: poll this rank's loads in flight (publishing what they
+        do). True while any is in flight."""
+        busy = False
+        for load in list(self.loads.values()):
+            if load.dispatched and not load.done:
+                busy = not self.poll(load) or busy
+        return busy
+
+    @staticmethod
+    def layers_needed(load: Load, layer: int | None) -> int | None:
+        """How many leading layers of ``load`` must have landed before ``layer`` runs
+        (None: all of it, the last layer and async loads; -1: ``layer`` is not loaded)."""
+        if layer is None or load.layer_marks is None:
+            return None
+        layers = list(load.layer_marks)
+        if layer not in load.layer_marks:
+            return -1
+        i = layers.index(layer)
+        return None if i == len(layers) - 1 else i + 1
+
+    def rank_decision(self, load: Load, need: int | None, wait: bool) -> str | None:
+        """TP > 1: every rank's common decision on ``load`` having landed ``need`` leading
+        layers (None: all of it): ``""`` every rank has them, an error naming the rank
+        that failed, or None while undecided (only when not ``wait``). Waits (``wait``) at
+        most until the load's deadline plus ``PEER_GRACE_S``; a rank still silent then
+        counts as failed here (logged naming it). A decision to fail aborts our own
+        transfer before returning."""
+        assert self.bus is not None
+        if not load.dispatched and not load.done:
+            return None  # not started here yet: no deadline runs
+        deadline = load.deadline + PEER_GRACE_S
+        got = self.bus.wait(load.uid, need, deadline) if wait else self.bus.decision(load.uid, need)
+        if got is None:
+            if time.monotonic() <= deadline:
+                return None
+            silent = self.bus.missing(load.uid, need)
+            why = (
+                f"rank(s) {silent} reported no outcome of this load within "
+                f"load_timeout_s={self.ccfg.load_timeout_s} (+{PEER_GRACE_S} s)"
             )
-        elif st.state is TransferState.FAILED:
-            self.fail(load, st.error or "transfer failed")
-        return load.done
+            self.metrics["rank_outcome_timeouts"] += 1
+            log.warning(
+                "KV load for request %d: %s; counted as failed on rank %d",
+                load.request_id,
+                why,
+                self.tp_rank,
+            )
+            err = why
+        else:
+            err, rank = got
+            if not err:
+                return ""
+            if rank != self.tp_rank:
+                err = f"the load failed on TP rank {rank}: {err}"
+                self.metrics["loads_failed_on_other_rank"] += 1
+        self.fail(load, err)  # stop our own part (no-op if it is over)
+        return err
 
     def wait_layer(self, load: Load, layer: int) -> None:
         """Layer-wise synchronous mode: wait (until the load's deadline) for ``layer``'s
@@ -635,6 +769,8 @@ class ConsumerService(ConnectorService):
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        if self.bus is not None:
+            self.bus.close()
         self._send_releases()
         self.closed = True
         for rl in self.rank_links:

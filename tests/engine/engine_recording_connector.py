@@ -6,6 +6,7 @@ Tests reset ``REC`` and set ``CONTROL`` before building an ``Engine``:
 * ``keep``: what ``request_finished`` returns;
 * ``fail``: method name whose worker call raises ``RuntimeError("boom in <name>")``;
 * ``fail_once``: same, but only the first time;
+* ``fail_ranks``: with ``fail``, only these ranks' workers raise (default: every rank);
 * ``finish``: ``callable(rank, handed_saving, handed_loading, worker) -> (saving, loading)``
   deciding what ``get_finished`` returns (default: everything handed in, at once).
 """
@@ -33,8 +34,9 @@ def _log(*item: Any) -> None:
     REC["calls"].append(item)
 
 
-def _maybe_fail(name: str) -> None:
-    if CONTROL.get("fail") == name:
+def _maybe_fail(name: str, rank: int = 0) -> None:
+    ranks = CONTROL.get("fail_ranks")
+    if CONTROL.get("fail") == name and (ranks is None or rank in ranks):
         raise RuntimeError(f"boom in {name}")
     if CONTROL.get("fail_once") == name:
         CONTROL.pop("fail_once")
@@ -99,19 +101,19 @@ class RecWorker(KvCacheConnectorWorker):
 
     def start_load_kv(self, stream: Any) -> None:
         _log("start_load_kv", self.rank)
-        _maybe_fail("start_load_kv")
+        _maybe_fail("start_load_kv", self.rank)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         _log("wait_for_layer_load", self.rank, layer_idx)
-        _maybe_fail("wait_for_layer_load")
+        _maybe_fail("wait_for_layer_load", self.rank)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         _log("save_kv_layer", self.rank, layer_idx)
-        _maybe_fail("save_kv_layer")
+        _maybe_fail("save_kv_layer", self.rank)
 
     def wait_for_save(self, stream: Any) -> None:
         _log("wait_for_save", self.rank)
-        _maybe_fail("wait_for_save")
+        _maybe_fail("wait_for_save", self.rank)
 
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]

@@ -12,7 +12,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine_recording_connector as rc  # noqa: E402
 
 from disagg.engine import valid_page_slots  # noqa: E402
-from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig  # noqa: E402
+from disagg.engine.reference import (  # noqa: E402
+    ConnectorSpec,
+    Engine,
+    EngineConfig,
+    RankDivergenceError,
+)
 
 MOD = "engine_recording_connector"
 FLAT = ConnectorSpec(MOD, "RecScheduler", "RecWorker")
@@ -319,6 +324,62 @@ def test_hook_failure_fails_batch_only(hook: str) -> None:
     with pytest.raises(RuntimeError, match=f"boom in {hook}"):
         rc.reset(fail_once=hook)
         Engine(EngineConfig(), FLAT).generate([prompt(8)], 1)
+
+
+@pytest.mark.parametrize("hook", ["wait_for_layer_load", "save_kv_layer", "wait_for_save"])
+def test_tp_hook_failure_on_one_rank_only_is_a_divergence(hook: str) -> None:
+    """TP ranks are separate processes in TensorRT-LLM: a hook that raises on rank 1 alone
+    fails only rank 1's batch, while rank 0 runs the layer and waits forever in its
+    all-reduce. The engine must say so (fatal), not fail the request for every rank."""
+    rc.reset(fail=hook, fail_ranks={1})
+    eng = Engine(EngineConfig(tp=2), FLAT)
+    a = eng.add_request(prompt(40), 3)
+    b = eng.add_request(prompt(40, seed=2), 3)
+    with pytest.raises(RankDivergenceError) as exc:
+        eng.step()
+    err = exc.value
+    assert sorted(err.raised) == [1] and err.clean == [0]
+    assert err.request_ids == [a, b]
+    assert hook in err.hook and f"boom in {hook}" in str(err)
+    assert f"[{a}, {b}]" in str(err) and "rank(s) [1] raised" in str(err)
+    # every rank's hook ran (each rank is its own process): rank 0's too
+    assert count(hook, 0) >= 1 and count(hook, 1) >= 1
+    with pytest.raises(RuntimeError, match="dead"):
+        eng.step()
+
+
+def test_tp_hook_failure_on_every_rank_fails_the_batch_only() -> None:
+    """All ranks raising in the same hook is consistent: every rank fails the batch."""
+    rc.reset(fail="wait_for_layer_load", fail_ranks={0, 1})
+    eng = Engine(EngineConfig(tp=2), FLAT)
+    a = eng.add_request(prompt(40), 3)
+    eng.step()
+    assert eng.results[a].error and "boom in wait_for_layer_load" in eng.results[a].error
+    rc.CONTROL.pop("fail")
+    b = eng.add_request(prompt(40, seed=3), 3)
+    while eng.has_work():
+        eng.step()
+    assert eng.results[b].error is None and len(eng.results[b].tokens) == 3
+
+
+def test_tp_fatal_error_on_one_rank_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose hook error is fatal by TensorRT-LLM's classification stops (and the
+    MPI job with it): that error is raised, not a divergence."""
+    orig = rc._maybe_fail
+
+    def fatal(name: str, rank: int = 0) -> None:
+        try:
+            orig(name, rank)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: unrecoverable") from e
+
+    monkeypatch.setattr(rc, "_maybe_fail", fatal)
+    rc.reset(fail="wait_for_layer_load", fail_ranks={1})
+    eng = Engine(EngineConfig(tp=2), FLAT)
+    eng.add_request(prompt(40), 3)
+    with pytest.raises(RuntimeError, match="boom in wait_for_layer_load: unrecoverable") as exc:
+        eng.step()
+    assert not isinstance(exc.value, RankDivergenceError)
 
 
 @pytest.mark.parametrize("bogus", ["unknown", "repeat"])

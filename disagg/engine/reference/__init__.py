@@ -11,10 +11,14 @@ Public API (used by serve/bench/tests)::
         eng.step()
     eng.results[rid].tokens, eng.results[rid].error, eng.stats.as_dict()
     eng.generate([[1, 2, 3]], max_tokens=8)  # -> [[...]]; raises RuntimeError on failure
+
+TP ranks (``EngineConfig(tp=N)``) run in one process, but are judged as separate ones: a
+forward hook that raises on some ranks and not on others raises ``RankDivergenceError``
+(fatal), where a real multi-process engine would hang in the layer's all-reduce.
 """
 
 from .config import ConnectorSpec, EngineConfig, LlmArgs, parse_windows
-from .connector_driver import CpuStream
+from .connector_driver import CpuStream, RankDivergenceError
 from .executor import Engine, EngineStats, Request, RequestResult
 
 __all__ = [
@@ -24,6 +28,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "LlmArgs",
+    "RankDivergenceError",
     "Request",
     "RequestResult",
     "parse_windows",

@@ -3,6 +3,17 @@
 
 Every call into the connector goes through ``Driver`` so ``stats`` counts it: scheduler
 calls once (rank 0 only), worker calls once per rank (counts are rank 0's).
+
+Ranks in one process, faithfully (contract §7.7, §7.8). In TensorRT-LLM each TP rank is its
+own MPI process: an exception in a forward hook (``wait_for_layer_load``, ``save_kv_layer``,
+the forward-pass callable, ``wait_for_save``) is caught by *that rank's* ``_forward_step``
+and ``_handle_errors`` fails *that rank's* batch; a rank whose hook did not raise goes on
+into the layer's collectives (all-reduce) and waits there forever for the rank that left.
+So ``each_worker`` calls every rank's hook and compares: all ranks raised (the batch fails
+everywhere, with rank 0's message: rank 0 answers the client) or none did are both
+consistent; some but not all is ``RankDivergenceError``, fatal, standing in for the hang
+(unless a raising rank's error is fatal by TensorRT-LLM's classification anyway: that rank's
+executor stops and the job with it, and that error is raised).
 """
 
 from __future__ import annotations
@@ -20,6 +31,52 @@ from .. import KvCacheConnectorScheduler
 from .._contract import reject_flat_only_scheduler
 from .config import ConnectorSpec, EngineConfig, LlmArgs, llm_args_for_rank
 from .kv_cache import KvCacheManager
+
+# TensorRT-LLM's error classification (error_classification.py): an error whose message
+# holds one of these stops the executor instead of failing the batch.
+IMMEDIATE_FATAL_PATTERNS = (
+    "cudaerrorillegaladdress",
+    "cudaerrorlaunchfailure",
+    "illegal memory access",
+    "device-side assert",
+    "unrecoverable",
+)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Would TensorRT-LLM stop the executor on ``exc`` (rather than fail the batch)?"""
+    msg = f"{type(exc).__name__}: {exc}".lower()
+    return any(p in msg for p in IMMEDIATE_FATAL_PATTERNS)
+
+
+class RankDivergenceError(RuntimeError):
+    """TP ranks disagreed in one forward pass: some ranks' connector hooks raised (their
+    batch fails) and others' did not (they run the layer). In a real multi-process TP
+    engine the ranks that went on block forever in the layer's all-reduce: a hang. The
+    reference engine raises this instead; it is fatal (the engine is dead afterwards).
+
+    ``hook``: where (e.g. ``wait_for_layer_load(layer 0)``); ``raised``: rank -> its error;
+    ``clean``: ranks that did not raise; ``request_ids``: the batch (set by the executor)."""
+
+    def __init__(
+        self,
+        hook: str,
+        raised: dict[int, BaseException],
+        clean: list[int],
+        request_ids: list[int] | None = None,
+    ):
+        self.hook, self.raised, self.clean = hook, raised, clean
+        self.request_ids = list(request_ids or [])
+        errs = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(raised.items()))
+        reqs = f" for request(s) {self.request_ids}" if self.request_ids else ""
+        super().__init__(
+            f"TP ranks diverged in {hook}{reqs}: rank(s) {sorted(raised)} raised and fail "
+            f"the batch, rank(s) {clean} did not and would wait forever in the layer's "
+            f"collectives (a hang in a real multi-process engine) -- {errs}"
+        )
+
+    def with_requests(self, request_ids: list[int]) -> RankDivergenceError:
+        return RankDivergenceError(self.hook, self.raised, self.clean, request_ids)
 
 
 class CpuStream:
@@ -122,16 +179,41 @@ class Driver:
             w.start_load_kv(self.stream)
 
     def each_worker(self, name: str, *args: Any) -> None:
+        """A forward hook on every rank (see the module docstring): every rank's hook runs
+        (each rank is its own process, its own ``try``); then all ranks raised (rank 0's
+        error is raised), none did, or ``RankDivergenceError``."""
+        raised: dict[int, BaseException] = {}
         for r, w in enumerate(self.workers):
             self._count(name, rank0=r == 0)
-            getattr(w, name)(*args)
+            try:
+                getattr(w, name)(*args)
+            except Exception as exc:
+                raised[r] = exc
+        where = f"{name}(layer {args[0]})" if name != "wait_for_save" else name
+        self._agree(where, raised)
 
     def forward_callables(self) -> None:
         if self.callables and self.callables[0] is not None:
             self.calls["forward_pass_callable"] += 1
-        for c in self.callables:
+        raised: dict[int, BaseException] = {}
+        for r, c in enumerate(self.callables):
             if c is not None:
-                c()
+                try:
+                    c()
+                except Exception as exc:
+                    raised[r] = exc
+        self._agree("the forward-pass callable", raised)
+
+    def _agree(self, where: str, raised: dict[int, BaseException]) -> None:
+        if not raised:
+            return
+        if len(raised) == len(self.workers):
+            raise raised[0]  # every rank fails the batch; rank 0 answers the client
+        fatal = [e for e in raised.values() if is_fatal(e)]
+        if fatal:  # that rank's executor stops, and the MPI job with it
+            raise fatal[0]
+        clean = [r for r in range(len(self.workers)) if r not in raised]
+        raise RankDivergenceError(where, raised, clean)
 
     def get_finished(self, saving: list[int], loading: list[int]) -> tuple[set[int], set[int]]:
         """Hand each id in once per rank; return the ids every rank has reported

@@ -14,7 +14,11 @@ One ``Engine.step()`` is one executor iteration:
    ``start_load_kv`` (an exception there is fatal: it propagates and the engine is dead);
 4. the forward, if anything is left after parking: per layer ``wait_for_layer_load`` ->
    compute -> ``save_kv_layer``; the forward-pass callable; ``wait_for_save``. An exception
-   fails every request of the batch with its message; other requests keep being served;
+   fails every request of the batch with its message; other requests keep being served.
+   Under TP every rank's hook is called and they must agree: if some ranks raise and others
+   do not, a real multi-process engine hangs (the others wait in the layer's all-reduce),
+   so the engine raises ``RankDivergenceError`` naming the ranks and requests, fatal
+   (``connector_driver``);
 5. sampling (greedy), block registration for reuse, sliding-window reclamation;
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
@@ -30,19 +34,9 @@ from typing import Any
 
 from .. import RequestData, SchedulerOutput
 from .config import ConnectorSpec, EngineConfig, build_llm_args
-from .connector_driver import Driver
+from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
-
-# TensorRT-LLM's error classification (error_classification.py): an error whose message
-# holds one of these stops the executor instead of failing the batch.
-IMMEDIATE_FATAL_PATTERNS = (
-    "cudaerrorillegaladdress",
-    "cudaerrorlaunchfailure",
-    "illegal memory access",
-    "device-side assert",
-    "unrecoverable",
-)
 
 
 @dataclass
@@ -503,6 +497,8 @@ class Engine:
             if drv is not None:
                 drv.forward_callables()
                 drv.each_worker("wait_for_save", stream)
+        except RankDivergenceError as e:  # the ranks would hang: the engine is dead
+            raise e.with_requests([r.request_id for r in batch]) from e
         except Exception as e:  # _handle_errors: fail the batch, keep serving
             msg = f"{type(e).__name__}: {e}"
             if any(p in msg.lower() for p in IMMEDIATE_FATAL_PATTERNS):
