@@ -1,7 +1,10 @@
-"""The compiled pieces: the block-key loops (disagg/protocol/_keyhash.c) and the host row
-copy of the same-host plane (disagg/transport/_rowcopy.c). ``optional``: without a C
-compiler the install still succeeds; keys.py computes the same keys in pure Python and
-page_copy.py copies with torch/numpy in two passes, only slower."""
+"""The compiled pieces: the block-key loops (disagg/protocol/_keyhash.c), the host row
+copy of the same-host plane (disagg/transport/_rowcopy.c), the stream plane's scatter/
+gather socket I/O (disagg/transport/_streamio.c) and the UCX plane's batched RMA posting
+(disagg/transport/_ucxrma.c). ``optional``: without a C compiler the install still
+succeeds and each module falls back to a slower pure-Python path (keys.py, page_copy.py,
+zmq_plane.py; the UCX plane to its tag path). CI sets DISAGG_REQUIRE_NATIVE=1, under which
+a missing extension is an error."""
 
 from setuptools import Extension, setup
 
@@ -15,5 +18,7 @@ setup(
             extra_link_args=["-pthread"],
             optional=True,
         ),
+        Extension("disagg.transport._ucxrma", ["disagg/transport/_ucxrma.c"], optional=True),
+        Extension("disagg.transport._streamio", ["disagg/transport/_streamio.c"], optional=True),
     ]
 )

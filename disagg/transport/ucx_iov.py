@@ -26,9 +26,10 @@ at 8.3-10.9 GB/s at 64 KiB (scratch + numpy scatter: 7.3-8.3; memcpy 11-15), but
 about one run in four it fell to 2.1-3.0 GB/s for the whole run, and with one busy
 process beside it 5.1-5.3 against the scratch path's 6.3-7.5: a lock-step pipeline
 stalls whenever a third thread takes a core. An RMA ``ucp_get_nbx`` into an IOV of the
-slots does copy once (cma, one ``process_vm_readv`` per entry), but it needs the sender's
-memory registered and its rkey on the wire, and ran at 7.2 GB/s at 64 KiB, 8.3-10.3 at
-256 KiB and 10.8-12.3 at 1 MiB: no clear gain over today's receive at 64-256 KiB.
+slots does copy once (cma, one ``process_vm_readv`` per entry): 7.2 GB/s at 64 KiB,
+8.3-10.3 at 256 KiB and 10.8-12.3 at 1 MiB in that spike. That is now the shm path for
+StoreRows (ucx_rma.py; one ``ucp_get_nbx`` per run of rows, posted from a C loop);
+these iov sends remain for receivers that do not offer it.
 """
 
 from __future__ import annotations

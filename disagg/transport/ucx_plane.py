@@ -1,21 +1,46 @@
 """UCX implementation of the DataPlane, on ``ucxx`` (``pip install disagg[ucx]``).
 
-Design choice: tagged messages received *straight into the destination rows*, not RMA.
-ucxx 0.52's Python bindings expose no memory handles, rkeys or put/get (deps.md §3), so
-one-sided writes would need a native shim (or nixl). Tagged messages move the bytes the
-same number of times (once, for a run that lands in place) and keep every write under
-the receiver's control: it decides, per message, where it lands, after checking it.
-Measured here (2 cores, loopback, 128 MiB of scattered pages, ``python -m disagg.bench
-transfer``): a plain ucxx 64 MiB tag send/recv between two processes reaches 4.5-4.7
-GiB/s over tcp (``python -m ucxx.benchmarks.send_recv -l ucxx-core --progress-mode
-blocking -n 67108864``); this plane reaches 1.4-2.3 GB/s over tcp and 3.6-5.1 GB/s over
-shared memory. What separated it from the library was Python work, not the wire: torch's
-CPU ``index_copy_`` scattering packed segments at 0.6 GB/s (now numpy, ~8 GB/s), a probe
-per pending segment per progress loop (now one masked probe per arrived message), and a
-busy-spinning progress thread competing with the peer process for 2 cores (now blocking
-progress on the worker's event fd). RMA would not remove any of these.
+Design choice, by channel (measured, below):
 
-Wire (all tagged messages on one UCX worker per plane):
+- ``shm``, producer StoreRows of a host store: one-sided *reads by the consumer*
+  ("RMA (one-sided reads)"): the producer registers its store slab once (``ucp_mem_map``,
+  remote read), sends per batch a header naming the slab row of every page plus the
+  packed rkey; the consumer checks the batch like any other, then pulls every run of
+  rows straight into its slots with ``ucp_get_nbx`` (cma: one ``process_vm_readv`` per
+  run, one copy) posted from a C loop (``_ucxrma.c`` via ``ucx_rma.py``), and
+  acknowledges the batch once every read completed.
+- ``tcp`` (and rows that are not StoreRows, CUDA rows, a receiver that does not offer
+  RMA, or ``_ucxrma`` not built): tagged messages received *straight into the
+  destination rows* or into scratch (below). UCX's tcp transport has no get (``ucx_info
+  -d``: put_zcopy only), so a pull would go through UCX's software RMA emulation; the
+  one-copy alternative, the producer *writing* with ``ucp_put_nbx`` (tcp put_zcopy) into
+  the consumer's slots, needs the consumer's pool registered for remote writes, which
+  no longer lets the receiver enforce its slot rules or ``abort`` (the producer's writes
+  land from the consumer's own progress, wherever the producer aims), and in the spike
+  (/scratch/ucx/spike_put.py: 16 puts of 64 KiB random rows into random slots over a
+  listener endpoint, error handling on) ``ucp_ep_flush_nbx`` never completed; 256 MiB
+  runs never finished. Not pursued: tcp keeps the tag path.
+
+Why reads by the consumer and not writes by the producer on shm: the consumer writes
+only its own slots, after its ``ReceiverBook`` checked them (bounds, promised slots, each
+once), so every receiver rule and ``abort`` hold unchanged, and only the producer's store
+is exposed (read-only); a push model would expose the consumer's page pool to writes.
+Measured on the 2-core box (same bench as below): cma reads move 64 KiB pages at
+6.6-7.5 GB/s, 256 KiB at 8.7-9.5, against 2.8-4.2 / 3.7-4.4 through tag messages +
+scratch + scatter, and against NIXL's one-sided writes of the same pages, 3.5-4.1 /
+4.1-5.6 (full numbers in "RMA (one-sided reads)").
+
+Tag path, first measurements (2 cores, loopback, 128 MiB of scattered pages, ``python -m
+disagg.bench transfer``): a plain ucxx 64 MiB tag send/recv between two processes reaches
+4.5-4.7 GiB/s over tcp (``python -m ucxx.benchmarks.send_recv -l ucxx-core --progress-mode
+blocking -n 67108864``); this plane first reached 1.4-2.3 GB/s over tcp and 3.6-5.1 GB/s
+over shared memory. What separated it from the library was Python work, not the wire:
+torch's CPU ``index_copy_`` scattering packed segments at 0.6 GB/s (now numpy, ~8 GB/s), a
+probe per pending segment per progress loop (now one masked probe per arrived message),
+and a busy-spinning progress thread competing with the peer process for 2 cores (now
+blocking progress on the worker's event fd).
+
+Wire of the tag path (all tagged messages on one UCX worker per plane):
 
 - Headers travel under tag ``_HDR_TAG``: 4-byte little-endian length + a msgpack
   ``PageBatch`` or ``TransferDone`` (protocol/messages.py, unchanged).
@@ -88,7 +113,8 @@ an IOV receive is answered with sysv copy-in copy-out pieces, fast when both cor
 collapsing to 2-3 GB/s when a third thread takes one); an RMA get into an iov of the slots
 is one copy but measured no better than the scratch path at 64-256 KiB.
 
-Sender, store rows (``accepts_store_rows``; bench changed at f2b6b52 to draw the N source
+Sender, store rows on the tag path (a receiver without ``rma=1``, or tcp;
+``accepts_store_rows``; bench changed at f2b6b52 to draw the N source
 rows at random from a 2N-row store and to time the producer's gather). ``post_push``
 takes ``StoreRows`` of a host slab and plans the same batches and segments as before
 (the wire is unchanged; the receiver cannot tell): a segment whose pages are one span of
@@ -149,9 +175,88 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
   peer fails the requests in flight).
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
-  peer that dies mid-transfer is then noticed by the deadline only. ``?direct=1``
+  peer that dies mid-transfer is then noticed by the deadline only (or, on the RMA
+  path, by a failed read). ``rma=1`` (query) once the receiver reads StoreRows batches
+  itself ("RMA (one-sided reads)"); older senders ignore it. ``?direct=1``
   once every registered host region is huge-page memory from ``hostmem.empty`` (see
   "Shared memory"); older senders ignore the query and keep packing.
+
+RMA (one-sided reads; ``ucx_rma.py``, ``_ucxrma.c``). Offered by a ``shm`` receiver whose
+registered regions are all host memory, when ``ucx_rma.available()`` (the C loop is
+built, libucp as mirrored, ``DISAGG_UCX_RMA`` not ``0``): its endpoint carries ``rma=1``
+and its UCX context has the RMA feature. A ``shm`` producer that sees it sends each
+batch of host ``StoreRows`` (``_plan_rma``: the same ``_batches`` of runs, at most
+``_RMA_MAX_PAGES`` pages) as ONE header under ``_HDR_RMA_TAG`` (tag 0, in the header
+mask, so headers and TransferDone keep their order): a length-prefixed ``_RMA_FIXED``
+block, the msgpack ``PageBatch``, the packed rkey of the slab, the producer's own
+worker-address endpoint, the column spans and the slab row of every page. No payload
+message follows. The slab is registered on first use by the progress thread
+(``_rma_reg``: keyed by address and length, the tensor kept alive while mapped, the
+least recently used of more than ``_RMA_REGS`` unmapped when no active push reads it)
+and unmapped on close.
+
+The receiver (``_rx_rma``) authenticates the header and checks the whole batch before a
+single read is posted: the book's slot checks (``accept_batch``), and the source
+description (``_rma_check``: a row per page, rows inside the slab, columns inside a row
+and adding up to the page size, a host group, a worker-address endpoint). It connects
+back to the producer (cached, error handling off like every shm endpoint), unpacks the
+rkey (cached per endpoint and key, destroyed on close or when the endpoint is
+replaced), builds the read list with numpy (``ucx_rma.op_lists``: a page cut at column
+and region boundaries, reads that continue one another on both sides merged, so a run
+of rows into a run of slots is one read), and posts all of it from the C loop
+(``_ucxrma.post``). ``_rma_reap`` drives the reads (``_ucxrma.drive``: up to
+``_RMA_ROUNDS`` ``ucp_worker_progress`` calls per loop turn, then a status check of
+each request; the thread does not sleep while reads are in flight: cma reads progress
+in worker progress, not on the event fd). A batch's pages count as landed only once
+every read of it completed with UCS_OK; a failed or refused read fails the transfer.
+Then the receiver acknowledges the batch to the producer under ``_ack_tag`` (keyed with
+the token like the data tags: a stranger cannot forge one, which would make the
+producer release rows still being read), with an error text when it failed or was
+refused. The producer sends its TransferDone only after every batch was acknowledged,
+so a receiver can only end DONE after all its reads completed while the producer still
+held the rows; a producer that gives up (deadline, close) sends no TransferDone, and a
+read that then sees reused rows belongs to a transfer that can only fail. A producer
+that dies mid-transfer fails the reads (cma: ``ESRCH``) or, if they had completed, leaves
+the transfer without its TransferDone until its deadline: typed failures, no page of a
+DONE transfer is wrong (tests/transport/test_ucx_rma.py).
+
+What is exposed to whom (details in ucx_rma.py): a consumer that received an RMA header
+(which goes only to the endpoint the consumer's control Push named, authenticated by the
+transfer's token) holds the rkey of the producer's whole store slab, read-only, as long
+as the producer keeps it mapped: the trust model of NIXL and of the ipc plane's shared
+store. Nothing of the consumer is exposed. The receiver connects back to the endpoint
+an authenticated header names (only worker addresses are accepted).
+
+Measured (``flock /tmp/bench.lock disagg bench transfer --transports ucx-shm,ucx-tcp,nixl,
+mooncake --page-sizes 64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5``, random rows of a
+2N-row hugepage store into random slots of a hugepage pool, 3 runs each, GB/s and ratio
+of the row's memcpy ceiling; before = tag path, i.e. ``DISAGG_UCX_RMA=0``):
+
+- shm before (tag path: iov sends, scratch, numpy scatter; 2 runs + the session's
+  first): 64 KiB 2.83-4.20 (0.21-0.31), 256 KiB 3.66-4.44 (0.26-0.33), 1 MiB 8.24-8.79
+  (0.53-0.66), 4 MiB 8.49-9.87 (0.64-0.69); NIXL in the same runs 3.40-4.06, 4.89-5.63,
+  5.28-6.37, 5.57-6.12.
+- shm RMA, 3 runs: 64 KiB 5.11-6.74 (0.36-0.47), 256 KiB 8.02-8.92 (0.57-0.69), 1 MiB
+  9.68-11.01 (0.72-0.77), 4 MiB 9.71-10.93 (0.71-0.81); NIXL in the same runs 3.43-3.77,
+  3.74-5.30, 4.21-5.61, 5.49-5.99: faster than NIXL at every size in every run.
+- tcp (tag path, unchanged) in the same runs: 2.07-2.37 (0.58-0.62 of raw TCP),
+  2.07-2.43 (0.53-0.61), 2.72-4.35, 2.39-4.85; Mooncake 1.39-1.52, 2.43-2.53, 2.02-2.24,
+  1.86-1.94 (a tie at 256 KiB, ahead elsewhere).
+
+What limits it now: every copy is one ``process_vm_readv`` per run, made by the
+consumer's progress thread on one core (the producer's core idles), and UCX's cma serves
+one operation per ``ucp_worker_progress`` (``UCX_CMA_TX_QUOTA=1``; 8 measured worse:
+4.8/6.4 against 5.3/7.3 GB/s at 64/256 KiB). The medium's ceiling for that, measured in
+the same run (/scratch/ucx/rma_bench.py: the plane pulling 256 MiB of random rows into
+random slots, 10 reps, next to the same pages read by a ctypes loop of raw
+``process_vm_readv``, one call per page, in the consumer): 64 KiB plane 5.9 (4.7-6.0)
+GB/s against raw 7.1 (5.5-7.4); 256 KiB 7.6 (7.5-7.7) against 10.1 (9.5-11.1), i.e.
+0.75-0.83 of one core's per-page cma. The bench's memcpy ceiling (12-14 GB/s) copies
+one contiguous buffer; per-page cma on one core does not reach it. (``perf record -a``
+over a bench run was dominated by the bench's page clearing and setup, hence the
+same-run ceiling instead.) Closing the rest needs both cores copying, e.g. the producer
+writing half of each batch with cma puts, which would expose the consumer's pool to
+writes, or fewer UCX calls per page (its request and progress per operation).
 
 CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
 sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
@@ -188,7 +293,8 @@ KiB), not the copy engine.
 Threads: one progress thread owns the worker and makes every UCX call; the caller's
 threads only queue work and read state, so ``poll`` never blocks on the network. The
 thread sleeps in ``poll()`` on the worker's event fd and a wake-up pipe whenever UCX has
-nothing ready (blocking progress), also with data in flight.
+nothing ready (blocking progress), also with data in flight (not while RMA reads are in
+flight: cma progresses only in worker progress).
 
 Safety (same contract as ZmqDataPlane, enforced by the shared ``ReceiverBook``): every
 slot of a batch is checked before any receive is posted (bounds, the slots the transfer
@@ -220,7 +326,7 @@ from .. import hostmem
 from ..pages import gather_rows, scatter_rows
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from . import ucx_iov
+from . import ucx_iov, ucx_rma
 from .dataplane import (
     DataPlane,
     RegionSpec,
@@ -273,6 +379,18 @@ _HDR_WHOLE_TAG = 2  # header of a batch whose payload follows as one message (CU
 _HDR_DIRECT_TAG = 3
 _HDR_MASK_TAGS = 3  # the header tags are probed with one mask, so they stay in order
 _SHM_DIRECT_QUERY = "direct=1"  # on a ucx+shm endpoint: runs may land in the rows
+# header of a batch whose pages the receiver reads itself (one-sided, ``ucp_get_nbx``
+# from the sender's registered store rows: "RMA"); in the header mask, so in order
+_HDR_RMA_TAG = 0
+_RMA_QUERY = "rma=1"  # on an endpoint: the receiver reads StoreRows batches itself
+_RMA_MAGIC = b"RMA1"
+_RMA_MAX_PAGES = 32768  # pages per RMA batch (their rows travel in the header: 256 KiB)
+_RMA_REGS = 8  # producer: store slabs kept registered (least recently used ones unmapped)
+_RMA_RKEYS = 64  # consumer: unpacked remote keys kept
+_RMA_ROUNDS = 64  # worker progress calls per loop turn while reads are in flight
+# acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
+# data tag, not a header tag), 62 bits of a keyed hash like the data tags
+_ACK_BIT = 1 << 62
 _BIG_BUFS = 2  # whole-batch device scratch buffers per device (receive k+1, scatter k)
 _BIG_ALIGN = 2 << 20
 _HDR_MAX = 1 << 20
@@ -295,6 +413,15 @@ def _data_tag(key: bytes, transfer_id: int, seq: int) -> int:
     msg = struct.pack("<QQ", transfer_id & _U64, seq & _U64)
     digest = hashlib.blake2b(msg, key=key, digest_size=8).digest()
     return _DATA_BIT | (int.from_bytes(digest, "little") & (_DATA_BIT - 1))
+
+
+def _ack_tag(key: bytes, transfer_id: int, batch: int) -> int:
+    """The tag of the consumer's acknowledgement of RMA batch ``batch`` of a transfer
+    (keyed like ``_data_tag``, so only the consumer holding the token can name it: a
+    forged acknowledgement could make the producer release rows still being read)."""
+    msg = struct.pack("<QQQ", transfer_id & _U64, batch & _U64, 0xAC4)
+    digest = hashlib.blake2b(msg, key=key, digest_size=8).digest()
+    return _ACK_BIT | (int.from_bytes(digest, "little") & (_ACK_BIT - 1))
 
 
 @dataclass(frozen=True)
@@ -400,6 +527,113 @@ class _Scatter:
     pool: list[torch.Tensor]
 
 
+@dataclass
+class _RmaRead:
+    """An accepted RMA batch whose reads are in flight: its pages land (and the
+    producer is told, under ``ack_tag`` on ``ep``) once every read completed."""
+
+    rx: _UcxRx
+    group: int
+    pages: int
+    nbytes: int
+    ops: ucx_rma.RmaOps
+    ack_tag: int
+    ep: Any
+    endpoint: str
+
+
+_RMA_FIXED = struct.Struct("<4sIQQQQIHHI")
+
+
+@dataclass(frozen=True)
+class RmaHeader:
+    """Parsed RMA batch header: the ``PageBatch`` (authenticated and checked like any
+    other) and where its pages lie at the producer: rows ``rows`` (one per page, in page
+    order) of a slab of ``nrows`` rows of ``stride`` bytes at ``base`` (``width`` bytes
+    of each readable), each page the column spans ``cols``; ``rkey`` packed by the
+    producer; ``endpoint`` where to reach it (reads and the acknowledgement)."""
+
+    msg: m.Message
+    base: int
+    nrows: int
+    stride: int
+    width: int
+    batch: int
+    rkey: bytes
+    endpoint: str
+    cols: tuple[tuple[int, int], ...]
+    rows: np.ndarray
+
+
+def _rma_frame(
+    header: bytes,
+    base: int,
+    nrows: int,
+    stride: int,
+    width: int,
+    batch: int,
+    rkey: bytes,
+    endpoint: str,
+    cols: tuple[tuple[int, int], ...],
+    rows: np.ndarray,
+) -> np.ndarray:
+    ep = endpoint.encode()
+    fixed = _RMA_FIXED.pack(
+        _RMA_MAGIC, len(header), base, nrows, stride, width, batch, len(rkey), len(ep), len(cols)
+    )
+    body = b"".join(
+        (
+            fixed,
+            header,
+            rkey,
+            ep,
+            np.asarray(cols, dtype="<u8").tobytes(),
+            np.ascontiguousarray(rows, dtype="<i8").tobytes(),
+        )
+    )
+    return np.frombuffer(struct.pack("<I", len(body)) + body, dtype=np.uint8)
+
+
+def _rma_parse(body: bytes) -> RmaHeader:
+    """Parse an RMA header (ValueError / ProtocolError when malformed)."""
+    if len(body) < _RMA_FIXED.size:
+        raise ValueError("short RMA header")
+    magic, hlen, base, nrows, stride, width, batch, klen, elen, ncols = _RMA_FIXED.unpack_from(body)
+    if magic != _RMA_MAGIC:
+        raise ValueError("not an RMA header")
+    at = _RMA_FIXED.size
+    msg = m.decode(body[at : at + hlen])
+    at += hlen
+    rkey = body[at : at + klen]
+    at += klen
+    endpoint = body[at : at + elen].decode()
+    at += elen
+    cb = 16 * ncols
+    colv = np.frombuffer(body, dtype="<u8", count=2 * ncols, offset=at).reshape(-1, 2)
+    at += cb
+    if (len(body) - at) % 8 or len(rkey) != klen:
+        raise ValueError("RMA header lengths disagree")
+    rows = np.frombuffer(body, dtype="<i8", offset=at).astype(np.int64)
+    cols = tuple((int(o), int(n)) for o, n in colv.tolist())
+    return RmaHeader(msg, base, nrows, stride, width, batch, rkey, endpoint, cols, rows)
+
+
+@dataclass
+class RmaBatch:
+    """A plan entry of the producer: one batch the consumer reads from ``slab`` (a
+    host store, registered on first use by the progress thread, which frames the header
+    then: ``_tx_pump``)."""
+
+    header: bytes  # the encoded PageBatch
+    slab: np.ndarray
+    owner: torch.Tensor
+    rows: np.ndarray  # slab row of each page, in page order
+    cols: tuple[tuple[int, int], ...]
+    batch: int
+    ack_tag: int
+    nbytes: int
+
+
 # =================================== sender state ======================================
 @dataclass
 class PushHandle:
@@ -420,6 +654,10 @@ class PushHandle:
     next: int = 0  # index in ``plan`` of the next message to post
     # (request, send buffer, from the ring?) of gathered segments not yet seen complete
     ring: list[tuple[Any, np.ndarray, bool]] = field(default_factory=list)
+    # RMA batches: acknowledgement tags not yet received (the TransferDone, last in
+    # ``plan``, is held back until none is left: the consumer may still be reading)
+    acks: set[int] = field(default_factory=set)
+    rma: bool = False
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.error, self.pages, self.nbytes)
@@ -485,6 +723,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._init_error: BaseException | None = None
         self._endpoint = ""
         self._shm_direct = False  # every host region is huge pages: ask for direct runs
+        # RMA: the context has it and the channel is shm (set by _setup); the receiver
+        # reads StoreRows batches itself while every registered region is host memory
+        self._rma = False
+        self._rma_rx_ok = False
         self._bind = urlsplit(bind)
         self._advertise = advertise
         self._thread = threading.Thread(target=self._run, name="disagg-ucx", daemon=True)
@@ -498,9 +740,12 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     # ================================ receiver ==========================================
     @property
     def endpoint(self) -> str:
+        query = []
         if self._shm_direct:
-            return f"{self._endpoint}?{_SHM_DIRECT_QUERY}"
-        return self._endpoint
+            query.append(_SHM_DIRECT_QUERY)
+        if self._rma_rx_ok:
+            query.append(_RMA_QUERY)
+        return f"{self._endpoint}?{'&'.join(query)}" if query else self._endpoint
 
     def register_regions(
         self, group_regions: Sequence[Sequence[RegionSpec | torch.Tensor]]
@@ -540,6 +785,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._shm_direct = (
                 self.channel == "shm" and bool(host) and all(map(hostmem.is_huge, host))
             )
+            self._rma_rx_ok = self._rma and all(d is None for d in gdev)
 
     # ================================= sender ===========================================
     def post_push(
@@ -574,8 +820,19 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         }
         if devices and not self.cuda:
             raise ValueError("CUDA source rows need a plane made with cuda=True")
-        direct = shm and _SHM_DIRECT_QUERY in urlsplit(endpoint).query.split("&")
+        query = urlsplit(endpoint).query.split("&")
+        direct = shm and _SHM_DIRECT_QUERY in query
+        # One-sided: the receiver reads host StoreRows itself (module docstring, "RMA")
+        rma = shm and self._rma and _RMA_QUERY in query
+        batch = 0
         for group, rows, dst_slots in srcs:
+            if rma and isinstance(rows, StoreRows):
+                msgs, n, batch = _plan_rma(
+                    transfer_id, lease_id, bytes(token), group, rows, dst_slots, batch, keep
+                )
+                plan.extend(msgs)
+                npages += n
+                continue
             msgs, n, seq = _plan_group(
                 transfer_id,
                 lease_id,
@@ -598,6 +855,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         handle = PushHandle(
             transfer_id, endpoint, time.monotonic() + deadline_s, plan, npages, keep
         )
+        handle.rma = batch > 0
         if self._stop.is_set():
             handle.state, handle.error = TransferState.FAILED, "data plane closed"
         else:
@@ -653,7 +911,11 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             # that creates the context/worker and makes every UCX call (this one).
             torch.cuda.set_device(self._cuda_device)
             torch.empty(1, device=f"cuda:{self._cuda_device}")
-        self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._rma = self.channel == "shm" and ucx_rma.available()
+        features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
+        if self._rma:
+            features.append(ucx_api.Feature.RMA)
+        self._ctx = ucx_api.UCXContext(feature_flags=tuple(features))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string
@@ -669,6 +931,14 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # (request, segment, scratch: np / torch / None, the free list it goes back to)
         self._rx_reqs: list[tuple[Any, _PendingSeg, Any, Any]] = []
         self._discards: list[Any] = []
+        # RMA, producer: registered store slabs by (address, length), least recently
+        # used first; acknowledgement tags awaited, by tag. Consumer: batches being read,
+        # unpacked remote keys by (producer endpoint, packed key), acknowledgement sends
+        self._rma_regs: dict[tuple[int, int], ucx_rma.Registration] = {}
+        self._ack_wait: dict[int, PushHandle] = {}
+        self._rma_reads: list[_RmaRead] = []
+        self._rkeys: dict[tuple[str, bytes], tuple[Any, int]] = {}
+        self._ack_sends: list[tuple[Any, np.ndarray]] = []
         # 2 MiB-aligned huge pages (hostmem): CMA writes into them at memcpy speed, and
         # their rows agree modulo 64 with torch's stores and pools (numpy's start 16
         # bytes into a page, which made every CMA copy ~1.5x slower; "Shared memory")
@@ -716,6 +986,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._worker.progress()
         except Exception:
             pass
+        self._rma_teardown()
         self._eps.clear()
         self._accepted.clear()
         self._listener = None
@@ -731,8 +1002,12 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 self._jobs.popleft()()
             worker.progress()
             self._rx_headers()
+            if self._ack_wait:
+                self._rx_acks()
             self._rx_segments()
             self._rx_reap()
+            if self._rma_reads or self._ack_sends:
+                self._rma_reap()
             self._scatter_reap(block=False)
             tx_more = self._tx_reap()
             now = time.monotonic()
@@ -743,6 +1018,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 continue
             if self._scatters:  # short device work that does not signal the event fd
                 self._scatter_reap(block=True)
+                continue
+            if self._rma_reads:  # cma reads progress in worker progress, not on the fd
                 continue
             # Blocking progress: sleep on the worker's event fd even with data in flight
             # (UCX signals it on every completion / arrival), so this thread never spins
@@ -788,6 +1065,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 continue
             if n < 4 or n > _HDR_MAX or struct.unpack_from("<I", buf.data)[0] != n - 4:
                 self.stats["rejected_BAD_FRAME"] += 1
+                continue
+            if hdr_tag == _HDR_RMA_TAG:
+                self._rx_rma(buf[4:n].tobytes())
                 continue
             try:
                 msg = m.decode(buf[4:n].tobytes())
@@ -839,6 +1119,238 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 )
         if whole:  # start its receive now, not after every queued header is decoded
             self._rx_one(tag)
+
+    # ------------------------------ receive: RMA ----------------------------------------
+    def _rx_rma(self, body: bytes) -> None:
+        """An RMA batch header: authenticate it, check the whole batch (slots by the
+        book, the producer's rows and columns against the slab it describes) before any
+        read is posted, then post one read per run (``ucx_rma.op_lists``: consecutive
+        rows into consecutive slots merged) from the C loop. The pages land, and the
+        producer is acknowledged, once every read completed (``_rma_reap``)."""
+        try:
+            hdr = _rma_parse(body)
+        except ProtocolError as e:
+            self.stats["rejected_" + e.code.name] += 1
+            return
+        except Exception:  # anything malformed: never let it end this thread
+            self.stats["rejected_BAD_FRAME"] += 1
+            return
+        book = self._book
+        with book.cond:
+            rx = book.authenticate(hdr.msg)
+            if rx is None:
+                return
+            assert isinstance(rx, _UcxRx)
+            msg = hdr.msg
+            if not isinstance(msg, m.PageBatch):
+                self.stats["rejected_kind"] += 1
+                return
+            ack = _ack_tag(_tag_key(rx.token), rx.transfer_id, hdr.batch)
+            why = self._rma_check(hdr, msg)
+            if why is None:
+                why = book.accept_batch(rx, msg)
+            elif not rx.state.final:
+                self.stats["rejected_batch"] += 1
+                book.fail(rx, why)
+            if why is not None:
+                book.cond.notify_all()
+                self._rma_ack(hdr.endpoint, ack, f"batch refused: {why}")
+                return
+            grp = book.groups[msg.group]
+            slots = runs_slots(msg.runs)
+            rx.inflight += 1
+        pages = int(slots.size)
+        try:
+            pieces = ucx_rma.page_pieces(hdr.cols, [r.size for r in grp.regions])
+            local, remote, length = ucx_rma.op_lists(
+                hdr.base,
+                hdr.stride,
+                hdr.rows,
+                [int(r.tensor.data_ptr()) for r in grp.regions],
+                [int(r.tensor.stride(0)) for r in grp.regions],
+                slots,
+                pieces,
+            )
+            ep = self._connect(hdr.endpoint)
+            rkey = self._rkey(hdr.endpoint, ep, hdr.rkey)
+            ops = ucx_rma.RmaOps(ep.handle, rkey, local, remote, length, grp.regions)
+        except Exception as exc:
+            with book.cond:
+                rx.inflight -= 1
+                book.fail(rx, f"RMA reads from {hdr.endpoint} failed: {type(exc).__name__}: {exc}")
+                book.cond.notify_all()
+            self._rma_ack(hdr.endpoint, ack, "reads failed")
+            return
+        self.stats["rma_reads"] += ops.total
+        read = _RmaRead(rx, msg.group, pages, pages * msg.page_bytes, ops, ack, ep, hdr.endpoint)
+        self._rma_reads.append(read)
+
+    def _rma_check(self, hdr: RmaHeader, msg: m.PageBatch) -> str | None:
+        """What is wrong with an RMA batch's source description, or None: every read
+        must lie inside the slab the producer registered, the columns must make a page of
+        the batch's size, and the group must be host memory (reads into device memory
+        are not done here: such a receiver does not offer RMA)."""
+        pages = sum(int(c) for _, c in msg.runs)
+        if hdr.rows.size != pages:
+            return f"RMA batch names {hdr.rows.size} source rows for {pages} pages"
+        if hdr.rows.size and (int(hdr.rows.min()) < 0 or int(hdr.rows.max()) >= hdr.nrows):
+            return f"RMA batch names source rows outside the producer's {hdr.nrows}"
+        if hdr.width < 1 or hdr.stride < hdr.width:
+            return f"RMA batch describes rows of {hdr.width} bytes {hdr.stride} apart"
+        if not hdr.cols or any(o < 0 or c < 1 or o + c > hdr.width for o, c in hdr.cols):
+            return f"RMA batch columns {hdr.cols} outside rows of {hdr.width} bytes"
+        if sum(c for _, c in hdr.cols) != msg.page_bytes:
+            return f"RMA batch columns make {sum(c for _, c in hdr.cols)}-byte pages"
+        if not 0 <= msg.group < len(self._gdev):
+            return None  # the book names this one
+        if self._gdev[msg.group] is not None:
+            return f"RMA batch for group {msg.group}, which lives in device memory"
+        if not hdr.endpoint.startswith(("ucx+shm://", "ucx+addr://")):
+            return "RMA batch names no worker-address endpoint to read from"
+        return None
+
+    def _rkey(self, endpoint: str, ep: Any, packed: bytes) -> int:
+        """The unpacked remote key of ``packed`` on ``ep`` (cached; a key unpacked on an
+        endpoint that was since replaced is destroyed and unpacked again)."""
+        key = (endpoint, packed)
+        got = self._rkeys.get(key)
+        if got is not None:
+            if got[0] is ep:
+                return got[1]
+            self._rkey_destroy(key)
+        if len(self._rkeys) >= _RMA_RKEYS:
+            busy = {id(r.ep) for r in self._rma_reads}
+            for k in [k for k, (e, _) in self._rkeys.items() if id(e) not in busy][:8]:
+                self._rkey_destroy(k)
+        handle = ucx_rma.unpack(ep.handle, packed)
+        self.stats["rma_rkey_unpack"] += 1
+        self._rkeys[key] = (ep, handle)
+        return handle
+
+    def _rkey_destroy(self, key: tuple[str, bytes]) -> None:
+        _, handle = self._rkeys.pop(key)
+        ucx_rma.destroy(handle)
+        self.stats["rma_rkey_destroy"] += 1
+
+    def _rma_ack(self, endpoint: str, tag: int, error: str | None) -> None:
+        """Tell the producer an RMA batch is done with (its rows are no longer read):
+        ``error`` None when every read landed. Best effort: a producer that never hears
+        fails its push at its deadline, and without its TransferDone the transfer here
+        cannot end DONE."""
+        body = b"\x00" if error is None else b"\x01" + error.encode()[:512]
+        buf = np.frombuffer(body, dtype=np.uint8).copy()
+        try:
+            ep = self._connect(endpoint)
+            self._ack_sends.append((ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
+        except Exception as exc:
+            log.debug("RMA acknowledgement to %s failed: %s", endpoint, exc)
+
+    def _rma_reap(self) -> None:
+        """Drive the batches being read (the oldest with up to ``_RMA_ROUNDS`` progress
+        calls in the C loop, the others checked), land those whose reads all completed
+        and acknowledge them. A failed read fails the transfer: its pages never count."""
+        if self._ack_sends:
+            self._ack_sends = [a for a in self._ack_sends if not a[0].completed]
+        if not self._rma_reads:
+            return
+        wh = self._worker.handle
+        still = []
+        for i, r in enumerate(self._rma_reads):
+            if r.ops.drive(wh, _RMA_ROUNDS if i == 0 else 0):
+                still.append(r)
+                continue
+            book = self._book
+            error = None
+            with book.cond:
+                rx = r.rx
+                if not r.ops.ok:
+                    st = r.ops.status
+                    error = f"RMA read from {r.endpoint} failed: ucs_status {st}"
+                    if r.ops.posted < r.ops.total:
+                        error += f" ({r.ops.posted} of {r.ops.total} reads posted)"
+                    book.fail(rx, error)
+                elif rx.state.final:
+                    error = f"transfer {rx.transfer_id} ended: {rx.error}"
+                else:
+                    book.landed(rx, r.group, r.pages, r.nbytes)
+                rx.inflight -= 1
+                book.maybe_finish(rx, rx.queued)
+                book.cond.notify_all()
+            self._rma_ack(r.endpoint, r.ack_tag, error)
+        self._rma_reads = still
+
+    def _rx_acks(self) -> None:
+        """Producer: take arrived RMA acknowledgements (one masked probe each); an
+        unknown one (forged, or for a push that already ended) is discarded."""
+        worker = self._worker
+        tag, mask = ucx_api.UCXXTag(_ACK_BIT), ucx_api.UCXXTagMask(_DATA_BIT | _ACK_BIT)
+        while True:
+            probe = worker.tag_probe(tag, mask, remove=True)
+            if not probe.matched:
+                return
+            h = self._ack_wait.pop(int(probe.sender_tag.value), None)
+            n = int(probe.length)
+            if h is None or n < 1 or n > 4096:
+                self._discard(probe)
+                continue
+            buf = np.empty(n, dtype=np.uint8)
+            req = worker.tag_recv_with_handle(Array(buf), probe)
+            while not req.completed:
+                worker.progress()
+            try:
+                req.check_error()
+            except Exception as exc:
+                self._tx_fail(h, f"acknowledgement from {h.endpoint} failed: {exc}")
+                continue
+            h.acks.discard(int(probe.sender_tag.value))
+            if buf[0] != 0:
+                why = bytes(buf[1:]).decode(errors="replace")
+                self._tx_fail(h, f"receiver {h.endpoint} failed the RMA batch: {why}")
+
+    def _rma_reg(self, slab: np.ndarray, owner: torch.Tensor) -> ucx_rma.Registration:
+        """The registration of a store slab (mapped on first use, kept: registered
+        once; beyond ``_RMA_REGS`` slabs, the least recently used one no active push
+        reads is unmapped)."""
+        rows, stride = int(slab.shape[0]), int(slab.strides[0])
+        base, length = int(slab.ctypes.data), (rows - 1) * stride + int(slab.shape[1])
+        key = (base, length)
+        reg = self._rma_regs.pop(key, None)
+        if reg is None:
+            if len(self._rma_regs) >= _RMA_REGS:
+                busy = {
+                    int(e.slab.ctypes.data)
+                    for h in self._tx_active
+                    for e, _ in h.plan
+                    if isinstance(e, RmaBatch)
+                }
+                for k in list(self._rma_regs):
+                    if len(self._rma_regs) < _RMA_REGS:
+                        break
+                    if k[0] not in busy:
+                        self._rma_regs.pop(k).close()
+                        self.stats["rma_mem_unmap"] += 1
+            reg = ucx_rma.register(self._ctx.handle, base, length, owner)
+            self.stats["rma_mem_map"] += 1
+        self._rma_regs[key] = reg  # most recently used last
+        return reg
+
+    def _rma_teardown(self) -> None:
+        """Close: reads still in flight were cancelled with their endpoints (checked
+        once here, freeing their requests); remote keys destroyed, slabs unmapped."""
+        wh = self._worker.handle
+        for r in self._rma_reads:
+            if r.ops.drive(wh, 16):
+                log.warning("closing with %d RMA reads still in flight", r.ops.left)
+            with self._book.cond:
+                r.rx.inflight -= 1
+        self._rma_reads = []
+        for key in list(self._rkeys):
+            self._rkey_destroy(key)
+        for reg in self._rma_regs.values():
+            reg.close()
+            self.stats["rma_mem_unmap"] += 1
+        self._rma_regs.clear()
+        self._ack_wait.clear()
 
     def _rx_segments(self) -> None:
         """Post receives for announced segments whose messages have arrived: one masked
@@ -1121,7 +1633,32 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         try:
             ep = h.ep
             while h.next < len(plan):
+                if h.rma and h.acks and h.next == len(plan) - 1:
+                    return False  # TransferDone waits until every RMA batch was read
                 buf, tag = plan[h.next]
+                if isinstance(buf, RmaBatch):
+                    reg = self._rma_reg(buf.slab, buf.owner)
+                    frame = _rma_frame(
+                        buf.header,
+                        reg.address,
+                        int(buf.slab.shape[0]),
+                        int(buf.slab.strides[0]),
+                        int(buf.slab.shape[1]),
+                        buf.batch,
+                        reg.rkey,
+                        self._endpoint,
+                        buf.cols,
+                        buf.rows,
+                    )
+                    if frame.size - 4 > _HDR_MAX:
+                        raise ValueError(f"RMA header of {frame.size} bytes")
+                    h.keep.append(frame)
+                    h.requests.append(ep.tag_send(Array(frame), ucx_api.UCXXTag(tag)))
+                    h.acks.add(buf.ack_tag)
+                    self._ack_wait[buf.ack_tag] = h
+                    h.nbytes += buf.nbytes
+                    h.next += 1
+                    continue
                 if isinstance(buf, GatherSeg):
                     got = self._ring_take(buf.nbytes, h)
                     if got is None:
@@ -1171,6 +1708,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             return
         h.state, h.error = TransferState.FAILED, why
         self.stats["push_failed"] += 1
+        for tag in h.acks:  # acknowledgements still to come are discarded as unknown
+            self._ack_wait.pop(tag, None)
+        h.acks = set()
         ep = self._eps.pop(h.endpoint, None)
         if ep is not None:
             self._close_ep(ep)  # cancels what is still queued for this peer
@@ -1251,19 +1791,21 @@ class UcxDataPlane(BookedReceiver, DataPlane):
 
 
 def _batches(
-    dst: np.ndarray, idx: np.ndarray, pb: int
+    dst: np.ndarray, idx: np.ndarray, pb: int, max_pages: int | None = None
 ) -> list[tuple[list[tuple[int, int]], np.ndarray]]:
     """Cut a group's pages (destination slots ``dst``, source rows ``idx``, both in page
     order, ``idx`` increasing) into batches: runs where slots and rows are both adjacent,
     up to ``RUNS_PER_BATCH`` runs and ``BATCH_BYTES`` per batch (a run splits at the
-    byte limit). Vectorised: a Python step per batch, none per run or page. Returns
-    (runs, source row of each page) per batch."""
+    byte limit; and at ``max_pages`` pages when given). Vectorised: a Python step per
+    batch, none per run or page. Returns (runs, source row of each page) per batch."""
     brk = np.flatnonzero((np.diff(dst) != 1) | (np.diff(idx) != 1)) + 1
     starts = np.concatenate(([0], brk))
     counts = np.diff(np.concatenate((starts, [idx.size])))
     ends = np.cumsum(counts)  # page index just past each run
     run_dst = dst[starts]
     per_batch = max(1, BATCH_BYTES // pb)
+    if max_pages is not None:
+        per_batch = min(per_batch, max_pages)
     total = int(idx.size)
     out = []
     page = r = off = 0  # next page; its run; pages of that run already sent
@@ -1441,6 +1983,55 @@ def _plan_store_rows(
             msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
     return msgs, int(idx.size), seq
+
+
+def _plan_rma(
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    src: StoreRows,
+    dst_slots: Sequence[int],
+    batch: int,
+    keep: list[object],
+) -> tuple[list[tuple[Any, int]], int, int]:
+    """``_plan_group`` for StoreRows of a host slab sent to a receiver that reads them
+    itself (RMA): the same batches of runs, each an ``RmaBatch`` (framed with the
+    slab's registration when posted) naming the slab row of every page; no payload
+    messages. ``batch`` numbers the push's RMA batches (their acknowledgement tags).
+    Returns (messages, pages, next batch number)."""
+    slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
+    slab, srows, cols, pb = _store_source(group, src, int(slots.shape[0]))
+    if (slots < -1).any():
+        raise ValueError(f"group {group}: destination slots must be >= -1")
+    keep.append(slab)
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
+        return [], 0, batch
+    key = _tag_key(token)
+    msgs: list[tuple[Any, int]] = []
+    for runs, page_src in _batches(slots[idx], idx, pb, _RMA_MAX_PAGES):
+        header = m.PageBatch(
+            transfer_id=transfer_id,
+            lease_id=lease_id,
+            token=token,
+            group=group,
+            runs=runs,
+            page_bytes=pb,
+        )
+        rb = RmaBatch(
+            m.encode(header),
+            slab,
+            src.slab,
+            srows[page_src],
+            cols,
+            batch,
+            _ack_tag(key, transfer_id, batch),
+            int(page_src.size) * pb,
+        )
+        msgs.append((rb, _HDR_RMA_TAG))
+        batch += 1
+    return msgs, int(idx.size), batch
 
 
 @dataclass(frozen=True)

@@ -1,70 +1,96 @@
-"""ZMQ implementation of the DataPlane (the fallback when UCX is not available).
+"""The fallback DataPlane (``transport: zmq``): pages over plain stream sockets.
 
-Wire: each data message is one multipart zmq message ``[PageBatch header, payload...]``
-on a PUSH -> PULL connection. The payload is the batch's pages in run order, split
-into frames of at most FRAME_BYTES that start on a page boundary and hold whole pages
-(a page larger than FRAME_BYTES is split over several frames, none spanning two
-pages); a frame does span runs. Frames are read zero-copy (``recv(copy=False)``) and
-written with one numpy row assignment each, straight into the page slots of a directly
-registered region; other groups gather into a scratch buffer and are scattered with
-one copy per region per message. Receivers accept any framing within the batch's
-bytes (checked before each write). A transfer ends with a ``TransferDone`` message.
+Named zmq for config compatibility; since this version (stream version 1) the payload
+travels on plain sockets (TCP for ``tcp://`` endpoints, AF_UNIX for ``ipc://``); control
+stays on ZMQ (control.py), and no ZMQ is left in this module. A ZMQ peer (a zmq plane
+from before) is refused at its first bytes, by name: both ends must be upgraded together.
 
-Sender: the plane takes ``StoreRows`` (``accepts_store_rows``), so a push never
-gathers its pages up front. Pieces of the source (runs of consecutive store rows, or
-one column of a row) of FRAME_BYTES or more on average go out zero-copy from the
-store; smaller scattered pages are gathered per message (MSG_BYTES) into one of
-STAGE_BUFFERS staging buffers of the peer's lane, on the sender thread, while libzmq
-sends the messages before it (a buffer is reused only once libzmq released it).
+Wire: one connection per (sender plane, receiver endpoint), opened by the sender. It
+starts with ``PREAMBLE`` (``b"DGSTRM\\0"`` and one version byte); the receiver refuses
+anything else (a ZMTP greeting, another version, garbage) with an error naming what it
+saw, counts it as ``rejected_BAD_VERSION``, writes its own preamble back (so a sender
+of another version can say which) and closes that connection only. Then messages, each
+``<u32 header length><u64 payload length>``, the msgpack header (``PageBatch`` or
+``TransferDone``), and the payload: a batch's pages in run order (``len(slots) *
+page_bytes`` bytes; any other length fails the transfer). Explicit lengths keep the
+stream in step past any refused header: its payload is read and dropped, and the
+connection keeps serving.
 
-Checksum: off by default, like the UCX plane. TCP and AF_UNIX already deliver the
-bytes intact and in order, and the receiver checks the framing itself (each batch's
-slots before writing, its byte count, the per-group page counts at TransferDone).
-``checksum=True`` (config ``transport_checksum: true``) adds xxh3-64 over the payload
-on both sides, verified at TransferDone; a transfer's checksum is used only when both
-planes have it on. Over tcp it costs 10-45% of the throughput on the 2-core box (below);
-over ipc the difference is inside the noise.
+Copies: exactly one per byte per side, by the kernel. The sender ``sendmsg``s straight
+from the store rows (an iovec per page column span, adjacent ones merged: whole-row runs
+are one iovec); the receiver checks the batch header (``authenticate`` and
+``accept_batch``: bounds, promises, counts) and then ``recvmsg``s the payload straight
+into the destination slot rows of a directly registered host region. Other groups
+(several regions, device regions) land in a per-connection scratch buffer and are
+scattered (``Group.scatter``). The iovec loops are C (``_streamio.c``: GIL released,
+IOV_MAX chunks, partial transfers, EINTR, a deadline in poll(), row indices checked
+before a byte moves); without the extension a pure-Python path does the same with
+``sendmsg`` / ``recv_into`` and one vectorised gather or scatter per 4 MiB (a copy more;
+``DISAGG_REQUIRE_NATIVE=1`` makes a missing extension an ImportError).
 
-Threads: one receiver thread owns the PULL socket; one sender thread per peer owns its
-PUSH socket. Sender sockets use IMMEDIATE so a dead or absent peer shows up as "cannot
-send" and the push fails at its deadline.
+Threads: the receiver has one acceptor thread (it also expires transfers past their
+deadline) and one thread per connection, which reads a header, then its payload, with
+no lock held while bytes land (``Rx.inflight`` counts the write; ``abort`` shuts the
+connection down to end a write in progress at once). The sender has one thread and
+connection per peer endpoint: a stalled or dead consumer holds back only its own
+pushes. A push is DONE on the sender once the kernel has taken its last byte (the rows
+are no longer referenced); delivery is the receiver's state.
 
-Measured (2-core AMD EPYC box, loopback, 256 MiB of randomly scattered store rows into
-random slots of a 2N-slot pool, median of 5, ratio against raw TCP / AF_UNIX measured
-right before each row: ``disagg bench transfer --transports zmq-tcp,zmq-ipc
---page-sizes 64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5``, plus interleaved A/B
-runs of the same ``measure``; ranges over 4-6 runs; raw TCP 1.9-4.5 GB/s, AF_UNIX
-5.0-6.4 GB/s between runs). "before": pages gathered by the producer before the push,
-checksum on; "now": StoreRows sent in place or gathered per message, checksum off.
+Checksum: off by default. TCP and AF_UNIX deliver the bytes intact and in order, and the
+receiver checks the framing itself (each batch's slots and byte count before a byte
+lands, the per-group page counts at TransferDone). ``checksum=True`` (config
+``transport_checksum: true``) adds xxh3-64 over the payload in wire order on both
+sides (the sender gathers scattered pages to hash them; the receiver hashes the landed
+slots), verified at TransferDone, only when both planes have it on.
 
-    ======== ========== ========== ========================
-    page     before     now        now, checksum on (A/B)
-    ======== ========== ========== ========================
-    tcp 64K  0.30-0.43  0.55-0.66  0.55-0.61
-    tcp 256K -          0.53-0.76  0.57-0.58
-    tcp 1M   0.35-0.37  0.50-1.27  0.70-0.83
-    tcp 4M   0.33-0.46  0.76-1.80  0.42-0.64
-    ipc 64K  0.22-0.24  0.40-0.52  0.40-0.41
-    ipc 256K -          0.34-0.49  0.49
-    ipc 1M   0.23-0.26  0.32-0.66  0.46-0.51
-    ipc 4M   0.20-0.25  0.43-0.60  0.56-0.66
-    ======== ========== ========== ========================
+Why (profiled on the 2-core box): the raw-socket ceiling already keeps both cores busy,
+each with one kernel copy. The ZMQ version added a second receive copy (libzmq owns its
+receive buffers, so every byte was copied again into the slots), two io threads, and a
+sender-side gather of small scattered pages into staging buffers: 0.54-0.66 of raw TCP
+and 0.40-0.42 of raw AF_UNIX at 64 KiB. Here the sender's and the receiver's threads
+each make one kernel copy, like the ceiling. The calls block in the kernel (C path):
+a blocking ``sendmsg`` and a ``recvmsg(MSG_WAITALL)`` move a whole batch per call, where
+non-blocking calls came back to user space each time the socket buffer filled (0.70-0.80
+of raw AF_UNIX that way); AF_UNIX senders also ask for a 4 MiB send buffer
+(``UNIX_SNDBUF``; 1 MiB pages went from about 0.8 to 0.95-1.2 of the ceiling).
 
-What still limits it (perf, zmq-ipc 1 MiB, steady state): the box has 2 cores and the
-plane keeps 3 busy threads (sender io thread: the kernel copy in; receiver io thread:
-the kernel copy out into libzmq's buffer; receiver Python thread: the copy into the
-slots, ~0.09 s/GB), against the ceiling's 2 (one copy each side). The receiver's
-second copy is inherent to libzmq (it owns receive buffers); small pages add the
-sender's gather copy. SNDBUF/RCVBUF of 1-4 MiB made no measurable difference.
+Measured (2-core AMD EPYC box, loopback, 256 MiB of random store rows of a 2N-row store
+into random slots of a 2N-slot pool, median of 5, ratio against the raw socket measured
+right before each row; ``disagg bench transfer --transports zmq-tcp,zmq-ipc --page-sizes
+64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5``; before: 3 runs, after: 4 runs; the
+ceilings themselves moved between runs: raw TCP 1.7-4.9 GB/s, AF_UNIX 4.6-6.3 GB/s):
+
+    ======== ========================== =========================================
+    page     ZMQ (before): ratio          stream (now): ratio
+    ======== ========================== =========================================
+    tcp 64K  0.54-0.66 (2.3-2.6 GB/s)     0.44-1.44, median 0.90 (1.5-3.2 GB/s)
+    tcp 256K 0.55-0.82                    0.68-1.09, median 0.89
+    tcp 1M   0.73-0.96                    0.78-1.00, median 0.89
+    tcp 4M   0.66-0.87                    0.78-1.09, median 0.95
+    ipc 64K  0.40-0.42 (2.0-2.7 GB/s)     0.77-0.88, median 0.84 (4.5-5.2 GB/s)
+    ipc 256K 0.46-0.55                    0.65-1.04, median 0.87
+    ipc 1M   0.53-0.57                    0.87-0.99, median 0.90
+    ipc 4M   0.52-0.59                    0.89-1.08, median 0.97
+    ======== ========================== =========================================
+
+What still limits it: at 64 KiB the scatter itself. Two threads moving 256 MiB over an
+AF_UNIX socketpair with these calls (``send_rows`` / ``recv_rows``, 8 MiB batches) make
+5.5-6.3 GB/s between random rows and random slots against 6.7-7.2 GB/s between
+contiguous ones (1 MiB pages: no difference), while the ceiling is one contiguous
+buffer. The rest is per-push work the ceiling does not have (planning about 1.3 ms for
+4096 pages, one header check per 8 MiB batch) and the bench's own polling thread on a
+2-core box.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+import math
 import os
 import queue
+import select
+import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -75,12 +101,12 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-import zmq
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
+from ..protocol.version import MAX_CONTROL_FRAME
+from . import framed
 from .dataplane import (
-    FRAME_BYTES,
     DataPlane,
     RowsSource,
     StoreRows,
@@ -89,83 +115,293 @@ from .dataplane import (
     check_store_rows,
     gather_pages,
 )
-from .receiver import BookedReceiver, ReceiverBook, Rx, runs_slots
+from .receiver import BookedReceiver, Group, ReceiverBook, Rx, runs_slots
+
+try:  # the iovec loops (_streamio.c, built at install; optional like the row copy)
+    from . import _streamio
+except ImportError:  # no compiler at install time: the Python path below
+    _streamio = None  # type: ignore[assignment]
+    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+        raise
 
 log = logging.getLogger(__name__)
 
-MSG_BYTES = 8 << 20  # payload per zmq message: bounds what libzmq buffers per message
-# Source pieces (runs of consecutive store rows, or one column of a row) at least this
-# long on average go out zero-copy; shorter ones are gathered per message into a staging
-# buffer: a 64 KiB frame costs more (pyzmq's free callback through its gc thread on the
-# sender, a Frame and a numpy copy call on the receiver) than copying its bytes once.
-ZERO_COPY_MIN = FRAME_BYTES
-STAGE_BUFFERS = 4  # staging buffers per peer lane (each MSG_BYTES, allocated on first use)
-_HWM = 64  # messages queued per socket (each <= MSG_BYTES)
-_POLL_MS = 20
+STREAM_MAGIC = b"DGSTRM\x00"
+STREAM_VERSION = 1
+PREAMBLE = STREAM_MAGIC + bytes([STREAM_VERSION])
+_PREFIX = struct.Struct("<IQ")  # header length, payload length
+MAX_HEADER = MAX_CONTROL_FRAME  # a longer header is skipped unread and counted TOO_LARGE
 
-
-# glibc malloc for libzmq's receive buffers (one malloc per frame, freed by the reader):
-# with the defaults each 1 MiB frame is a fresh mmap or a re-grown heap top, so every
-# received page faults in and is zeroed (~11k faults per 128 MiB, a third more CPU).
-# Frames up to MALLOC_MMAP_BYTES come from the heap, and up to MALLOC_TRIM_BYTES of free
-# heap top is kept for the next ones. Skipped when MALLOC_*_ environment knobs are set,
-# or with DISAGG_ZMQ_MALLOC_TUNING=0 (for hosts whose allocator must stay untouched).
-MALLOC_MMAP_BYTES = 4 << 20
-MALLOC_TRIM_BYTES = 64 << 20
-_malloc_tuned = False
-
-
-def _tune_malloc() -> None:
-    global _malloc_tuned
-    if _malloc_tuned:
-        return
-    _malloc_tuned = True
-    if any(k.startswith("MALLOC_") for k in os.environ):
-        return
-    if os.environ.get("DISAGG_ZMQ_MALLOC_TUNING", "1") == "0":
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        return  # not glibc
-    # M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1
-    if not (mallopt(-3, MALLOC_MMAP_BYTES) and mallopt(-1, MALLOC_TRIM_BYTES)):
-        log.debug("mallopt refused the data plane's malloc thresholds")
-
+MSG_BYTES = 8 << 20  # payload per batch message (one header check per this many bytes)
+MAX_BATCH_PAGES = 1 << 16  # pages per batch (bounds a header's runs for tiny pages)
+PY_CHUNK = 4 << 20  # the Python path gathers / scatters this much per step
 
 # Sender lanes: at most this many peers at once; a lane idle this long is retired.
 MAX_LANES = 256
 LANE_IDLE_S = 30.0
+MAX_CONNS = 256  # receiver connections at once (a thread each); more are refused
+PREAMBLE_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is closed
+HEADER_TIMEOUT_S = 30.0  # once a message's length prefix arrived, its header must follow
+CONNECT_RETRY_S = 0.05
+UNIX_SNDBUF = 4 << 20  # AF_UNIX send buffer (capped by net.core.wmem_max): see the docstring
+_POLL_MS = 20
+
+_native: Any = _streamio  # tests switch this to None to run the Python path
+
+
+# ================================ payload I/O ==============================================
+def send_rows(
+    sock: socket.socket,
+    head: bytes | None,
+    arr: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    deadline: float,
+) -> int:
+    """Send ``head``, then columns ``cols`` (int64 ``[k, 2]`` (offset, length) pairs) of
+    rows ``rows`` (int64) of ``arr`` (2-D uint8, rows contiguous, any row stride), page
+    by page; returns the bytes sent. Every row and span is checked first (IndexError
+    naming the first bad one). ``deadline``: ``time.monotonic()`` by which all must be
+    out (TimeoutError), ``<= 0`` for none; OSError (BrokenPipeError, ...) otherwise."""
+    if _native is not None:
+        return int(_native.send_rows(sock.fileno(), head, arr, rows, cols, deadline))
+    return _py_send_rows(sock, head, arr, rows, cols, deadline)
+
+
+def recv_rows(
+    sock: socket.socket, arr: np.ndarray, rows: np.ndarray, cols: np.ndarray, deadline: float
+) -> int:
+    """Receive into columns ``cols`` of rows ``rows`` of ``arr`` (writable), in that
+    order: the mirror of ``send_rows``. ConnectionError when the peer closes first."""
+    if _native is not None:
+        return int(_native.recv_rows(sock.fileno(), arr, rows, cols, deadline))
+    return _py_recv_rows(sock, arr, rows, cols, deadline)
+
+
+def _check(arr: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> int:
+    """The C extension's checks (same errors); returns bytes per row."""
+    if arr.ndim != 2 or arr.itemsize != 1:
+        raise ValueError(f"rows must be a 2-D byte array, got {arr.ndim}-D")
+    nrows, width = arr.shape
+    if width > 1 and arr.strides[1] != 1:
+        raise ValueError("rows must be contiguous (stride 1 within a row)")
+    c = np.asarray(cols, dtype=np.int64).reshape(-1, 2)
+    if c.shape[0] == 0:
+        raise ValueError("cols must be one or more (offset, length) pairs")
+    bad = np.flatnonzero((c[:, 0] < 0) | (c[:, 1] < 1) | (c[:, 0] + c[:, 1] > width))
+    if bad.size:
+        j = int(bad[0])
+        raise IndexError(
+            f"column span {j} (offset {c[j, 0]}, length {c[j, 1]}) outside rows of {width} bytes"
+        )
+    bad = np.flatnonzero((rows < 0) | (rows >= nrows))
+    if bad.size:
+        i = int(bad[0])
+        raise IndexError(f"row {int(rows[i])} (index {i}) outside {nrows} rows")
+    return int(c[:, 1].sum())
+
+
+def _wait(sock: socket.socket, events: int, deadline: float, what: str) -> None:
+    timeout = None
+    if deadline > 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"deadline passed with {what}")
+        timeout = max(1, math.ceil(left * 1000))
+    p = select.poll()
+    p.register(sock, events)
+    if not p.poll(timeout):
+        raise TimeoutError(f"deadline passed with {what}")
+
+
+def _send_all(sock: socket.socket, bufs: list[Any], deadline: float, done: int, total: int) -> int:
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    flags = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+    while views:
+        try:
+            n = sock.sendmsg(views[:1024], [], flags)
+        except BlockingIOError:
+            _wait(sock, select.POLLOUT, deadline, f"{done} of {total} payload bytes sent")
+            continue
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return done
+
+
+def _recv_all(sock: socket.socket, mv: memoryview, deadline: float, done: int, total: int) -> int:
+    got, size = 0, len(mv)
+    while got < size:
+        try:
+            n = sock.recv_into(mv[got:], size - got, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            _wait(sock, select.POLLIN, deadline, f"{done + got} of {total} payload bytes received")
+            continue
+        if n == 0:
+            raise ConnectionError(
+                f"peer closed the connection with {done + got} of {total} payload bytes received"
+            )
+        got += n
+    return done + got
+
+
+def _runs_of(rows: np.ndarray) -> bool:
+    return rows.size < 2 or bool((np.diff(rows) == 1).all())
+
+
+def _py_send_rows(
+    sock: socket.socket,
+    head: bytes | None,
+    arr: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    deadline: float,
+) -> int:
+    per_row = _check(arr, rows, cols)
+    c = np.asarray(cols, dtype=np.int64).reshape(-1, 2)
+    total = rows.size * per_row + (len(head) if head else 0)
+    first: list[Any] = [head] if head else []
+    whole = c.shape[0] == 1 and c[0, 0] == 0 and c[0, 1] == arr.shape[1]
+    if rows.size and whole and _runs_of(rows) and arr[:1].flags.c_contiguous:
+        r0 = int(rows[0])
+        block = arr[r0 : r0 + rows.size]
+        if block.flags.c_contiguous:  # one run of rows back to back: send in place
+            return _send_all(sock, [*first, block.reshape(-1)], deadline, 0, total)
+    spans = tuple((int(o), int(n)) for o, n in c)
+    per = max(1, PY_CHUNK // max(1, per_row))
+    buf = np.empty(min(per, rows.size) * per_row, dtype=np.uint8)
+    done = 0
+    for s in range(0, rows.size, per):  # one vectorised gather per chunk, not per page
+        part = rows[s : s + per]
+        out = buf[: part.size * per_row]
+        gather_pages(out, arr, part, spans)
+        done = _send_all(sock, [*first, out], deadline, done, total)
+        first = []
+    if first:
+        done = _send_all(sock, first, deadline, done, total)
+    return done
+
+
+def _py_recv_rows(
+    sock: socket.socket, arr: np.ndarray, rows: np.ndarray, cols: np.ndarray, deadline: float
+) -> int:
+    per_row = _check(arr, rows, cols)
+    if not arr.flags.writeable:
+        raise ValueError("the destination rows are read-only")
+    c = np.asarray(cols, dtype=np.int64).reshape(-1, 2)
+    total = rows.size * per_row
+    whole = c.shape[0] == 1 and c[0, 0] == 0 and c[0, 1] == arr.shape[1]
+    if rows.size and whole and _runs_of(rows):
+        r0 = int(rows[0])
+        block = arr[r0 : r0 + rows.size]
+        if block.flags.c_contiguous:  # one run of rows back to back: receive in place
+            return _recv_all(sock, block.reshape(-1).data, deadline, 0, total)
+    per = max(1, PY_CHUNK // max(1, per_row))
+    buf = np.empty(min(per, rows.size) * per_row, dtype=np.uint8)
+    done = 0
+    for s in range(0, rows.size, per):  # receive a chunk, then one scatter per span
+        part = rows[s : s + per]
+        pages = buf[: part.size * per_row]
+        done = _recv_all(sock, pages.data, deadline, done, total)
+        pages = pages.reshape(part.size, per_row)
+        col = 0
+        for o, n in c.tolist():
+            arr[part, o : o + n] = pages[:, col : col + n]
+            col += n
+    return done
+
+
+def _send_bytes(sock: socket.socket, data: bytes, deadline: float) -> None:
+    send_rows(sock, data, _NOTHING, _NO_ROWS, _ONE_COL, deadline)
+
+
+_NOTHING = np.zeros((1, 1), dtype=np.uint8)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_ONE_COL = np.array([[0, 1]], dtype=np.int64)
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    """Wake a thread blocked on ``sock`` (its reads see EOF, its writes EPIPE)."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed or never connected
+            pass
+
+
+def frame(header: bytes, payload_len: int) -> bytes:
+    """A message's length prefix and header (its payload follows on the stream)."""
+    return _PREFIX.pack(len(header), payload_len) + header
+
+
+class StreamPush:
+    """A blocking client of the stream wire, for tests and tools that hand-make (or
+    forge) messages: ``send_multipart([header, *payload])`` sends one message, its
+    payload the concatenation of the rest, like the ZMQ PUSH socket it replaces."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, preamble: bytes = PREAMBLE):
+        family, addr = framed.sockaddr(endpoint)
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(addr)
+        if preamble:
+            self.sock.sendall(preamble)
+
+    def send_multipart(self, frames: Sequence[bytes]) -> None:
+        head, payload = bytes(frames[0]), b"".join(bytes(f) for f in frames[1:])
+        self.sock.sendall(frame(head, len(payload)) + payload)
+
+    def send(self, data: bytes) -> None:
+        self.send_multipart([data])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ================================ the plane ================================================
+@dataclass
+class _Batch:
+    """One planned message: its prefix and PageBatch header, and its source rows."""
+
+    head: bytes
+    rows: np.ndarray  # int64, contiguous: rows of the source's ``arr``
+    nbytes: int
+
+
+@dataclass
+class _Source:
+    """One group's pages of a push: ``arr`` (a 2-D uint8 view of the slab or tensor,
+    kept alive by ``keep``), the column spans of a page, and its batches."""
+
+    arr: np.ndarray
+    cols: np.ndarray  # int64 [k, 2]
+    keep: torch.Tensor
+    batches: list[_Batch]
 
 
 @dataclass
 class _Lane:
-    """Pushes to one peer endpoint, in order, on their own thread and socket."""
+    """Pushes to one peer endpoint, in order, on their own thread and connection."""
 
     endpoint: str
     jobs: queue.Queue[PushHandle | None] = field(default_factory=queue.Queue)
-    inflight: list[PushHandle] = field(default_factory=list)
-    sock: zmq.Socket | None = None
+    sock: socket.socket | None = None
     thread: threading.Thread = field(default=None)  # type: ignore[assignment]
     closing: bool = False
-    # staging ring for gathered messages: (buffer, tracker of its last send or None)
-    stage: list[list[Any]] = field(default_factory=list)
-    stage_next: int = 0
 
 
-@dataclass
-class _Msg:
-    """One planned data message: its encoded PageBatch header and its payload, either
-    zero-copy ``frames`` over the source or ``gather`` (a ``[n, row_bytes]`` numpy view
-    of the slab, the n source rows, the (offset, length) columns of a page) to copy into
-    a staging buffer when it is sent."""
+@dataclass(eq=False)  # kept in a set: hashed by identity
+class _Conn:
+    """One accepted connection: its thread reads message after message."""
 
-    header: bytes
-    nbytes: int
-    page_bytes: int
-    frames: list[memoryview] | None = None
-    gather: tuple[np.ndarray, np.ndarray, tuple[tuple[int, int], ...]] | None = None
+    sock: socket.socket
+    peer: str
+    thread: threading.Thread = field(default=None)  # type: ignore[assignment]
+    writing: Rx | None = None  # the transfer whose payload is landing now
+    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    skip: bytearray = field(default_factory=lambda: bytearray(1 << 20))
 
 
 @dataclass
@@ -175,55 +411,53 @@ class PushHandle:
     transfer_id: int
     endpoint: str
     deadline: float
-    plan: list[_Msg]
+    plan: list[_Source]
     pages: int
     lease_id: int
     token: bytes
-    keep: list[object]  # source arrays: alive until sent
     state: TransferState = TransferState.PENDING
     error: str | None = None
-    tracker: zmq.MessageTracker | None = None
     nbytes: int = 0
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.error, self.pages, self.nbytes)
 
 
-class ZmqDataPlane(BookedReceiver, DataPlane):
-    """Both DataPlane sides over ZMQ. ``bind`` is the receiver endpoint
-    (``tcp://host:0`` picks a port, ``ipc://path``); ``advertise`` replaces the bound
-    address in ``endpoint`` when peers must use another name (e.g. bound on 0.0.0.0).
-    ``checksum``: hash payloads with xxh3-64 and verify at the receiver (default off:
-    see the module docstring; verified only when both planes have it on)."""
+class _Closed(Exception):
+    """The plane is closing: the connection thread ends."""
 
-    accepts_store_rows = True  # producers hand StoreRows: no gather before a push
+
+class ZmqDataPlane(BookedReceiver, DataPlane):
+    """Both DataPlane sides over plain stream sockets (see the module docstring; the name
+    is the config's). ``bind`` is the receiver endpoint (``tcp://host:0`` picks a port,
+    ``ipc://path``); ``advertise`` replaces the bound address in ``endpoint`` when peers
+    must use another name (e.g. bound on 0.0.0.0). ``checksum``: hash payloads with
+    xxh3-64 and verify at the receiver (default off; verified only when both planes have
+    it on)."""
+
+    accepts_store_rows = True  # producers hand StoreRows: pages leave from the store rows
 
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
         *,
         advertise: str | None = None,
-        context: zmq.Context | None = None,
+        context: object | None = None,  # accepted for compatibility; unused
         checksum: bool = False,
     ) -> None:
-        _tune_malloc()
-        self._ctx = context or zmq.Context.instance()
         self.checksum = checksum
         self.stats: Counter[str] = Counter()
-        # receiver state; its lock is held while a message is written
         self._book = ReceiverBook(self.stats, checksum=checksum)
-        self._scratch = torch.empty(0, dtype=torch.uint8)
         self._stop = threading.Event()
+        self._listener, bound = framed.listen(bind)
+        self._ipc_path = bound[len("ipc://") :] if bound.startswith("ipc://") else None
+        self._endpoint = advertise or bound
+        self._conns: set[_Conn] = set()
+        self._conns_lock = threading.Lock()
+        self._refusals_logged = 0
 
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.RCVHWM, _HWM)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, MSG_BYTES + FRAME_BYTES)  # per frame
-        self._pull.bind(bind)
-        self._endpoint = advertise or self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        # One sender lane (queue, thread, socket) per peer endpoint: a dead or slow peer
-        # holds up only its own pushes, never another consumer's.
+        # One sender lane (queue, thread, connection) per peer endpoint: a dead or slow
+        # peer holds up only its own pushes, never another consumer's.
         self._lanes: dict[str, _Lane] = {}
         self._lanes_lock = threading.Lock()
         self._rx_thread = threading.Thread(target=self._rx_run, name="disagg-dp-rx", daemon=True)
@@ -246,88 +480,262 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         return self._endpoint
 
     def _rx_run(self) -> None:
-        sock = self._pull
+        """Accept connections (a thread each) and expire transfers past their deadline."""
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
         last_sweep = 0.0
         try:
             while not self._stop.is_set():
-                if sock.poll(_POLL_MS, zmq.POLLIN):
-                    try:
-                        self._rx_message(sock)
-                    except Exception:  # never let one message kill the receiver
-                        log.exception("data plane receiver error")
-                        self.stats["internal_error"] += 1
-                        self._drain(sock)
+                if poller.poll(_POLL_MS):
+                    self._accept()
                 last_sweep = self._sweep_if_due(last_sweep)
         finally:
-            sock.close(linger=0)
+            self._listener.close()
+            if self._ipc_path is not None:
+                try:
+                    os.unlink(self._ipc_path)
+                except OSError:
+                    pass
+            with self._conns_lock:
+                conns = list(self._conns)
+            for c in conns:
+                _shutdown(c.sock)
+            for c in conns:
+                c.thread.join(2.0)
             self._fail_all_closed()
 
-    @staticmethod
-    def _drain(sock: zmq.Socket) -> None:
-        while sock.get(zmq.RCVMORE):
-            sock.recv_into(bytearray())
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                log.exception("data plane accept failed")
+                return
+            with self._conns_lock:
+                if len(self._conns) >= MAX_CONNS:
+                    self.stats["rejected_conns"] += 1
+                    sock.close()
+                    continue
+                conn = _Conn(sock, str(addr) if addr else "local")
+                self._conns.add(conn)
+            sock.setblocking(False)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.thread = threading.Thread(
+                target=self._conn_run, args=(conn,), name="disagg-dp-conn", daemon=True
+            )
+            conn.thread.start()
 
-    def _rx_message(self, sock: zmq.Socket) -> None:
-        head = sock.recv()
+    def _conn_run(self, conn: _Conn) -> None:
+        try:
+            if self._preamble(conn):
+                while not self._stop.is_set() and self._rx_message(conn):
+                    pass
+        except _Closed:
+            pass
+        except (ConnectionError, TimeoutError) as e:  # between messages: that peer only
+            log.info("data plane connection from %s closed: %s", conn.peer, e)
+        except Exception:  # never let one connection take the receiver down
+            log.exception("data plane receiver error")
+            self.stats["internal_error"] += 1
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.sock.close()
+
+    def _read(self, conn: _Conn, n: int, timeout_s: float | None) -> bytes | None:
+        """``n`` bytes of the connection; None when the peer closed before the first one.
+        ``timeout_s``: None waits for as long as the plane runs."""
+        buf = bytearray(n)
+        mv = memoryview(buf)
+        got = 0
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLIN)
+        while got < n:
+            try:
+                k = conn.sock.recv_into(mv[got:], n - got)
+            except (BlockingIOError, InterruptedError):
+                k = -1
+            if k == 0:
+                if got == 0:
+                    return None
+                raise ConnectionError(f"peer closed the connection inside a {n}-byte header")
+            if k > 0:
+                got += k
+                continue
+            if self._stop.is_set():
+                raise _Closed
+            wait = _POLL_MS
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{got} of {n} header bytes arrived in {timeout_s} s")
+                wait = min(wait, max(1, math.ceil(left * 1000)))
+            poller.poll(wait)
+        return bytes(buf)
+
+    def _preamble(self, conn: _Conn) -> bool:
+        try:
+            got = self._read(conn, len(PREAMBLE), PREAMBLE_TIMEOUT_S)
+        except TimeoutError:
+            got = b"(nothing in time)"
+        if got is None:
+            return False
+        if got == PREAMBLE:
+            return True
+        if got[: len(STREAM_MAGIC)] == STREAM_MAGIC:
+            why = f"stream protocol version {got[-1]}, this receiver speaks {STREAM_VERSION}"
+        elif got[:1] == b"\xff":
+            why = (
+                "the peer speaks ZMTP (a ZMQ socket, such as a zmq data plane from before "
+                "the payload moved to plain sockets): upgrade the sender"
+            )
+        else:
+            why = f"not a disagg data stream (preamble {got!r})"
+        with self._book.lock:
+            self.stats["rejected_BAD_VERSION"] += 1
+            self._refusals_logged += 1
+        if self._refusals_logged <= 10:  # a reconnecting ZMQ peer comes back every 100 ms
+            log.warning("data plane refused a connection from %s: %s", conn.peer, why)
+        try:  # tell a stream peer of another version which one this is
+            conn.sock.send(PREAMBLE, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+        return False
+
+    def _skip(self, conn: _Conn, n: int) -> bool:
+        """Read and drop ``n`` payload bytes (of a refused message); False on EOF."""
+        buf = np.frombuffer(conn.skip, dtype=np.uint8).reshape(1, -1)
+        cols = np.array([[0, buf.shape[1]]], dtype=np.int64)
+        row = np.zeros(1, dtype=np.int64)
+        while n > 0:
+            if self._stop.is_set():
+                raise _Closed
+            k = min(n, buf.shape[1])
+            if k < buf.shape[1]:
+                cols = np.array([[0, k]], dtype=np.int64)
+            try:
+                recv_rows(conn.sock, buf, row, cols, time.monotonic() + HEADER_TIMEOUT_S)
+            except ConnectionError:
+                return False
+            n -= k
+        return True
+
+    def _rx_message(self, conn: _Conn) -> bool:
+        """Read one message and act on it; False when the connection is done."""
+        pre = self._read(conn, _PREFIX.size, None)
+        if pre is None:
+            return False
+        hlen, plen = _PREFIX.unpack(pre)
+        if hlen > MAX_HEADER:
+            with self._book.lock:
+                self.stats["rejected_TOO_LARGE"] += 1
+            return self._skip(conn, hlen) and self._skip(conn, plen)
+        head = self._read(conn, hlen, HEADER_TIMEOUT_S) if hlen else b""
+        if head is None:
+            return False
         try:
             msg = m.decode(head)
         except ProtocolError as e:
-            self.stats["rejected_" + e.code.name] += 1
-            self._drain(sock)
-            return
+            with self._book.lock:  # connection threads count into one Counter
+                self.stats["rejected_" + e.code.name] += 1
+            return self._skip(conn, plen)
         book = self._book
+        land: tuple[Rx, m.PageBatch, Group, np.ndarray] | None = None
         with book.lock:
             rx = book.authenticate(msg)
             if rx is not None and isinstance(msg, m.TransferDone):
-                book.on_done(rx, msg)
+                if plen:
+                    self.stats["rejected_batch"] += 1
+                    book.fail(rx, f"the sender's TransferDone carried {plen} payload bytes")
+                else:
+                    book.on_done(rx, msg)
             elif rx is not None and isinstance(msg, m.PageBatch):
                 if book.accept_batch(rx, msg) is None:
-                    error = self._receive(sock, rx, msg)
-                    if error is not None:
+                    grp = book.groups[msg.group]
+                    slots = runs_slots(msg.runs)  # bounds and promises were just checked
+                    want = int(slots.size) * msg.page_bytes
+                    if plen != want:
                         self.stats["rejected_batch"] += 1
-                        book.fail(rx, error)
+                        book.fail(
+                            rx,
+                            f"batch for group {msg.group} carries {plen} payload bytes, "
+                            f"its {slots.size} pages take {want}",
+                        )
+                    else:
+                        rx.inflight += 1  # abort waits for it (or ends it: see abort)
+                        conn.writing = rx
+                        land = (rx, msg, grp, slots)
             if rx is not None and rx.state.final:
                 book.cond.notify_all()  # wake wait()
-            self._drain(sock)
+        if land is None:
+            return self._skip(conn, plen)
+        return self._land(conn, *land)
 
-    def _receive(self, sock: zmq.Socket, rx: Rx, h: m.PageBatch) -> str | None:
-        grp = self._book.groups[h.group]
+    def _land(self, conn: _Conn, rx: Rx, h: m.PageBatch, grp: Group, slots: np.ndarray) -> bool:
+        """Receive a checked batch's payload straight into its slots (a directly
+        registered region) or through the connection's scratch buffer; no lock held."""
         pb = h.page_bytes
-        slots = runs_slots(h.runs)  # bounds and promises were checked by accept_batch
         total = int(slots.size) * pb
-        direct = grp.direct
-        scratch = None
-        if direct is None:
-            if self._scratch.numel() < total:
-                pin = torch.cuda.is_available()  # pinned host memory copies to a GPU faster
-                self._scratch = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-            scratch = self._scratch.numpy()
-        hasher = rx.hasher
-        off = 0
-        more = sock.get(zmq.RCVMORE)
-        while more:
-            if off >= total:
-                return "batch has more payload frames than its runs"
-            frame = sock.recv(copy=False)
-            more = frame.more
-            buf = frame.buffer
-            n = len(buf)
-            if n > total - off:
-                return f"a payload frame of {n} bytes overruns its runs ({total - off} left)"
-            if hasher is not None:
-                hasher.update(buf)
-            src = np.frombuffer(buf, dtype=np.uint8)
-            if scratch is not None:
-                scratch[off : off + n] = src
-            elif direct is not None and n:
-                _place(direct, slots, pb, off, src)
-            off += n
-        if off < total:
-            return f"batch for group {h.group} ended {total - off} bytes short"
-        if scratch is not None:
-            grp.scatter(slots, self._scratch[:total].view(-1, pb))
-        self._book.landed(rx, h.group, int(slots.size), total)
-        return None
+        error = None
+        try:
+            if grp.direct is not None:
+                cols = np.array([[0, pb]], dtype=np.int64)
+                recv_rows(conn.sock, grp.direct, slots, cols, rx.deadline)
+                if rx.hasher is not None:
+                    s0 = int(slots[0])
+                    run = _runs_of(slots)
+                    rx.hasher.update(grp.direct[s0 : s0 + slots.size] if run else grp.direct[slots])
+            else:
+                if conn.scratch.numel() < total:
+                    pin = torch.cuda.is_available()  # pinned host memory copies to a GPU faster
+                    conn.scratch = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+                flat = conn.scratch.numpy()[:total]
+                cols = np.array([[0, total]], dtype=np.int64)
+                recv_rows(conn.sock, flat.reshape(1, -1), np.zeros(1, np.int64), cols, rx.deadline)
+                if rx.hasher is not None:
+                    rx.hasher.update(flat)
+                grp.scatter(slots, flat.reshape(-1, pb))
+        except TimeoutError as e:
+            error = f"batch for group {h.group} missed the transfer's deadline: {e}"
+        except OSError as e:  # ConnectionError: the peer went away mid-payload
+            error = f"batch for group {h.group} broke off: {e}"
+            if self._stop.is_set():
+                error = "data plane closed"
+        except Exception as e:  # e.g. a device scatter: still end the write's accounting
+            log.exception("data plane receiver error")
+            self.stats["internal_error"] += 1
+            error = f"batch for group {h.group} could not land: {e}"
+        book = self._book
+        with book.lock:
+            rx.inflight -= 1
+            conn.writing = None
+            if error is not None:
+                self.stats["payload_broken"] += 1
+                book.fail(rx, error)
+            elif not rx.state.final:
+                book.landed(rx, h.group, int(slots.size), total)
+                book.maybe_finish(rx)
+            book.cond.notify_all()
+        return error is None  # after a broken payload the stream is out of step: close
+
+    def abort(self, transfer_id: int, reason: str = "aborted") -> int:
+        """Fail the transfer; a payload of it landing now is cut off at once (its
+        connection is shut down: the sender's push fails, later pushes reconnect)."""
+        book = self._book
+        with book.lock:
+            rx = book.rx.get(transfer_id)
+            if rx is not None and not rx.state.final:
+                book.fail(rx, reason)
+            if rx is not None and rx.inflight:
+                with self._conns_lock:
+                    for c in self._conns:
+                        if c.writing is rx:
+                            _shutdown(c.sock)
+        return super().abort(transfer_id, reason)
 
     # ================================= sender ===========================================
     def post_push(
@@ -341,15 +749,13 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
     ) -> PushHandle:
         """Queue ``pages`` for the peer at ``endpoint``; returns at once. Each source is
         a uint8 ``[n, page_bytes]`` tensor or ``StoreRows`` of a host slab (left in place:
-        sent zero-copy or gathered per message on the sender thread). The rows must not
-        change until ``poll_push`` is final. Malformed sources raise ValueError."""
-        plan: list[_Msg] = []
-        keep: list[object] = []
+        the kernel reads the pages from the rows). The rows must not change until
+        ``poll_push`` is final. Malformed sources raise ValueError."""
+        plan: list[_Source] = []
         npages = 0
         for group, rows, dst_slots in pages:
-            msgs, n, arr = _plan_group(transfer_id, lease_id, bytes(token), group, rows, dst_slots)
-            plan.extend(msgs)
-            keep.append(arr)
+            src, n = _plan_group(transfer_id, lease_id, bytes(token), group, rows, dst_slots)
+            plan.append(src)
             npages += n
         handle = PushHandle(
             transfer_id,
@@ -359,17 +765,16 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             npages,
             lease_id,
             bytes(token),
-            keep,
         )
-        if self._stop.is_set():
-            handle.state, handle.error = TransferState.FAILED, "data plane closed"
-            return handle
         with self._lanes_lock:
+            if self._stop.is_set():
+                handle.state, handle.error = TransferState.FAILED, "data plane closed"
+                return handle
             lane = self._lanes.get(endpoint)
             if lane is None or lane.closing:
                 if len(self._lanes) >= MAX_LANES:
                     handle.state = TransferState.FAILED
-                    handle.error = f"too many peers ({MAX_LANES}) with pushes in flight"
+                    handle.error = f"too many peers at once ({MAX_LANES})"
                     return handle
                 lane = self._lanes[endpoint] = _Lane(endpoint)
                 lane.thread = threading.Thread(
@@ -382,28 +787,6 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
     def poll_push(self, handle: PushHandle) -> TransferStatus:
         return handle.status()
 
-    def _tx_socket(self, lane: _Lane) -> zmq.Socket:
-        if lane.sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that isn't there
-            sock.setsockopt(zmq.SNDHWM, _HWM)
-            # pyzmq copies small "zero-copy" frames and reports them sent at once; with no
-            # threshold every tracker really means "libzmq has written and released it".
-            sock.copy_threshold = 0
-            try:
-                sock.connect(lane.endpoint)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                raise
-            lane.sock = sock
-        return lane.sock
-
-    def _tx_drop_socket(self, lane: _Lane) -> None:
-        sock, lane.sock = lane.sock, None
-        if sock is not None:
-            sock.close(linger=0)  # drops anything still queued for this peer
-
     def _tx_run(self, lane: _Lane) -> None:
         idle_since = time.monotonic()
         try:
@@ -414,8 +797,6 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                     h = None
                 if h is not None:
                     self._tx_send(lane, h)
-                self._tx_reap(lane)
-                if h is not None or lane.inflight:
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > LANE_IDLE_S:
                     with self._lanes_lock:  # retire: a later push to this peer starts anew
@@ -424,131 +805,158 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                             self._lanes.pop(lane.endpoint, None)
                             return
         finally:
-            for h in lane.inflight:
-                if not h.state.final:
-                    h.state, h.error = TransferState.FAILED, "data plane closed"
             while not lane.jobs.empty():
                 h = lane.jobs.get_nowait()
-                if h is not None:
+                if h is not None and not h.state.final:
                     h.state, h.error = TransferState.FAILED, "data plane closed"
             self._tx_drop_socket(lane)
+
+    def _tx_drop_socket(self, lane: _Lane) -> None:
+        sock, lane.sock = lane.sock, None
+        if sock is not None:
+            sock.close()
+
+    def _tx_socket(self, lane: _Lane, h: PushHandle) -> socket.socket | None:
+        """The lane's connection, (re)connected and introduced; None when the push failed
+        (its deadline passed while the peer refused connections, or the plane closed)."""
+        sock = lane.sock
+        if sock is not None:
+            # the receiver never writes unless it refused us or went away: readable
+            # means this connection is dead (a restarted peer); start a fresh one
+            p = select.poll()
+            p.register(sock, select.POLLIN)
+            if p.poll(0):
+                self._tx_drop_socket(lane)
+                sock = None
+        if sock is not None:
+            return sock
+        last = "no connection yet"
+        while True:
+            if self._stop.is_set():
+                self._tx_fail(h, "data plane closed")
+                return None
+            left = h.deadline - time.monotonic()
+            if left <= 0:
+                self._tx_fail(
+                    h, f"peer {h.endpoint} did not take the data before the deadline ({last})"
+                )
+                return None
+            try:
+                sock, ready = framed.connect(h.endpoint)
+            except ValueError as e:  # not an endpoint we can reach: fail now
+                self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+                return None
+            except OSError as e:
+                last = f"connect: {e}"
+                time.sleep(min(CONNECT_RETRY_S, max(left, 0)))
+                continue
+            try:
+                if not ready:
+                    p = select.poll()
+                    p.register(sock, select.POLLOUT)
+                    p.poll(max(1, math.ceil(min(left, 1.0) * 1000)))
+                    framed.finish_connect(sock)
+                if sock.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                elif UNIX_SNDBUF:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
+                _send_bytes(sock, PREAMBLE, h.deadline)
+            except OSError as e:  # refused or reset: the peer is not (yet) there
+                sock.close()
+                last = f"connect: {e}"
+                time.sleep(min(CONNECT_RETRY_S, max(h.deadline - time.monotonic(), 0)))
+                continue
+            lane.sock = sock
+            return sock
 
     def _tx_send(self, lane: _Lane, h: PushHandle) -> None:
         hasher = xxhash.xxh3_64() if self.checksum else None
         h.state = TransferState.RECEIVING
+        sock = None
         try:
-            # inside the try: a peer-supplied endpoint that zmq refuses (a hostile Push)
-            # fails this push, never the sender thread
-            sock = self._tx_socket(lane)
-            for msg in h.plan:
-                frames = msg.frames
-                slot = None
-                if frames is None:  # gather into a staging buffer libzmq has released
-                    slot = self._stage_take(lane, msg, h)
-                    if slot is None:
+            sock = self._tx_socket(lane, h)
+            if sock is None:
+                return
+            for src in h.plan:
+                for b in src.batches:
+                    if not self._wait_writable(sock, h):
                         self._tx_drop_socket(lane)
                         return
-                    frames = _frames_of(slot[0], msg.nbytes, msg.page_bytes)
-                if not self._wait_writable(sock, h):
-                    self._tx_drop_socket(lane)
-                    return
-                if hasher is not None:
-                    for f in frames:
-                        hasher.update(f)
-                sock.send(msg.header, zmq.SNDMORE)
-                last = len(frames) - 1
-                for i, f in enumerate(frames):
-                    if i < last:
-                        sock.send(f, zmq.SNDMORE, copy=False)
-                    elif slot is not None:  # the buffer is free again once this is released
-                        slot[1] = sock.send(f, 0, copy=False, track=True)
-                    else:
-                        sock.send(f, 0, copy=False)
-                h.nbytes += msg.nbytes
+                    if hasher is not None:
+                        hasher.update(_gathered(src, b).data)
+                    send_rows(sock, b.head, src.arr, b.rows, src.cols, h.deadline)
+                    h.nbytes += b.nbytes
             done = m.TransferDone(
                 transfer_id=h.transfer_id,
                 lease_id=h.lease_id,
                 token=h.token,
                 checksum=hasher.intdigest() if hasher is not None else 0,
             )
-            if not self._wait_writable(sock, h):
-                self._tx_drop_socket(lane)
-                return
-            # The done message is last on the wire: once libzmq releases it, it has
-            # released every payload frame before it too.
-            h.tracker = sock.send(m.encode(done), copy=False, track=True)
-            lane.inflight.append(h)
-        except zmq.ZMQError as e:
-            self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+            header = m.encode(done)
+            _send_bytes(sock, frame(header, 0), h.deadline)
+            # the kernel holds every byte now: the rows are free again
+            h.state = TransferState.DONE
+            h.plan = []
+            self.stats["push_done"] += 1
+        except TimeoutError as e:
+            self._tx_fail(h, f"peer {h.endpoint} did not take the data before the deadline ({e})")
+            self._tx_drop_socket(lane)
+        except OSError as e:
+            why = f"send to {h.endpoint} failed: {e}{_refusal(sock)}"
+            self._tx_fail(h, "data plane closed" if self._stop.is_set() else why)
             self._tx_drop_socket(lane)
 
-    def _stage_take(self, lane: _Lane, msg: _Msg, h: PushHandle) -> list[Any] | None:
-        """The lane's next staging buffer, once libzmq no longer holds its last message
-        (never overwritten while queued), filled with ``msg``'s gathered pages; None when
-        the push failed waiting (deadline or close). A ring of STAGE_BUFFERS lets the
-        gather of one message overlap the sending of the ones before it."""
-        if len(lane.stage) < STAGE_BUFFERS:
-            lane.stage.append([np.empty(0, dtype=np.uint8), None])
-        slot = lane.stage[lane.stage_next % len(lane.stage)]
-        lane.stage_next += 1
-        tracker = slot[1]
-        while tracker is not None and not tracker.done:
-            if self._stop.is_set():
-                self._tx_fail(h, "data plane closed")
-                return None
-            left = h.deadline - time.monotonic()
-            if left <= 0:
-                self._tx_fail(h, f"peer {h.endpoint} did not take the data before the deadline")
-                return None
-            try:
-                tracker.wait(min(left, 0.1))
-            except zmq.NotDone:
-                pass
-        slot[1] = None
-        if slot[0].size < msg.nbytes:
-            slot[0] = np.empty(max(msg.nbytes, MSG_BYTES), dtype=np.uint8)
-        assert msg.gather is not None
-        gather_pages(slot[0][: msg.nbytes], *msg.gather)
-        return slot
-
-    def _wait_writable(self, sock: zmq.Socket, h: PushHandle) -> bool:
+    def _wait_writable(self, sock: socket.socket, h: PushHandle) -> bool:
+        """Before each message: False (the push failed) once the deadline passed or the
+        plane closed while the peer took nothing."""
+        p = select.poll()
+        p.register(sock, select.POLLOUT)
         while not self._stop.is_set():
             left = h.deadline - time.monotonic()
             if left <= 0:
                 self._tx_fail(h, f"peer {h.endpoint} did not take the data before the deadline")
                 return False
-            if sock.poll(min(int(left * 1000) + 1, 100), zmq.POLLOUT):
+            if p.poll(max(1, min(math.ceil(left * 1000), 100))):
                 return True
         self._tx_fail(h, "data plane closed")
         return False
 
     def _tx_fail(self, h: PushHandle, why: str) -> None:
-        h.state, h.error = TransferState.FAILED, why
-        h.plan, h.keep = [], []
-        self.stats["push_failed"] += 1
-
-    def _tx_reap(self, lane: _Lane) -> None:
-        now = time.monotonic()
-        still = []
-        for h in lane.inflight:
-            if h.tracker is not None and h.tracker.done:
-                h.state = TransferState.DONE
-                h.plan, h.keep = [], []
-                self.stats["push_done"] += 1
-            elif now > h.deadline:
-                self._tx_fail(h, f"peer {h.endpoint} did not drain the data before the deadline")
-                self._tx_drop_socket(lane)
-            else:
-                still.append(h)
-        lane.inflight = still
+        if not h.state.final:
+            h.state, h.error = TransferState.FAILED, why
+            self.stats["push_failed"] += 1
+        h.plan = []
 
     # ================================= common ===========================================
     def close(self) -> None:
         self._stop.set()
         with self._lanes_lock:
             lanes = list(self._lanes.values())
+        for lane in lanes:
+            _shutdown(lane.sock)  # a send blocked on a stalled peer ends now
         for t in [self._rx_thread, *(lane.thread for lane in lanes)]:
             t.join(5.0)
+
+
+def _refusal(sock: socket.socket | None) -> str:
+    """What a receiver that refused this connection wrote back (its preamble), if any."""
+    if sock is None:
+        return ""
+    try:
+        got = sock.recv(len(PREAMBLE), socket.MSG_DONTWAIT)
+    except OSError:
+        return ""
+    if got[: len(STREAM_MAGIC)] == STREAM_MAGIC and len(got) == len(PREAMBLE):
+        return f" (the receiver refused this stream: it speaks stream version {got[-1]})"
+    return ""
+
+
+def _gathered(src: _Source, b: _Batch) -> np.ndarray:
+    """A batch's payload as one buffer (to hash it; only with the checksum on)."""
+    per_row = int(src.cols[:, 1].sum())
+    out = np.empty(b.rows.size * per_row, dtype=np.uint8)
+    gather_pages(out, src.arr, b.rows, tuple((int(o), int(n)) for o, n in src.cols))
+    return out
 
 
 def _source(
@@ -556,7 +964,7 @@ def _source(
 ) -> tuple[torch.Tensor, np.ndarray, tuple[tuple[int, int], ...]]:
     """``(slab, rows, cols)`` of a push source, checked: a host uint8 ``[R, W]`` slab with
     contiguous rows, ``n`` rows inside it and columns inside a row. A device source is
-    copied to the host first (the zmq path moves host memory only)."""
+    copied to the host first (this plane moves host memory only)."""
     if isinstance(src, StoreRows):
         slab = src.slab
         if slab.device.type != "cpu":
@@ -579,7 +987,8 @@ def _source(
         raise ValueError(f"group {group}: page_bytes must be >= 1")
     if src.device.type != "cpu":
         src = src.cpu()
-    src = src.contiguous()
+    if src.shape[1] > 1 and src.stride(1) != 1:
+        src = src.contiguous()
     return src, np.arange(n, dtype=np.int64), ((0, int(src.shape[1])),)
 
 
@@ -590,42 +999,28 @@ def _plan_group(
     group: int,
     src: torch.Tensor | StoreRows,
     dst_slots: Sequence[int],
-) -> tuple[list[_Msg], int, torch.Tensor]:
-    """Split one group's pages into messages of at most MSG_BYTES: each names its pages'
-    destination runs (consecutive slots coalesced) and carries them in that order.
-
-    A message whose source pieces (a run of consecutive whole rows, or one column of a
-    row) average at least ZERO_COPY_MIN bytes, or are no more than the frames the
-    gathered message would take, is sent zero-copy as frames over them (page-aligned, at
-    most FRAME_BYTES, a page larger than that split over several); smaller pieces are
-    gathered into a staging buffer when the message is sent (one copy
-    on the sender thread, overlapping libzmq's sending of the messages before it), so
-    small scattered pages still travel in FRAME_BYTES frames and the receiver's
-    per-frame cost stays small. Vectorised; loops only over runs and frames."""
+) -> tuple[_Source, int]:
+    """Split one group's pages into batches of at most MSG_BYTES (and MAX_BATCH_PAGES):
+    each names its pages' destination runs (consecutive slots coalesced) and the source
+    rows to send, in that order. Vectorised: loops over batches only."""
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     slab, rows, cols = _source(group, src, int(slots.shape[0]))
     if (slots < -1).any():
         raise ValueError(f"group {group}: destination slots must be >= -1")
     pb = sum(c for _, c in cols)
+    arr = slab.numpy()  # [R, W] view, rows contiguous
+    cols_arr = np.array(cols, dtype=np.int64).reshape(-1, 2)
+    out = _Source(arr, cols_arr, slab, [])
     idx = np.flatnonzero(slots >= 0)
     if idx.size == 0:
-        return [], 0, slab
+        return out, 0
     dst = slots[idx]
-    rows = rows[idx]
-    arr = slab.numpy()  # [R, W] view, rows contiguous
-    row_stride = int(arr.strides[0])
-    # one flat byte view from the first row: piece addresses are offsets into it
-    span = (int(arr.shape[0]) - 1) * row_stride + int(arr.shape[1])
-    flat = np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,))
-    whole_row = len(cols) == 1 and cols[0][0] == 0 and cols[0][1] == row_stride
-    per_msg = max(1, MSG_BYTES // pb)  # pages per message
-    dst_brk = np.flatnonzero(np.diff(dst) != 1) + 1  # where destination runs break
-    src_brk = np.flatnonzero(np.diff(rows) != 1) + 1  # where source rows stop being consecutive
-    msgs: list[_Msg] = []
+    rows = np.ascontiguousarray(rows[idx], dtype=np.int64)
+    per_msg = max(1, min(MSG_BYTES // pb, MAX_BATCH_PAGES))
+    brk = np.flatnonzero(np.diff(dst) != 1) + 1  # where destination runs break
     for m0 in range(0, int(idx.size), per_msg):
         m1 = min(m0 + per_msg, int(idx.size))
-        k = m1 - m0
-        cuts = dst_brk[(dst_brk > m0) & (dst_brk < m1)]
+        cuts = brk[(brk > m0) & (brk < m1)]
         starts = np.concatenate(([m0], cuts))
         counts = np.diff(np.concatenate((starts, [m1])))
         runs = list(zip(dst[starts].tolist(), counts.tolist(), strict=True))
@@ -639,71 +1034,6 @@ def _plan_group(
                 page_bytes=pb,
             )
         )
-        if whole_row:
-            edges = np.concatenate(([m0], src_brk[(src_brk > m0) & (src_brk < m1)], [m1]))
-            pieces = edges.size - 1
-        else:
-            pieces = k * len(cols)
-        nbytes = k * pb
-        if pb > FRAME_BYTES:  # the frames this message would take gathered
-            gathered_frames = k * -(-pb // FRAME_BYTES)
-        else:
-            gathered_frames = -(-nbytes // ((FRAME_BYTES // pb) * pb))
-        if nbytes < ZERO_COPY_MIN * pieces and pieces > gathered_frames:
-            msgs.append(_Msg(header, nbytes, pb, gather=(arr, rows[m0:m1], cols)))
-            continue
-        frames: list[memoryview] = []
-        mv = memoryview(flat)  # type: ignore[arg-type]
-        if whole_row:
-            for a, b in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
-                lo = int(rows[a]) * row_stride
-                frames.extend(_split(mv[lo : lo + (b - a) * pb], pb))
-        else:
-            for r in rows[m0:m1].tolist():
-                for off, length in cols:
-                    lo = r * row_stride + off
-                    frames.extend(_split(mv[lo : lo + length], length))
-        msgs.append(_Msg(header, nbytes, pb, frames=frames))
-    return msgs, int(idx.size), slab
-
-
-def _split(mv: memoryview, unit: int) -> list[memoryview]:
-    """``mv`` (whole units of ``unit`` bytes) as frames of whole units of at most
-    FRAME_BYTES, or, for units above FRAME_BYTES, each unit in FRAME_BYTES pieces (a frame
-    never spans two pages)."""
-    if unit > FRAME_BYTES:
-        return [
-            mv[p + o : p + min(o + FRAME_BYTES, unit)]
-            for p in range(0, len(mv), unit)
-            for o in range(0, unit, FRAME_BYTES)
-        ]
-    step = (FRAME_BYTES // unit) * unit
-    return [mv[o : o + step] for o in range(0, len(mv), step)]
-
-
-def _frames_of(buf: np.ndarray, nbytes: int, pb: int) -> list[memoryview]:
-    """A staging buffer's first ``nbytes`` (whole pages) as frames."""
-    return _split(memoryview(buf[:nbytes]), pb)  # type: ignore[arg-type]
-
-
-def _place(direct: np.ndarray, slots: np.ndarray, pb: int, off: int, src: np.ndarray) -> None:
-    """Write ``src``, the batch payload's bytes from ``off``, into the rows of ``direct``
-    (``[num_slots, pb]``) that the batch's pages ``slots`` (in payload order) name."""
-    p0, r0 = divmod(off, pb)
-    n = src.size
-    if r0 == 0 and n % pb == 0:  # whole pages: the sender's framing
-        k = n // pb
-        s = slots[p0 : p0 + k]
-        rows = src.reshape(k, pb)
-        first = int(s[0])
-        if k == 1 or (int(s[-1]) - first == k - 1 and bool((np.diff(s) == 1).all())):
-            direct[first : first + k] = rows
-        else:
-            direct[s] = rows
-        return
-    i = 0  # part of one page (pages > FRAME_BYTES), or any other framing a peer chose
-    while i < n:
-        p, r = divmod(off + i, pb)
-        take = min(pb - r, n - i)
-        direct[int(slots[p]), r : r + take] = src[i : i + take]
-        i += take
+        nbytes = (m1 - m0) * pb
+        out.batches.append(_Batch(frame(header, nbytes), rows[m0:m1], nbytes))
+    return out, int(idx.size)

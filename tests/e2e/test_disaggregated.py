@@ -273,10 +273,10 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
     import secrets
 
     import torch
-    import zmq
 
     from disagg.consumer.service import Claimed, Load
     from disagg.protocol import PageBatch, encode
+    from disagg.transport.zmq_plane import StreamPush
 
     cfg = EngineConfig(**SHAPE)  # 2 layers, one group
     cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], load_timeout_s=5.0)
@@ -291,9 +291,7 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
     layer0 = torch.randint(0, 256, (3, width), dtype=torch.uint8)
     # what a layer-wise push puts on the wire first: layer 0's pages (group G + 0), and
     # nothing more yet (the sender is still copying later layers)
-    tx = zmq.Context.instance().socket(zmq.PUSH)
-    tx.setsockopt(zmq.LINGER, 0)
-    tx.connect(csvc.data.endpoint)
+    tx = StreamPush(csvc.data.endpoint)
     try:
         head = PageBatch(
             transfer_id=77, lease_id=1, token=load.token, group=1, runs=[(5, 3)], page_bytes=width

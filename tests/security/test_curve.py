@@ -34,7 +34,7 @@ from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient, ControlServer, EventPublisher, EventSubscriber
-from disagg.transport.zmq_plane import ZmqDataPlane
+from disagg.transport.zmq_plane import StreamPush, ZmqDataPlane
 
 DEADLINE = 0.5
 
@@ -265,9 +265,7 @@ def test_stranger_cannot_write_into_the_consumer_pools(receiver):
     tid, lease, token = 41, 9, secrets.token_bytes(16)
     receiver.expect(tid, lease, token, [4], deadline_s=10)
 
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(receiver.endpoint)
+    s = StreamPush(receiver.endpoint)  # the data plane's own wire
     payload = b"\xff" * (4 * pb)
 
     def batch(**kw):

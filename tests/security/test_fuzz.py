@@ -45,7 +45,7 @@ from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode
 from disagg.protocol.version import MAX_CONTROL_FRAME
 from disagg.transport import ControlClient, EventSubscriber
-from disagg.transport.zmq_plane import ZmqDataPlane
+from disagg.transport.zmq_plane import StreamPush, ZmqDataPlane
 
 pytestmark = pytest.mark.fuzz
 
@@ -430,12 +430,9 @@ def _pools(slots: int, pb: int) -> tuple[torch.Tensor, torch.Tensor, list[list[t
     return g0, g1, regions
 
 
-def _push_socket(endpoint: str) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDTIMEO, 10_000)  # a dead receiver fails the test, never hangs it
-    s.connect(endpoint)
-    return s
+def _push_socket(endpoint: str) -> StreamPush:
+    # the data plane's own wire (one message: a header, then its payload)
+    return StreamPush(endpoint, timeout_s=10)  # a dead receiver fails the test, never hangs it
 
 
 def _payload(rng: random.Random, pb: int) -> list[bytes]:
@@ -445,7 +442,7 @@ def _payload(rng: random.Random, pb: int) -> list[bytes]:
     ]
 
 
-def _sync(plane: ZmqDataPlane, sock: zmq.Socket, lease: int) -> None:
+def _sync(plane: ZmqDataPlane, sock: StreamPush, lease: int) -> None:
     """Messages on one connection are handled in order: once a sentinel transfer sent
     last is DONE, every earlier message has been handled."""
     tid, tok = secrets.randbits(60), secrets.token_bytes(16)

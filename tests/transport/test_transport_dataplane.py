@@ -6,10 +6,9 @@ import time
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from disagg.protocol import PageBatch, TransferDone, encode
-from disagg.transport import RegionSpec, TransferState, ZmqDataPlane
+from disagg.transport import RegionSpec, TransferState, ZmqDataPlane, zmq_plane
 
 
 @pytest.fixture
@@ -174,12 +173,12 @@ def test_transfer_writes_only_its_own_slots(planes):
 
 
 def test_hostile_frames():
+    """Hand-made messages on the stream: each refusal fails its transfer by name, and the
+    connection keeps serving the messages after it (explicit lengths keep it in step)."""
     rx = ZmqDataPlane(checksum=True)  # tid 13 checks the optional payload checksum
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(rx.endpoint)
+    s = zmq_plane.StreamPush(rx.endpoint)
 
     def batch(tid, runs, frames, pb=16):
         h = PageBatch(transfer_id=tid, lease_id=1, token=b"t", group=0, runs=runs, page_bytes=pb)
@@ -188,7 +187,7 @@ def test_hostile_frames():
     try:
         s.send_multipart([b"\xc1garbage", b"x" * 16])
         rx.expect(10, 1, b"t", [1], 5.0)
-        batch(10, [(0, 1)], [b"a" * 32])  # frame overruns its run
+        batch(10, [(0, 1)], [b"a" * 32])  # payload longer than its runs
         rx.expect(11, 1, b"t", [1], 5.0)
         batch(11, [(0, 1)], [b"a" * 8])  # short payload
         rx.expect(12, 1, b"t", [1], 5.0)
@@ -200,8 +199,8 @@ def test_hostile_frames():
         batch(14, [(3, 1)], [b"d" * 16])
         s.send(encode(TransferDone(transfer_id=14, lease_id=1, token=b"t")))  # too few pages
         for tid, needle in [
-            (10, "overruns"),
-            (11, "short"),
+            (10, "carries 32 payload bytes, its 1 pages take 16"),
+            (11, "carries 8 payload bytes"),
             (12, "bytes"),
             (13, "checksum"),
             (14, "of"),
@@ -209,6 +208,8 @@ def test_hostile_frames():
             st = rx.wait(tid, 3.0)
             assert st.failed and needle in st.error, (tid, st)
         assert rx.stats["rejected_BAD_FRAME"] == 1
+        assert int(pool[:2].sum()) == 0  # refused batches wrote nothing
+        assert bytes(pool[2].numpy()) == b"c" * 16  # (its checksum failed after landing)
     finally:
         s.close()
         rx.close()
@@ -250,24 +251,25 @@ def test_across_processes(tmp_path):
         rx.close()
 
 
-def test_any_framing_lands_and_extra_frames_refused(planes):
-    """Frames need not follow page or run boundaries (ours are page-aligned and span
-    runs): every byte still lands in its page's slot; a frame past the batch is refused."""
+def test_payload_in_pieces_lands_and_a_refused_batch_is_skipped(planes):
+    """The payload may arrive in any pieces (partial reads); a refused batch's payload is
+    read and dropped, and the same connection goes on serving the next transfer."""
     import xxhash
 
     rx, _ = planes
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(rx.endpoint)
+    s = zmq_plane.StreamPush(rx.endpoint)
     try:
         payload = bytes(range(48))  # pages for slots 6, 1, 2 (runs (6, 1), (1, 2))
         h = PageBatch(
             transfer_id=30, lease_id=1, token=b"t", group=0, runs=[(6, 1), (1, 2)], page_bytes=16
         )
         rx.expect(30, 1, b"t", [3], 5.0, slots_by_group=[[6, 1, 2]])
-        s.send_multipart([encode(h), payload[:7], payload[7:27], payload[27:]])
+        wire = zmq_plane.frame(encode(h), len(payload)) + payload
+        for cut in (0, 5, 19, 30, 47):  # a prefix, a header and a payload in pieces
+            s.sock.sendall(wire[cut : {0: 5, 5: 19, 19: 30, 30: 47, 47: len(wire)}[cut]])
+            time.sleep(0.02)
         done = TransferDone(
             transfer_id=30, lease_id=1, token=b"t", checksum=xxhash.xxh3_64_intdigest(payload)
         )
@@ -281,7 +283,15 @@ def test_any_framing_lands_and_extra_frames_refused(planes):
         rx.expect(31, 1, b"t", [1], 5.0)
         s.send_multipart([encode(h), b"e" * 16, b"f" * 16])
         st = rx.wait(31, 3.0)
-        assert st.failed and "more payload frames" in st.error
+        assert st.failed and "carries 32 payload bytes" in st.error
+        assert int(pool[4].sum()) == 0
+        # the next message on the same connection is read in step
+        h = PageBatch(transfer_id=32, lease_id=1, token=b"t", group=0, runs=[(5, 1)], page_bytes=16)
+        rx.expect(32, 1, b"t", [1], 5.0)
+        s.send_multipart([encode(h), b"g" * 16])
+        s.send(encode(TransferDone(transfer_id=32, lease_id=1, token=b"t")))
+        assert rx.wait(32, 3.0).done
+        assert bytes(pool[5].numpy()) == b"g" * 16
     finally:
         s.close()
 

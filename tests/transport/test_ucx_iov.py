@@ -91,6 +91,9 @@ def _slab(rows: int, width: int) -> torch.Tensor:
 
 
 def _receiver(channel, pb, expected, q_out, q_in):
+    # the iov sends are what is tested: a receiver that does not offer RMA reads (an
+    # RMA-capable shm receiver reads StoreRows itself, test_ucx_rma.py)
+    os.environ["DISAGG_UCX_RMA"] = "0"
     from disagg.transport.ucx_plane import UcxDataPlane
 
     plane = UcxDataPlane(channel=channel)

@@ -1,12 +1,11 @@
-"""ZmqDataPlane sender paths: StoreRows sent zero-copy or gathered into staging buffers
-(never reused while libzmq holds them), and the optional payload checksum."""
+"""ZmqDataPlane sender paths: StoreRows sent from the store rows where they lie (the C
+iovec path and the Python fallback), and the optional payload checksum."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from disagg.protocol import PageBatch, TransferDone, encode
 from disagg.transport import ZmqDataPlane, zmq_plane
@@ -31,7 +30,7 @@ def expected_pages(slab, rows, cols):
     return torch.cat([slab[torch.as_tensor(rows), o : o + n] for o, n in cols], dim=1)
 
 
-@pytest.mark.parametrize("mode", ["zero_copy", "gather"])
+@pytest.mark.parametrize("mode", ["native", "python"])
 @pytest.mark.parametrize(
     "cols",
     [((0, 96),), ((16, 48),), ((0, 16), (40, 24), (80, 16))],
@@ -41,9 +40,12 @@ def test_store_rows_land_in_their_slots(planes, monkeypatch, mode, cols):
     """Random (partly consecutive) store rows into random slots, with -1 skips, through
     several messages: every page is its rows' columns, nothing else is written."""
     rx, tx = planes
-    monkeypatch.setattr(zmq_plane, "ZERO_COPY_MIN", 1 if mode == "zero_copy" else 1 << 30)
+    if mode == "python":
+        monkeypatch.setattr(zmq_plane, "_native", None)
+    elif zmq_plane._streamio is None:
+        pytest.skip("the _streamio extension is not built")
     monkeypatch.setattr(zmq_plane, "MSG_BYTES", 5 * 64)  # several messages per push
-    monkeypatch.setattr(zmq_plane, "STAGE_BUFFERS", 2)  # the ring wraps: reuse waits
+    monkeypatch.setattr(zmq_plane, "PY_CHUNK", 3 * 64)  # several chunks per message
     slab = slab_of(40, 96)
     pb = sum(n for _, n in cols)
     rows = np.array([3, 4, 5, 17, 0, 39, 38, 6, 7, 8, 9, 21, 22, 30], dtype=np.int64)
@@ -64,18 +66,17 @@ def test_store_rows_land_in_their_slots(planes, monkeypatch, mode, cols):
     assert int(pool[torch.as_tensor(untouched)].sum()) == 0
 
 
-def test_small_scattered_pages_are_gathered_into_frames():
-    """Scattered pages below ZERO_COPY_MIN travel gathered (few frames per message);
-    consecutive rows of a whole-row slab, or big pages, go zero-copy."""
+def test_plan_sends_from_the_store_rows_in_place(monkeypatch):
+    """A push plans batches of MSG_BYTES over the slab itself: no gather, no copy (the
+    kernel reads each page from its row); destination runs are coalesced."""
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", 8 * 1024)
     slab = slab_of(64, 1024)
-    scattered = StoreRows(slab, np.arange(0, 64, 2, dtype=np.int64), ((0, 1024),))
-    msgs, n, _ = zmq_plane._plan_group(1, 1, b"t", 0, scattered, list(range(32)))
-    assert n == 32 and all(mm.gather is not None and mm.frames is None for mm in msgs)
-    run = StoreRows(slab, np.arange(32, dtype=np.int64), ((0, 1024),))
-    msgs, _, _ = zmq_plane._plan_group(1, 1, b"t", 0, run, list(range(32)))
-    assert len(msgs) == 1 and msgs[0].frames is not None and len(msgs[0].frames) == 1
-    assert msgs[0].frames[0].obj is not None  # a view of the slab, not a copy
-    assert np.shares_memory(np.asarray(msgs[0].frames[0]), slab.numpy())
+    rows = np.arange(0, 64, 2, dtype=np.int64)
+    src, n = zmq_plane._plan_group(1, 1, b"t", 0, StoreRows(slab, rows, ((0, 1024),)), range(32))
+    assert n == 32 and len(src.batches) == 4
+    assert np.shares_memory(src.arr, slab.numpy())
+    assert np.array_equal(np.concatenate([b.rows for b in src.batches]), rows)
+    assert all(b.nbytes == 8 * 1024 for b in src.batches)
 
 
 @pytest.mark.parametrize(
@@ -93,8 +94,7 @@ def test_bad_sources_are_refused_by_name(planes, src, why):
         tx.post_push("tcp://127.0.0.1:1", 1, 1, b"t", [(0, src, [0, 1])], 1.0)
 
 
-def test_gathered_push_to_absent_peer_fails_by_deadline(monkeypatch):
-    monkeypatch.setattr(zmq_plane, "ZERO_COPY_MIN", 1 << 30)
+def test_scattered_push_to_absent_peer_fails_by_deadline():
     tx = ZmqDataPlane()
     try:
         slab = slab_of(16, 64)
@@ -109,8 +109,7 @@ def test_gathered_push_to_absent_peer_fails_by_deadline(monkeypatch):
 def test_checksum_is_off_by_default_and_checked_when_on():
     assert not ZmqDataPlane.__init__.__kwdefaults__["checksum"]
     rx, tx = ZmqDataPlane(checksum=True), ZmqDataPlane(checksum=True)
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
+    s = None
     try:
         pool = torch.zeros(8, 16, dtype=torch.uint8)
         rx.register_regions([[pool]])
@@ -119,7 +118,7 @@ def test_checksum_is_off_by_default_and_checked_when_on():
         h = tx.post_push(rx.endpoint, 1, 1, b"t", [(0, src, [5, 1, 2])], 5.0)
         assert tx.wait_push(h, 5.0).done and rx.wait(1, 5.0).done
         # a payload that does not match the sender's checksum fails the transfer
-        s.connect(rx.endpoint)
+        s = zmq_plane.StreamPush(rx.endpoint)
         rx.expect(2, 1, b"t", [1], 5.0)
         hdr = PageBatch(
             transfer_id=2, lease_id=1, token=b"t", group=0, runs=[(0, 1)], page_bytes=16
@@ -129,7 +128,8 @@ def test_checksum_is_off_by_default_and_checked_when_on():
         st = rx.wait(2, 3.0)
         assert st.failed and "checksum" in st.error
     finally:
-        s.close()
+        if s is not None:
+            s.close()
         rx.close()
         tx.close()
 

@@ -1,0 +1,6 @@
+from typing import Any
+
+IOV_MAX: int
+
+def send_rows(fd: int, head: Any, arr: Any, rows: Any, cols: Any, deadline: float) -> int: ...
+def recv_rows(fd: int, arr: Any, rows: Any, cols: Any, deadline: float) -> int: ...

@@ -1,0 +1,418 @@
+"""One-sided UCX reads (``ucp_get_nbx``) of registered store rows, for the UCX plane.
+
+ucxx 0.52 exposes no memory handles, rkeys or put/get to Python (deps.md §3). This module
+calls libucp directly, the same copy ucxx loaded (``ucx_iov._libucp_path``), on ucxx's raw
+handles (``context.handle``, ``worker.handle``, ``ep.handle``): ``ucp_mem_map`` /
+``ucp_rkey_pack`` / ``ucp_rkey_buffer_release`` / ``ucp_mem_unmap`` for the producer's
+store slab (``Registration``), ``ucp_ep_rkey_unpack`` / ``ucp_rkey_destroy`` on the
+consumer (``unpack``/``destroy``), and thousands of ``ucp_get_nbx`` from the small C loop
+in ``_ucxrma.c`` (``RmaOps``), which receives libucp's function addresses from ctypes as
+integers and so needs no UCX header at build time. ``ucp_mem_map_params_t`` is mirrored
+below and checked field by field against a C compile of the installed ucp.h in
+tests/transport/test_ucx_rma.py (``ucp_request_param_t`` is ucx_iov's, checked there).
+
+What is exposed to whom: the producer maps its store slab with remote *read* access only
+and hands the packed rkey (plus the slab's address, row count and stride) to the
+consumers it pushes to, in the RMA batch headers, which travel to the endpoint the
+consumer's control Push named and are authenticated by the transfer's token. A consumer
+holding the rkey can read any row of that slab, not only the rows of its own transfer,
+for as long as the producer keeps it mapped (until its plane closes, or the slab's
+registration is evicted: ``UcxDataPlane``). That is NIXL's trust model (a peer that
+holds a descriptor may read the whole registered region) and the same as our ipc
+plane's shared store. Nothing of the consumer is registered or exposed: it writes its
+own slots itself, after its ``ReceiverBook`` checked them, so the receiver's slot rules
+(bounds, promised slots, each once) hold even against a producer holding the token.
+Note that UCX itself trusts its peers at the memory level whatever we register: its tcp
+transport carries rendezvous puts (``UCX_RNDV_SCHEME=put_zcopy``, set by the plane) to
+addresses the peer names, and cma reads through ``process_vm_readv`` (the kernel's
+same-user ptrace check is the only guard). Run UCX endpoints on trusted networks only.
+
+Capability check (``available()``): the ``_ucxrma`` extension is built, libucp loads
+with the symbols and an API version whose layouts are mirrored (1.10+), the structs
+agree with their recorded offsets, and ``DISAGG_UCX_RMA`` is not ``0``. Without the
+extension the plane keeps its tag-message path; with ``DISAGG_REQUIRE_NATIVE=1`` a
+missing extension raises at import (as page_copy.py does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import ucx_iov
+
+try:
+    from . import _ucxrma
+except ImportError:  # no compiler at install time: the plane keeps its tag path
+    _ucxrma = None  # type: ignore[assignment]
+    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+        raise
+
+log = logging.getLogger(__name__)
+
+# ucp.h (1.21): enum ucp_mem_map_params_field, ucp_mem_map_prot_t, ucp_op_attr_t
+MAP_FIELD_ADDRESS = 1 << 0
+MAP_FIELD_LENGTH = 1 << 1
+MAP_FIELD_PROT = 1 << 3
+PROT_LOCAL_READ = 1 << 0
+PROT_LOCAL_WRITE = 1 << 1
+PROT_REMOTE_READ = 1 << 8
+PROT_REMOTE_WRITE = 1 << 9
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+_UCS_OK = 0
+
+
+class MapParams(ctypes.Structure):
+    """``ucp_mem_map_params_t`` (ucp.h 1.21): 48 bytes."""
+
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+# (field, offset) of the C layout, checked at load and against a C compile in the tests
+MAP_LAYOUT = {
+    "field_mask": 0,
+    "address": 8,
+    "length": 16,
+    "flags": 24,
+    "prot": 28,
+    "memory_type": 32,
+    "exported_memh_buffer": 40,
+}
+MAP_SIZE = 48
+
+
+def _layout_ok() -> bool:
+    if ctypes.sizeof(MapParams) != MAP_SIZE:
+        return False
+    return all(getattr(MapParams, f).offset == off for f, off in MAP_LAYOUT.items())
+
+
+class _Lib:
+    """The bound libucp functions, their addresses for the C loop, and the one request
+    parameter block every get uses (host memory: spares UCX a lookup per operation)."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+        status = ctypes.c_int8  # ucs_status_t: a packed enum, one signed byte
+        lib.ucp_mem_map.restype = status
+        lib.ucp_mem_map.argtypes = [vp, ctypes.POINTER(MapParams), ctypes.POINTER(vp)]
+        lib.ucp_mem_unmap.restype = status
+        lib.ucp_mem_unmap.argtypes = [vp, vp]
+        lib.ucp_rkey_pack.restype = status
+        lib.ucp_rkey_pack.argtypes = [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]
+        lib.ucp_rkey_buffer_release.restype = None
+        lib.ucp_rkey_buffer_release.argtypes = [vp]
+        lib.ucp_ep_rkey_unpack.restype = status
+        lib.ucp_ep_rkey_unpack.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(vp)]
+        lib.ucp_rkey_destroy.restype = None
+        lib.ucp_rkey_destroy.argtypes = [vp]
+        lib.ucp_get_nbx.restype = vp
+        lib.ucp_get_nbx.argtypes = [vp, vp, sz, u64, vp, vp]
+        lib.ucp_ep_flush_nbx.restype = vp
+        lib.ucp_ep_flush_nbx.argtypes = [vp, vp]
+        lib.ucp_request_check_status.restype = status
+        lib.ucp_request_check_status.argtypes = [vp]
+        lib.ucp_request_free.restype = None
+        lib.ucp_request_free.argtypes = [vp]
+        lib.ucp_worker_progress.restype = ctypes.c_uint
+        lib.ucp_worker_progress.argtypes = [vp]
+        lib.ucp_get_version.restype = None
+        lib.ucp_get_version.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+        self.lib = lib
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        self.version = (major.value, minor.value, release.value)
+
+        def addr(name: str) -> int:
+            return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+
+        self.get_fn = addr("ucp_get_nbx")
+        self.put_fn = addr("ucp_put_nbx")
+        self.progress_fn = addr("ucp_worker_progress")
+        self.check_fn = addr("ucp_request_check_status")
+        self.free_fn = addr("ucp_request_free")
+        if not all((self.get_fn, self.put_fn, self.progress_fn, self.check_fn, self.free_fn)):
+            raise RuntimeError("libucp lacks an RMA entry point")
+        p = ucx_iov.RequestParam()
+        p.op_attr_mask = _OP_ATTR_FIELD_MEMORY_TYPE
+        p.memory_type = 0  # UCS_MEMORY_TYPE_HOST
+        self.param = p  # kept alive: the C loop reads it
+        self.param_addr = ctypes.addressof(p)
+
+
+_lib: _Lib | None = None
+_lib_error: str | None = None
+
+
+def load() -> _Lib | None:
+    """Bind libucp once (after ucxx is imported); None, with the reason kept, when the
+    capability check fails."""
+    global _lib, _lib_error
+    if _lib is not None or _lib_error is not None:
+        return _lib
+    try:
+        if os.environ.get("DISAGG_UCX_RMA", "1") == "0":
+            raise RuntimeError("turned off by DISAGG_UCX_RMA=0")
+        if _ucxrma is None:
+            raise RuntimeError("the _ucxrma extension is not built")
+        # the libucp ucxx loaded, and the layouts ucx_iov mirrors (not its on/off switch:
+        # DISAGG_UCX_IOV=0 turns off iov sends only)
+        path = ucx_iov._libucp_path()
+        if path is None:
+            raise RuntimeError("libucp not found (is ucxx imported?)")
+        if not ucx_iov._layout_ok() or not _layout_ok():
+            raise RuntimeError("ctypes layouts of ucp_request_param_t / ucp_mem_map_params_t")
+        lib = _Lib(path)
+        if lib.version[0] != 1 or lib.version[1] < 10:
+            raise RuntimeError(f"libucp {lib.version}: struct layouts mirrored for 1.10+")
+        _lib = lib
+    except Exception as exc:
+        _lib_error = f"{type(exc).__name__}: {exc}"
+        log.info("UCX RMA unavailable (%s): tag messages instead", _lib_error)
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _lib_error
+
+
+def _need() -> _Lib:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"UCX RMA unavailable: {_lib_error}")
+    return lib
+
+
+@dataclass
+class Registration:
+    """A host range mapped with ``ucp_mem_map`` (remote read) and its packed rkey.
+    ``owner`` keeps the memory alive while it is mapped; ``close()`` unmaps (idempotent).
+    Create, use and close it on the thread that owns the context's worker."""
+
+    ctx: int
+    memh: int
+    address: int
+    length: int
+    rkey: bytes
+    owner: Any
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        st = int(_need().lib.ucp_mem_unmap(self.ctx, self.memh))
+        if st != _UCS_OK:
+            log.warning("ucp_mem_unmap failed: ucs_status %d", st)
+
+
+def register(
+    ctx_handle: int, address: int, length: int, owner: Any, writable: bool = False
+) -> Registration:
+    """Map ``[address, address + length)`` for remote reads (and writes, ``writable``)
+    and pack its rkey (the packed buffer is copied, then released at once)."""
+    lib = _need().lib
+    if length < 1:
+        raise ValueError("cannot register an empty range")
+    p = MapParams()
+    p.field_mask = MAP_FIELD_ADDRESS | MAP_FIELD_LENGTH | MAP_FIELD_PROT
+    p.address, p.length = address, length
+    p.prot = PROT_LOCAL_READ | PROT_LOCAL_WRITE | PROT_REMOTE_READ
+    if writable:
+        p.prot |= PROT_REMOTE_WRITE
+    memh = ctypes.c_void_p()
+    st = int(lib.ucp_mem_map(ctx_handle, ctypes.byref(p), ctypes.byref(memh)))
+    if st != _UCS_OK or not memh.value:
+        raise RuntimeError(f"ucp_mem_map of {length} bytes failed: ucs_status {st}")
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    st = int(lib.ucp_rkey_pack(ctx_handle, memh, ctypes.byref(buf), ctypes.byref(size)))
+    if st != _UCS_OK or not buf.value:
+        lib.ucp_mem_unmap(ctx_handle, memh)
+        raise RuntimeError(f"ucp_rkey_pack failed: ucs_status {st}")
+    try:
+        rkey = ctypes.string_at(buf.value, size.value)
+    finally:
+        lib.ucp_rkey_buffer_release(buf)
+    return Registration(ctx_handle, int(memh.value), address, length, rkey, owner)
+
+
+def unpack(ep_handle: int, rkey: bytes) -> int:
+    """A remote key handle for ``rkey`` (packed by the peer) on the endpoint; destroy it
+    with ``destroy`` before the plane closes."""
+    out = ctypes.c_void_p()
+    st = int(_need().lib.ucp_ep_rkey_unpack(ep_handle, rkey, ctypes.byref(out)))
+    if st != _UCS_OK or not out.value:
+        raise RuntimeError(f"ucp_ep_rkey_unpack failed: ucs_status {st}")
+    return int(out.value)
+
+
+def destroy(rkey: int) -> None:
+    _need().lib.ucp_rkey_destroy(rkey)
+
+
+def page_pieces(
+    cols: tuple[tuple[int, int], ...], parts: list[int]
+) -> list[tuple[int, int, int, int]]:
+    """Cut a page into pieces that are each one span of the source (its column spans
+    ``cols`` of a store row, in page order) and one span of one destination region
+    (``parts``: the group's region sizes, in page order); both partitions cover the same
+    ``page_bytes``. Returns (source column offset in the row, destination region,
+    offset in that region's row, length) per piece."""
+    cuts = {0}
+    at = 0
+    for _, n in cols:
+        at += n
+        cuts.add(at)
+    total = at
+    at = 0
+    for n in parts:
+        at += n
+        cuts.add(at)
+    if at != total:
+        raise ValueError(f"source pages of {total} bytes, destination pages of {at}")
+    edges = sorted(cuts)
+    col_starts = np.cumsum([0] + [n for _, n in cols])
+    reg_starts = np.cumsum([0] + list(parts))
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        c = int(np.searchsorted(col_starts, a, side="right")) - 1
+        r = int(np.searchsorted(reg_starts, a, side="right")) - 1
+        out.append((cols[c][0] + a - int(col_starts[c]), r, a - int(reg_starts[r]), b - a))
+    return out
+
+
+def op_lists(
+    src_base: int,
+    src_stride: int,
+    rows: np.ndarray,
+    dst_bases: list[int],
+    dst_strides: list[int],
+    slots: np.ndarray,
+    pieces: list[tuple[int, int, int, int]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local, remote, length) uint64 arrays of the reads that move pages: page ``i`` is
+    row ``rows[i]`` of the remote slab (``src_base`` + row * ``src_stride``) landing in
+    slot ``slots[i]`` of each destination region (``dst_bases``/``dst_strides``), cut
+    into ``pieces`` (``page_pieces``). Reads that continue one another on both sides are
+    merged into one (consecutive rows into consecutive slots: one read per run).
+    Vectorised: no Python step per page."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if rows.size != slots.size:
+        raise ValueError(f"{rows.size} rows for {slots.size} slots")
+    soff = np.array([p[0] for p in pieces], dtype=np.int64)
+    reg = np.array([p[1] for p in pieces], dtype=np.int64)
+    doff = np.array([p[2] for p in pieces], dtype=np.int64)
+    plen = np.array([p[3] for p in pieces], dtype=np.int64)
+    dbase = np.asarray(dst_bases, dtype=np.int64)[reg] + doff
+    dstride = np.asarray(dst_strides, dtype=np.int64)[reg]
+    remote = (src_base + rows[:, None] * src_stride + soff[None, :]).reshape(-1)
+    local = (dbase[None, :] + slots[:, None] * dstride[None, :]).reshape(-1)
+    length = np.broadcast_to(plen, (rows.size, plen.size)).reshape(-1)
+    if remote.size == 0:
+        e = np.empty(0, dtype=np.uint64)
+        return e, e.copy(), e.copy()
+    start = np.ones(remote.size, dtype=bool)
+    ends_r = remote[:-1] + length[:-1]
+    ends_l = local[:-1] + length[:-1]
+    start[1:] = (remote[1:] != ends_r) | (local[1:] != ends_l)
+    first = np.flatnonzero(start)
+    return (
+        local[first].astype(np.uint64),
+        remote[first].astype(np.uint64),
+        np.add.reduceat(length, first).astype(np.uint64),
+    )
+
+
+class RmaOps:
+    """A batch of reads posted on one endpoint, progressed and reaped by the C loop.
+    Keeps the address arrays (and ``keep``: what they point into) alive until every
+    posted read completed: UCX reads none of the arrays after posting, but the memory
+    they name must stay put until then."""
+
+    __slots__ = ("_lib", "_reqs", "_n", "_start", "status", "posted", "total", "keep")
+
+    def __init__(
+        self,
+        ep_handle: int,
+        rkey: int,
+        local: np.ndarray,
+        remote: np.ndarray,
+        length: np.ndarray,
+        keep: Any = None,
+        put: bool = False,
+    ) -> None:
+        lib = _need()
+        assert _ucxrma is not None
+        n = int(local.size)
+        for a in (local, remote, length):
+            if a.dtype != np.uint64 or not a.flags.c_contiguous or a.size != n:
+                raise ValueError("local/remote/length must be C-contiguous uint64 of one size")
+        self._lib = lib
+        self._reqs = np.zeros(max(n, 1), dtype=np.uint64)
+        self.keep = keep
+        self.total = n
+        posted, nreqs, status = _ucxrma.post(
+            lib.put_fn if put else lib.get_fn,
+            ep_handle,
+            rkey,
+            lib.param_addr,
+            int(local.ctypes.data),
+            int(remote.ctypes.data),
+            int(length.ctypes.data),
+            n,
+            int(self._reqs.ctypes.data),
+        )
+        self.posted = posted
+        self._n = nreqs  # requests UCX returned (the others completed in place)
+        self._start = 0  # requests before this one completed and were freed
+        self.status = status  # first failure (refused at post or completed in error)
+
+    @property
+    def left(self) -> int:
+        """Requests not yet seen complete."""
+        return self._n - self._start
+
+    @property
+    def ok(self) -> bool:
+        """Every read was posted and none failed (meaningful once ``left`` is 0)."""
+        return self.status == _UCS_OK and self.posted == self.total
+
+    def drive(self, worker_handle: int, rounds: int) -> int:
+        """Progress the worker up to ``rounds`` times (0: only check), reaping this
+        batch's requests; returns how many are still in flight."""
+        if self._start < self._n:
+            assert _ucxrma is not None
+            lib = self._lib
+            self._start, st = _ucxrma.drive(
+                lib.progress_fn,
+                worker_handle,
+                lib.check_fn,
+                lib.free_fn,
+                int(self._reqs.ctypes.data),
+                self._n,
+                self._start,
+                rounds,
+            )
+            if st and self.status == _UCS_OK:
+                self.status = st
+        return self.left

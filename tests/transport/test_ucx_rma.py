@@ -1,0 +1,387 @@
+"""One-sided reads (ucx_rma, the UCX plane's RMA path): the ctypes mirror of ucp.h, the
+vectorised read lists, byte-exact landing of random store rows into random slots, a
+producer that dies mid-transfer, refusal of bad batches before any read is posted, and
+registration / remote-key teardown on close. Skipped without ucxx."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+ucx_plane = pytest.importorskip(
+    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+)
+from disagg.protocol import messages as m  # noqa: E402
+from disagg.transport import ucx_rma  # noqa: E402
+from disagg.transport.dataplane import StoreRows  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+# The C loop is optional at install (CI requires it: DISAGG_REQUIRE_NATIVE=1 makes a
+# missing build an ImportError); where it was not built, the RMA path is off and these
+# tests have nothing to test.
+needs_c_loop = pytest.mark.skipif(
+    getattr(ucx_rma, "_ucxrma", None) is None, reason="the _ucxrma extension is not built"
+)
+
+SLOTS = 96
+
+
+def _ucp_include() -> str | None:
+    try:
+        import libucx
+    except ImportError:
+        return None
+    inc = os.path.join(os.path.dirname(libucx.__file__), "include")
+    return inc if os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")) else None
+
+
+@needs_c_loop
+def test_available_on_this_install():
+    assert ucx_rma.available(), ucx_rma.unavailable_reason()
+
+
+def test_mem_map_params_layout_matches_ucp_h(tmp_path):
+    """The ctypes struct and constants against a C compile of the installed header
+    (skipped when no compiler or header is around; the product compiles nothing)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    inc = _ucp_include()
+    if cc is None or inc is None:
+        pytest.skip("no C compiler or ucp.h")
+    fields = list(ucx_rma.MAP_LAYOUT)
+    src = tmp_path / "probe.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <ucp/api/ucp.h>\nint main(void){\n"
+        'printf("%zu %d %d %d %d %d %d %d %d\\n", sizeof(ucp_mem_map_params_t), '
+        "UCP_MEM_MAP_PARAM_FIELD_ADDRESS, UCP_MEM_MAP_PARAM_FIELD_LENGTH, "
+        "UCP_MEM_MAP_PARAM_FIELD_PROT, UCP_MEM_MAP_PROT_LOCAL_READ, "
+        "UCP_MEM_MAP_PROT_LOCAL_WRITE, UCP_MEM_MAP_PROT_REMOTE_READ, "
+        "UCP_OP_ATTR_FIELD_MEMORY_TYPE, (int)sizeof(ucs_status_t));\n"
+        + "".join(f'printf("%zu\\n", offsetof(ucp_mem_map_params_t, {f}));\n' for f in fields)
+        + "return 0;}\n"
+    )
+    exe = tmp_path / "probe"
+    subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    size, f_addr, f_len, f_prot, lr, lw, rr, f_mt, status = map(int, out[:9])
+    assert size == ucx_rma.MAP_SIZE
+    assert (f_addr, f_len, f_prot) == (
+        ucx_rma.MAP_FIELD_ADDRESS,
+        ucx_rma.MAP_FIELD_LENGTH,
+        ucx_rma.MAP_FIELD_PROT,
+    )
+    assert (lr, lw, rr) == (
+        ucx_rma.PROT_LOCAL_READ,
+        ucx_rma.PROT_LOCAL_WRITE,
+        ucx_rma.PROT_REMOTE_READ,
+    )
+    assert f_mt == 1 << 6 and status == 1
+    assert dict(zip(fields, map(int, out[9:]))) == ucx_rma.MAP_LAYOUT
+
+
+def test_page_pieces_cut_at_columns_and_regions():
+    # one column, one region: one piece
+    assert ucx_rma.page_pieces(((0, 100),), [100]) == [(0, 0, 0, 100)]
+    # two columns (out of order) into two regions cut elsewhere
+    pieces = ucx_rma.page_pieces(((500, 60), (0, 40)), [30, 70])
+    assert pieces == [(500, 0, 0, 30), (530, 1, 0, 30), (0, 1, 30, 40)]
+    with pytest.raises(ValueError, match="destination pages"):
+        ucx_rma.page_pieces(((0, 100),), [60])
+
+
+def test_op_lists_merge_runs_on_both_sides():
+    rows = np.array([3, 4, 5, 9, 2])
+    slots = np.array([10, 11, 12, 13, 0])
+    local, remote, length = ucx_rma.op_lists(
+        1000, 100, rows, [50_000], [100], slots, [(0, 0, 0, 100)]
+    )
+    # rows 3-5 into slots 10-12: one read; row 9 continues slot 13 but not the rows
+    assert local.tolist() == [51000, 51300, 50000]
+    assert remote.tolist() == [1300, 1900, 1200]
+    assert length.tolist() == [300, 100, 100]
+    # a column of the row: never merged across pages
+    local, remote, length = ucx_rma.op_lists(
+        0, 100, np.array([1, 2]), [0], [40], np.array([0, 1]), [(10, 0, 0, 40)]
+    )
+    assert remote.tolist() == [110, 210] and length.tolist() == [40, 40]
+    assert all(a.dtype == np.uint64 for a in (local, remote, length))
+
+
+def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
+    r = np.arange(rows, dtype=np.int64)[:, None]
+    c = np.arange(width, dtype=np.int64)[None, :]
+    return torch.from_numpy(((r * 131 + c * 7 + salt) % 251).astype(np.uint8))
+
+
+def _want(slab: np.ndarray, rows, cols, dst, pb: int, slots: int = SLOTS) -> np.ndarray:
+    want = np.zeros((slots, pb), dtype=np.uint8)
+    for r, d in zip(rows, dst):
+        if d >= 0:
+            want[d] = np.concatenate([slab[r, o : o + c] for o, c in cols])
+    return want
+
+
+def _receiver(channel, sizes, expected, deadline_s, q_out, q_in):
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel=channel)
+    regions = [torch.zeros(SLOTS, n, dtype=torch.uint8) for n in sizes]
+    plane.register_regions([regions])
+    plane.expect(7, 3, b"tok", [expected], deadline_s)
+    q_out.put(plane.endpoint)
+    st = plane.wait(7, deadline_s + 10)
+    pool = torch.cat(regions, dim=1).numpy().copy()
+    q_out.put((st.state.value, st.error, st.pages, pool, dict(plane.stats)))
+    q_in.get(timeout=60)
+    plane.close()
+
+
+def _sender(endpoint, width, rows, cols, dst, q_out, hold):
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="shm" if endpoint.startswith("ucx+shm") else "tcp")
+    slab = _slab(2 * SLOTS if hold is None else len(rows), width)
+    src = StoreRows(slab, np.asarray(rows, dtype=np.int64), cols)
+    h = plane.post_push(endpoint, 7, 3, b"tok", [(0, src, dst)], deadline_s=20)
+    if hold is not None:  # the test kills this process now
+        q_out.put("posted")
+        hold.wait(60)
+    st = plane.wait_push(h, 30)
+    q_out.put((st.state.value, st.error, dict(plane.stats)))
+    plane.close()
+
+
+def _push(channel, sizes, width, rows, cols, dst):
+    ctx = mp.get_context("spawn")
+    q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    expected = sum(1 for d in dst if d >= 0)
+    r = ctx.Process(target=_receiver, args=(channel, sizes, expected, 20, q_r, q_in))
+    r.start()
+    ep = q_r.get(timeout=30)
+    s = ctx.Process(target=_sender, args=(ep, width, rows, cols, dst, q_s, None))
+    s.start()
+    rx = q_r.get(timeout=60)
+    tx = q_s.get(timeout=60)
+    q_in.put(None)
+    for p in (s, r):
+        p.join(15)
+        if p.is_alive():
+            p.kill()
+    return ep, rx, tx
+
+
+@needs_c_loop
+@pytest.mark.parametrize(
+    "channel,width,cols,sizes",
+    [
+        ("shm", 4096, ((0, 4096),), [4096]),
+        ("shm", 65536, ((0, 65536),), [65536]),
+        ("shm", 3000, ((2000, 700), (100, 1300)), [1500, 500]),  # columns x regions
+        ("tcp", 4096, ((0, 4096),), [4096]),
+        ("tcp", 65536, ((0, 65536),), [65536]),
+    ],
+)
+def test_random_rows_into_random_slots_byte_exact(channel, width, cols, sizes):
+    """Random store rows (plus a run of adjacent rows) into random slots, some skipped:
+    every byte lands where it belongs. On shm the receiver reads them itself (RMA: the
+    endpoint offers it, the producer registered its slab once, the receiver unpacked
+    one key); over tcp the tag path moves them (the endpoint does not offer RMA)."""
+    rng = np.random.default_rng(11)
+    rows = np.concatenate([rng.permutation(2 * SLOTS)[:60], np.arange(10, 30)])
+    dst = rng.permutation(SLOTS)[:80]
+    dst[[3, 17]] = -1
+    ep, (state, err, pages, pool, rstats), (tstate, terr, tstats) = _push(
+        channel, sizes, width, rows.tolist(), cols, dst.tolist()
+    )
+    assert (state, err) == ("done", None), err
+    assert (tstate, terr) == ("done", None), terr
+    assert pages == 78
+    pb = sum(c for _, c in cols)
+    np.testing.assert_array_equal(pool, _want(_slab(2 * SLOTS, width).numpy(), rows, cols, dst, pb))
+    rma = channel == "shm"
+    assert ("rma=1" in ep) is rma
+    assert (rstats.get("rma_reads", 0) > 0) is rma
+    if rma:
+        assert tstats["rma_mem_map"] == 1 and rstats["rma_rkey_unpack"] == 1
+        assert rstats["rma_reads"] >= 78  # a read per page at least (no run of slots)
+        assert rstats.get("discarded", 0) == 0
+
+
+@needs_c_loop
+def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
+    """The producer posts a 48 MiB push and is killed: the receiver's transfer ends
+    FAILED with a reason (a failed read, or its deadline: no TransferDone can come), and
+    every page it counted as landed holds the right bytes."""
+    width, n = 1 << 20, 48
+    ctx = mp.get_context("spawn")
+    q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    hold = ctx.Event()
+    rng = np.random.default_rng(3)
+    rows = rng.permutation(n).tolist()
+    dst = rng.permutation(SLOTS)[:n].tolist()
+    r = ctx.Process(target=_receiver, args=("shm", [width], n, 3.0, q_r, q_in))
+    r.start()
+    ep = q_r.get(timeout=30)
+    s = ctx.Process(target=_sender, args=(ep, width, rows, ((0, width),), dst, q_s, hold))
+    s.start()
+    assert q_s.get(timeout=60) == "posted"
+    os.kill(s.pid, signal.SIGKILL)
+    state, err, pages, pool, _ = q_r.get(timeout=60)
+    q_in.put(None)
+    r.join(15)
+    s.join(5)
+    assert state == "failed" and err, err
+    want = _want(_slab(n, width).numpy(), rows, ((0, width),), dst, width)
+    good = sum(np.array_equal(pool[d], want[d]) for d in dst)
+    assert good >= pages
+
+
+def _frame(tx_endpoint: str, runs, rows, nrows=SLOTS, cols=((0, 4096),), pb=4096):
+    header = m.PageBatch(transfer_id=7, lease_id=3, token=b"tok", group=0, runs=runs, page_bytes=pb)
+    frame = ucx_plane._rma_frame(
+        m.encode(header),
+        1 << 40,
+        nrows,
+        4096,
+        4096,
+        0,
+        b"k",
+        tx_endpoint,
+        cols,
+        np.asarray(rows, dtype=np.int64),
+    )
+    return frame[4:].tobytes()
+
+
+@needs_c_loop
+@pytest.mark.parametrize(
+    "runs,rows,cols,why",
+    [
+        ([(90, 10)], list(range(10)), ((0, 4096),), "outside"),  # slots 90..99 of 96
+        ([(0, 2)], [5, SLOTS], ((0, 4096),), "source rows outside"),
+        ([(0, 2)], [1], ((0, 4096),), "1 source rows for 2"),
+        ([(0, 2)], [1, 2], ((100, 4096),), "columns"),
+    ],
+)
+def test_bad_rma_batch_refused_before_any_read(runs, rows, cols, why):
+    """A header naming slots outside the pool, or rows / columns outside the slab the
+    producer described, fails the transfer before a single read is posted."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane(channel="shm") as rx:
+        pool = torch.zeros(SLOTS, 4096, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        rx.expect(7, 3, b"tok", [2 if len(runs[0]) and runs[0][1] == 2 else 10], 10)
+        body = _frame(rx._endpoint, runs, rows, cols=cols)
+        done = []
+        rx._submit(lambda: done.append(rx._rx_rma(body)))
+        st = rx.wait(7, 5)
+        assert st.failed and why in (st.error or ""), st.error
+        assert rx.stats.get("rma_reads", 0) == 0
+        assert rx.stats.get("rma_rkey_unpack", 0) == 0
+        assert not pool.any()
+
+
+@needs_c_loop
+def test_producer_refuses_rows_outside_its_slab():
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
+        rx.register_regions([[torch.zeros(8, 64, dtype=torch.uint8)]])
+        assert "rma=1" in rx.endpoint
+        bad = StoreRows(_slab(8, 64), np.array([1, 8]), ((0, 64),))
+        with pytest.raises(ValueError, match="source rows outside"):
+            tx.post_push(rx.endpoint, 1, 1, b"t", [(0, bad, [0, 1])])
+
+
+@needs_c_loop
+def test_registrations_and_keys_released_on_close():
+    """Open, push (RMA), close, five times in one process: every slab mapping is
+    unmapped and every unpacked key destroyed, and no file descriptor is left behind."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    counts = []
+    for i in range(5):
+        rx, tx = UcxDataPlane(channel="shm"), UcxDataPlane(channel="shm")
+        try:
+            pool = torch.zeros(SLOTS, 4096, dtype=torch.uint8)
+            rx.register_regions([[pool]])
+            slab = _slab(2 * SLOTS, 4096, salt=i)
+            rows = np.arange(0, 2 * SLOTS, 2)[:40]
+            dst = list(range(40))
+            rx.expect(7, 3, b"tok", [40], 10)
+            h = tx.post_push(
+                rx.endpoint, 7, 3, b"tok", [(0, StoreRows(slab, rows, ((0, 4096),)), dst)]
+            )
+            assert rx.wait(7, 10).done and tx.wait_push(h, 10).done
+            np.testing.assert_array_equal(pool.numpy()[:40], slab.numpy()[rows])
+        finally:
+            rx.close()
+            tx.close()
+        assert tx.stats["rma_mem_map"] == tx.stats["rma_mem_unmap"] == 1
+        assert rx.stats["rma_rkey_unpack"] == rx.stats["rma_rkey_destroy"] == 1
+        counts.append(fds())
+    assert counts[-1] <= counts[1] + 2, counts
+
+
+def test_without_the_extension_the_plane_keeps_its_tag_path():
+    """No ``_ucxrma``: RMA unavailable (named), or an ImportError under
+    ``DISAGG_REQUIRE_NATIVE=1``."""
+    code = (
+        "import sys; sys.modules['disagg.transport._ucxrma'] = None\n"
+        "from disagg.transport import ucx_plane, ucx_rma\n"
+        "print(ucx_rma.available(), ucx_rma.unavailable_reason())\n"
+        "p = ucx_plane.UcxDataPlane(channel='shm')\n"
+        "import torch; p.register_regions([[torch.zeros(4, 64, dtype=torch.uint8)]])\n"
+        "print('rma=1' in p.endpoint); p.close()\n"
+    )
+    env = dict(os.environ, DISAGG_REQUIRE_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [
+        "False RuntimeError: the _ucxrma extension is not built",
+        "False",
+    ]
+    from disagg.transport import zmq_plane
+
+    if zmq_plane._streamio is None:
+        return  # the package import itself stops at the stream plane's missing extension
+    env["DISAGG_REQUIRE_NATIVE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "_ucxrma" in out.stderr.splitlines()[-1], out.stderr
+
+
+@needs_c_loop
+def test_iov_switch_does_not_turn_off_rma():
+    """``DISAGG_UCX_IOV=0`` turns off scatter-gather sends only; ``DISAGG_UCX_RMA=0``
+    turns off the reads (the receiver stops offering them)."""
+    code = (
+        "from disagg.transport import ucx_plane, ucx_iov, ucx_rma\n"
+        "p = ucx_plane.UcxDataPlane(channel='shm')\n"
+        "import torch; p.register_regions([[torch.zeros(4, 64, dtype=torch.uint8)]])\n"
+        "print(ucx_iov.available(), ucx_rma.available(), 'rma=1' in p.endpoint); p.close()\n"
+    )
+    for env, want in (
+        ({"DISAGG_UCX_IOV": "0"}, "False True True"),
+        ({"DISAGG_UCX_RMA": "0"}, "True False False"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want
