@@ -1875,19 +1875,11 @@ def _plan_group(
     pb = int(arr.shape[1])
     if pb < 1:
         raise ValueError(f"group {group}: page_bytes must be >= 1")
-    idx = np.flatnonzero(slots >= 0)
-    if idx.size == 0:
+    pages, batches = _headed_batches(transfer_id, lease_id, token, group, slots, pb)
+    if not pages:
         return [], 0, seq
     msgs: list[tuple[Any, int]] = []
-    for runs, page_src in _batches(slots[idx], idx, pb):
-        header = m.PageBatch(
-            transfer_id=transfer_id,
-            lease_id=lease_id,
-            token=token,
-            group=group,
-            runs=runs,
-            page_bytes=pb,
-        )
+    for header, runs, page_src in batches:
         if whole:
             msgs.append((_frame(header), _HDR_WHOLE_TAG))
             r0, n = int(page_src[0]), int(page_src.size)
@@ -1910,7 +1902,47 @@ def _plan_group(
                 buf = GatherSeg(arr, rows_of, ((0, pb),), seg.pages * pb)
             msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
-    return msgs, int(idx.size), seq
+    return msgs, pages, seq
+
+
+def _headed_batches(
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    slots: np.ndarray,
+    pb: int,
+    max_pages: int | None = None,
+) -> tuple[int, list[tuple[m.PageBatch, list[tuple[int, int]], np.ndarray]]]:
+    """The pages to send (slots >= 0, -1 skipped) cut into ``_batches``, each with its
+    PageBatch header: (pages, [(header, runs, source page index of each page)])."""
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
+        return 0, []
+    out = []
+    for runs, page_src in _batches(slots[idx], idx, pb, max_pages):
+        header = m.PageBatch(
+            transfer_id=transfer_id,
+            lease_id=lease_id,
+            token=token,
+            group=group,
+            runs=runs,
+            page_bytes=pb,
+        )
+        out.append((header, runs, page_src))
+    return int(idx.size), out
+
+
+def _store_plan_source(
+    group: int, src: StoreRows, slots: np.ndarray, keep: list[object]
+) -> tuple[np.ndarray, np.ndarray, tuple[tuple[int, int], ...], int]:
+    """``_store_source`` for a push being planned: also checks the destination slots and
+    keeps the slab alive until the push's messages are sent."""
+    slab, srows, cols, pb = _store_source(group, src, int(slots.shape[0]))
+    if (slots < -1).any():
+        raise ValueError(f"group {group}: destination slots must be >= -1")
+    keep.append(slab)
+    return slab, srows, cols, pb
 
 
 def _store_source(
@@ -1948,26 +1980,15 @@ def _plan_store_rows(
     segments as for the gathered pages (the receiver cannot tell), each segment sent
     from the slab: a plain view when its pages are one span of it, else an iov of the
     spans (``ucx_iov.iov_entries``: adjacent rows merged)."""
-    slab, srows, cols, pb = _store_source(group, src, int(slots.shape[0]))
-    if (slots < -1).any():
-        raise ValueError(f"group {group}: destination slots must be >= -1")
-    keep.append(slab)
-    idx = np.flatnonzero(slots >= 0)
-    if idx.size == 0:
+    slab, srows, cols, pb = _store_plan_source(group, src, slots, keep)
+    pages, batches = _headed_batches(transfer_id, lease_id, token, group, slots, pb)
+    if not pages:
         return [], 0, seq
     key = _tag_key(token)
     base, stride = int(slab.ctypes.data), int(slab.strides[0])
     flat = slab.reshape(-1) if slab.flags.c_contiguous else None
     msgs: list[tuple[Any, int]] = []
-    for runs, page_src in _batches(slots[idx], idx, pb):
-        header = m.PageBatch(
-            transfer_id=transfer_id,
-            lease_id=lease_id,
-            token=token,
-            group=group,
-            runs=runs,
-            page_bytes=pb,
-        )
+    for header, runs, page_src in batches:
         msgs.append((_frame(header), hdr_tag))
         for seg in segments(runs, pb, direct_min):
             rows_of = srows[page_src[seg.first : seg.first + seg.pages]]
@@ -1982,7 +2003,7 @@ def _plan_store_rows(
                 buf = GatherSeg(slab, rows_of, cols, seg.pages * pb)
             msgs.append((buf, _data_tag(key, transfer_id, seq)))
             seq += 1
-    return msgs, int(idx.size), seq
+    return msgs, pages, seq
 
 
 def _plan_rma(
@@ -2001,24 +2022,13 @@ def _plan_rma(
     messages. ``batch`` numbers the push's RMA batches (their acknowledgement tags).
     Returns (messages, pages, next batch number)."""
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
-    slab, srows, cols, pb = _store_source(group, src, int(slots.shape[0]))
-    if (slots < -1).any():
-        raise ValueError(f"group {group}: destination slots must be >= -1")
-    keep.append(slab)
-    idx = np.flatnonzero(slots >= 0)
-    if idx.size == 0:
+    slab, srows, cols, pb = _store_plan_source(group, src, slots, keep)
+    pages, batches = _headed_batches(transfer_id, lease_id, token, group, slots, pb, _RMA_MAX_PAGES)
+    if not pages:
         return [], 0, batch
     key = _tag_key(token)
     msgs: list[tuple[Any, int]] = []
-    for runs, page_src in _batches(slots[idx], idx, pb, _RMA_MAX_PAGES):
-        header = m.PageBatch(
-            transfer_id=transfer_id,
-            lease_id=lease_id,
-            token=token,
-            group=group,
-            runs=runs,
-            page_bytes=pb,
-        )
+    for header, _runs, page_src in batches:
         rb = RmaBatch(
             m.encode(header),
             slab,
@@ -2031,7 +2041,7 @@ def _plan_rma(
         )
         msgs.append((rb, _HDR_RMA_TAG))
         batch += 1
-    return msgs, int(idx.size), batch
+    return msgs, pages, batch
 
 
 @dataclass(frozen=True)
