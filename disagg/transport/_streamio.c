@@ -20,10 +20,22 @@
  * TimeoutError, other errors OSError (errno set), each naming how many of the payload's
  * bytes had moved. The caller's thread must be the only one doing I/O on the socket
  * while a call runs (another may shut it down: the call then ends at once).
+ *
+ * The pipe path (same-host streams, MODE_PIPE in zmq_plane.py): splice_rows vmsplices the
+ * pieces into a pipe (pages referenced, not copied), recv_rows with a `watch` socket
+ * readv()s them out of a non-blocking pipe, pipe_drain waits until the pipe is empty (the
+ * sender's rows are free only then). All three also end at once when the watched stream
+ * socket is shut down or hangs up (ConnectionError), so abort and close work as they do
+ * on the stream; see run_pipe().
  */
+#define _GNU_SOURCE /* vmsplice */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/ioctl.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -77,7 +89,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-enum { OK = 0, E_ERRNO, E_EOF, E_TIMEOUT };
+enum { OK = 0, E_ERRNO, E_EOF, E_TIMEOUT, E_CUT };
 
 /* SO_SNDTIMEO / SO_RCVTIMEO to what is left until `deadline` (0: wait forever). Returns
  * -1 with errno set, -2 when the deadline has passed, else 0. */
@@ -186,6 +198,124 @@ static int run(int fd, int sending, const char *head, Py_ssize_t head_len, piece
     return rc;
 }
 
+/* What is left until `deadline` in poll() milliseconds (-1: none), or -2 once passed. */
+static int left_ms(double deadline) {
+    if (deadline <= 0) return -1;
+    double left = deadline - now_s();
+    if (left <= 0) return -2;
+    double ms = ceil(left * 1000.0);
+    return ms > 1e9 ? 1000000000 : (int)ms;
+}
+
+/* Wait until `fd` has `events` or `watch` (the stream socket) was shut down or hung up
+ * (POLLRDHUP: a receiver's abort, a plane's close, the peer gone). OK, E_CUT, E_TIMEOUT
+ * or E_ERRNO. */
+static int wait_pipe(int fd, short events, int watch, double deadline, int *err) {
+    for (;;) {
+        int ms = left_ms(deadline);
+        if (ms == -2) return E_TIMEOUT;
+        struct pollfd pf[2] = {{fd, events, 0}, {watch, POLLRDHUP, 0}};
+        int r = poll(pf, watch >= 0 ? 2 : 1, ms);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return E_ERRNO;
+        }
+        if (watch >= 0 && pf[1].revents) return E_CUT;
+        if (pf[0].revents) return OK; /* POLLERR / POLLHUP too: the next call says which */
+    }
+}
+
+/* The pipe payload path (same-host streams; see zmq_plane.py): sending, vmsplice the
+ * pieces into the pipe `fd` (the pages are referenced, not copied: the receiver's readv
+ * is the only copy, so the caller must keep the rows unchanged until the pipe has been
+ * drained, see pipe_drain); receiving, readv them out of the pipe into the pieces.
+ * Non-blocking calls, poll()ing the pipe and `watch` whenever the pipe is full (empty):
+ * a full pipe holds 1 MiB, so a call moves up to that much; the watch ends the call as
+ * soon as the stream socket is shut down. Runs without the GIL. */
+#define WATCH_EVERY 8 /* calls between looks at the watch while the pipe never ran dry */
+static int run_pipe(int fd, int watch, int sending, pieces_t *p, double deadline,
+                    Py_ssize_t *moved, int *err) {
+    struct iovec iov[MAX_IOV];
+    int n = fill(p, iov, 0), first = 0, rc = OK, calls = 0;
+    int pipe_size = fcntl(fd, F_GETPIPE_SZ);
+    size_t cap = pipe_size > 0 ? (size_t)pipe_size : (size_t)1 << 20;
+    while (rc == OK && first < n) {
+        if (watch >= 0 && ++calls % WATCH_EVERY == 0) { /* a cut while bytes still flow */
+            struct pollfd pf = {watch, POLLRDHUP, 0};
+            if (poll(&pf, 1, 0) > 0) {
+                rc = E_CUT;
+                break;
+            }
+        }
+        /* no more iovecs than one pipe-full: the kernel imports every iovec passed */
+        int k = 0;
+        for (size_t b = 0; first + k < n && (k == 0 || b < cap); k++) b += iov[first + k].iov_len;
+        ssize_t got = sending ? vmsplice(fd, iov + first, (unsigned long)k, SPLICE_F_NONBLOCK)
+                              : readv(fd, iov + first, k);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                *err = errno;
+                rc = E_ERRNO;
+                break;
+            }
+            rc = wait_pipe(fd, sending ? POLLOUT : POLLIN, watch, deadline, err);
+            continue;
+        }
+        if (got == 0 && !sending) { /* every write end closed: the sender is gone */
+            rc = E_EOF;
+            break;
+        }
+        *moved += got;
+        size_t left = (size_t)got;
+        while (first < n && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+        if (left) {
+            iov[first].iov_base = (char *)iov[first].iov_base + left;
+            iov[first].iov_len -= left;
+        }
+        if (first == n) {
+            first = 0;
+            n = fill(p, iov, 0);
+        } else if (p->row < p->nrows && n - first < MAX_IOV / 2) {
+            memmove(iov, iov + first, (size_t)(n - first) * sizeof(struct iovec));
+            n -= first;
+            first = 0;
+            n = fill(p, iov, n);
+        }
+    }
+    return rc;
+}
+
+/* SIGPIPE blocked in this thread while writing to a pipe whose reader may be gone (EPIPE
+ * then, and no process-killing signal where the embedding program left it at default);
+ * a SIGPIPE raised meanwhile is taken back before unblocking. */
+typedef struct {
+    sigset_t old;
+    int was_pending;
+} sigpipe_guard;
+
+static void sigpipe_block(sigpipe_guard *g) {
+    sigset_t set, pending;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    sigpending(&pending);
+    g->was_pending = sigismember(&pending, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &set, &g->old);
+}
+
+static void sigpipe_restore(sigpipe_guard *g, int got_epipe) {
+    if (got_epipe && !g->was_pending) {
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGPIPE);
+        struct timespec zero = {0, 0};
+        while (sigtimedwait(&set, NULL, &zero) < 0 && errno == EINTR) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
+
 static int get_int64(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     if (view->itemsize != 8 || view->format == NULL ||
@@ -200,15 +330,22 @@ static int get_int64(PyObject *obj, Py_buffer *view, const char *name) {
 }
 
 /* The shared part of send_rows / recv_rows: parse, check, move, raise. */
-static PyObject *move(PyObject *args, int sending) {
-    int fd;
+enum { SEND, RECV, SPLICE };
+
+static PyObject *move(PyObject *args, int kind) {
+    int fd, watch = -1, sending = kind != RECV;
     PyObject *head_obj = Py_None, *arr_obj, *rows_obj, *cols_obj;
     double deadline;
-    if (sending) {
+    if (kind == SEND) {
         if (!PyArg_ParseTuple(args, "iOOOOd", &fd, &head_obj, &arr_obj, &rows_obj, &cols_obj,
                               &deadline))
             return NULL;
-    } else if (!PyArg_ParseTuple(args, "iOOOd", &fd, &arr_obj, &rows_obj, &cols_obj, &deadline)) {
+    } else if (kind == SPLICE) {
+        if (!PyArg_ParseTuple(args, "iiOOOd", &fd, &watch, &arr_obj, &rows_obj, &cols_obj,
+                              &deadline))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "iOOOd|i", &fd, &arr_obj, &rows_obj, &cols_obj, &deadline,
+                                 &watch)) {
         return NULL;
     }
     Py_buffer head = {0}, arr = {0}, rv = {0}, cv = {0};
@@ -270,8 +407,17 @@ static PyObject *move(PyObject *args, int sending) {
     Py_ssize_t moved = 0;
     int err = 0, rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run(fd, sending, have_head ? (const char *)head.buf : NULL, have_head ? head.len : 0,
-             &p, deadline, &moved, &err);
+    if (kind == SEND || (kind == RECV && watch < 0)) {
+        rc = run(fd, sending, have_head ? (const char *)head.buf : NULL,
+                 have_head ? head.len : 0, &p, deadline, &moved, &err);
+    } else if (kind == SPLICE) {
+        sigpipe_guard g;
+        sigpipe_block(&g);
+        rc = run_pipe(fd, watch, 1, &p, deadline, &moved, &err);
+        sigpipe_restore(&g, rc == E_ERRNO && err == EPIPE);
+    } else {
+        rc = run_pipe(fd, watch, 0, &p, deadline, &moved, &err);
+    }
     Py_END_ALLOW_THREADS
     const char *what = sending ? "sent" : "received";
     if (rc == OK) {
@@ -280,6 +426,10 @@ static PyObject *move(PyObject *args, int sending) {
         PyErr_Format(PyExc_ConnectionError,
                      "peer closed the connection with %zd of %zd payload bytes received", moved,
                      total);
+    } else if (rc == E_CUT) {
+        PyErr_Format(PyExc_ConnectionError,
+                     "the stream was shut down with %zd of %zd payload bytes %s", moved, total,
+                     what);
     } else if (rc == E_TIMEOUT) {
         PyErr_Format(PyExc_TimeoutError, "deadline passed with %zd of %zd payload bytes %s",
                      moved, total, what);
@@ -303,16 +453,75 @@ done:
     return ret;
 }
 
-static PyObject *send_rows(PyObject *self, PyObject *args) { return move(args, 1); }
-static PyObject *recv_rows(PyObject *self, PyObject *args) { return move(args, 0); }
+static PyObject *send_rows(PyObject *self, PyObject *args) { return move(args, SEND); }
+static PyObject *recv_rows(PyObject *self, PyObject *args) { return move(args, RECV); }
+static PyObject *splice_rows(PyObject *self, PyObject *args) { return move(args, SPLICE); }
+
+/* Wait until the pipe `fd` (either end) holds no byte: the receiver has copied every
+ * vmspliced page out, so the sender's rows are free again. The pipe offers no wake-up
+ * for "empty", so FIONREAD is checked every PIPE_DRAIN_NS (the last pipe-full, at most
+ * 1 MiB, drains in about 0.2 ms); `watch` (the stream socket) shut down or hung up ends
+ * the wait at once (ConnectionError), like the deadline (TimeoutError). */
+#define PIPE_DRAIN_NS 20000
+static PyObject *pipe_drain(PyObject *self, PyObject *args) {
+    int fd, watch, rc = OK, err = 0, left = 0;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "iid", &fd, &watch, &deadline)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (ioctl(fd, FIONREAD, &left) < 0) {
+            err = errno;
+            rc = E_ERRNO;
+            break;
+        }
+        if (left == 0) break;
+        if (deadline > 0 && now_s() >= deadline) {
+            rc = E_TIMEOUT;
+            break;
+        }
+        struct pollfd pf = {watch, POLLRDHUP, 0};
+        struct timespec ts = {0, PIPE_DRAIN_NS};
+        int r = ppoll(&pf, 1, &ts, NULL);
+        if (r < 0 && errno != EINTR) {
+            err = errno;
+            rc = E_ERRNO;
+            break;
+        }
+        if (r > 0) {
+            rc = E_CUT;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (rc == OK) Py_RETURN_NONE;
+    if (rc == E_CUT)
+        PyErr_Format(PyExc_ConnectionError,
+                     "the stream was shut down with %d payload bytes still unread in its pipe",
+                     left);
+    else if (rc == E_TIMEOUT)
+        PyErr_Format(PyExc_TimeoutError,
+                     "deadline passed with %d payload bytes still unread in the pipe", left);
+    else {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return NULL;
+}
 
 static PyMethodDef methods[] = {
     {"send_rows", send_rows, METH_VARARGS,
      "send_rows(fd, head, arr, rows, cols, deadline) -> bytes sent: head (bytes or None), "
      "then columns cols of rows rows of arr, in order."},
     {"recv_rows", recv_rows, METH_VARARGS,
-     "recv_rows(fd, arr, rows, cols, deadline) -> bytes received: into columns cols of "
-     "rows rows of arr, in order."},
+     "recv_rows(fd, arr, rows, cols, deadline, watch=-1) -> bytes received: into columns "
+     "cols of rows rows of arr, in order. watch >= 0: fd is a non-blocking pipe, read until "
+     "the socket watch is shut down or hangs up (ConnectionError)."},
+    {"splice_rows", splice_rows, METH_VARARGS,
+     "splice_rows(pipe_fd, watch, arr, rows, cols, deadline) -> bytes spliced: vmsplice "
+     "columns cols of rows rows of arr into the pipe (referenced, not copied: keep them "
+     "unchanged until pipe_drain returns); ends when the socket watch is shut down."},
+    {"pipe_drain", pipe_drain, METH_VARARGS,
+     "pipe_drain(pipe_fd, watch, deadline): wait until the pipe holds no byte."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,11 +1,13 @@
-/* Post and drive thousands of UCX RMA operations (ucp_get_nbx / ucp_put_nbx) without a
- * Python step per operation (disagg/transport/ucx_rma.py).
+/* Post and drive thousands of UCX RMA reads (ucp_get_nbx) without a Python step per
+ * read, shared out among several reader threads through one atomic cursor
+ * (disagg/transport/ucx_rma.py: RmaShared / RmaPull).
  *
  * Built without UCX headers: the libucp entry points arrive from ctypes as integers
  * (function addresses of the copy of libucp that ucxx loaded), and the only types used
  * are mirrored below. Every call here must come from the thread that owns the worker
- * (the UCX plane's progress thread); the GIL is released while UCX runs, so the
- * caller's other threads keep going.
+ * it is given (the UCX plane's progress thread, or one of its reader lanes, each with
+ * its own worker); the GIL is released while UCX runs, so the caller's other threads
+ * keep going.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,46 +28,6 @@ typedef unsigned (*progress_fn)(void *);
 #define UCS_ERR_LAST (-100)
 /* UCS_PTR_IS_ERR: (uintptr_t)ptr >= (uintptr_t)UCS_ERR_LAST */
 #define PTR_IS_ERR(p) ((uintptr_t)(p) >= (uintptr_t)(intptr_t)UCS_ERR_LAST)
-
-/* post(fn, ep, rkey, param, local, remote, length, n, reqs) -> (posted, nreqs, status)
- *
- * For i in [0, n): fn(ep, local[i], length[i], remote[i], rkey, param). ``local``,
- * ``remote``, ``length`` and ``reqs`` are addresses of uint64 arrays (n entries each;
- * ``reqs`` receives the request pointers of operations not completed in place, packed
- * from index 0). Stops at the first operation UCX refuses: ``posted`` is how many were
- * handed to UCX (those must still be completed or the endpoint closed), ``status`` that
- * refusal's ucs_status_t (0 when all were posted). */
-static PyObject *post(PyObject *self, PyObject *args) {
-    unsigned long long fn, ep, rkey, param, local, remote, length, reqs;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKn", &fn, &ep, &rkey, &param, &local, &remote,
-                          &length, &n, &reqs))
-        return NULL;
-    if (!fn || !ep || !rkey || !param || n < 0 || (n && (!local || !remote || !length || !reqs))) {
-        PyErr_SetString(PyExc_ValueError, "post: null pointer or negative count");
-        return NULL;
-    }
-    rma_fn f = (rma_fn)(uintptr_t)fn;
-    const uint64_t *loc = (const uint64_t *)(uintptr_t)local;
-    const uint64_t *rem = (const uint64_t *)(uintptr_t)remote;
-    const uint64_t *len = (const uint64_t *)(uintptr_t)length;
-    uint64_t *out = (uint64_t *)(uintptr_t)reqs;
-    Py_ssize_t i = 0, k = 0;
-    int status = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (; i < n; i++) {
-        void *r = f((void *)(uintptr_t)ep, (void *)(uintptr_t)loc[i], (size_t)len[i], rem[i],
-                    (void *)(uintptr_t)rkey, (const void *)(uintptr_t)param);
-        if (PTR_IS_ERR(r)) {
-            status = (int)(intptr_t)r;
-            break;
-        }
-        if (r != NULL)
-            out[k++] = (uint64_t)(uintptr_t)r;
-    }
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("nni", i, k, status);
-}
 
 /* Advance ``*start`` over the requests reqs[*start:n] that completed, in order, freeing
  * each; stops at the first one still in progress. Requests of one endpoint complete in
@@ -120,9 +82,88 @@ static PyObject *drive(PyObject *self, PyObject *args) {
     return Py_BuildValue("ni", start, err);
 }
 
+/* progress calls a reader makes after a slice to see it complete before claiming more
+ * (reads still in flight after that are reaped later, by ``drive``) */
+#define PULL_SPIN 4096
+
+/* pull(fn, ep, rkey, param, local, remote, length, n, cursor, slice, max_bytes,
+ *      progress, worker, check, free, reqs, nreqs, start)
+ *   -> (posted, bytes, nreqs, start, status)
+ *
+ * One reader's share of a read list that several threads read at once, each on its
+ * own worker and endpoint (ucx_rma.RmaPull): claims ``slice`` operations at a time from
+ * the shared ``*cursor`` (an int64 every reader of the list advances atomically), posts
+ * them (``fn(ep, local[i], length[i], remote[i], rkey, param)``: ucp_get_nbx), and after each slice progresses the worker (up to ``PULL_SPIN``
+ * times) until the reads it posted completed, reaping them (``reap``), so a reader
+ * claims only as fast as it copies; until the cursor passes ``n`` or this call posted
+ * ``max_bytes`` (0: no limit). Requests not completed in place are appended to ``reqs``
+ * (room for ``n`` entries) from index ``nreqs``; ``start`` is how many of them were
+ * seen complete and freed. A refused or failed operation stops every reader: the cursor
+ * is moved past ``n``. Returns this call's posted operations and bytes, the new
+ * ``nreqs``/``start`` and the first failure's ucs_status_t (0: none). */
+static PyObject *pull(PyObject *self, PyObject *args) {
+    unsigned long long fn, ep, rkey, param, local, remote, length, cursor, progress, worker,
+        check, release, reqs;
+    Py_ssize_t n, slice, nreqs, start;
+    long long max_bytes;
+    if (!PyArg_ParseTuple(args, "KKKKKKKnKnLKKKKKnn", &fn, &ep, &rkey, &param, &local, &remote,
+                          &length, &n, &cursor, &slice, &max_bytes, &progress, &worker, &check,
+                          &release, &reqs, &nreqs, &start))
+        return NULL;
+    if (!fn || !ep || !rkey || !param || !cursor || !progress || !worker || !check ||
+        !release || n < 0 || slice < 1 || max_bytes < 0 || nreqs < 0 || nreqs > n ||
+        start < 0 || start > nreqs || (n && (!local || !remote || !length || !reqs))) {
+        PyErr_SetString(PyExc_ValueError, "pull: null pointer or bad range");
+        return NULL;
+    }
+    rma_fn f = (rma_fn)(uintptr_t)fn;
+    progress_fn p = (progress_fn)(uintptr_t)progress;
+    check_fn c = (check_fn)(uintptr_t)check;
+    free_fn rel = (free_fn)(uintptr_t)release;
+    const uint64_t *loc = (const uint64_t *)(uintptr_t)local;
+    const uint64_t *rem = (const uint64_t *)(uintptr_t)remote;
+    const uint64_t *len = (const uint64_t *)(uintptr_t)length;
+    int64_t *cur = (int64_t *)(uintptr_t)cursor;
+    uint64_t *out = (uint64_t *)(uintptr_t)reqs;
+    Py_ssize_t posted = 0;
+    long long bytes = 0;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (status == 0 && (max_bytes == 0 || bytes < max_bytes)) {
+        int64_t i0 = __atomic_fetch_add(cur, (int64_t)slice, __ATOMIC_RELAXED);
+        if (i0 >= (int64_t)n)
+            break;
+        int64_t i1 = i0 + slice < (int64_t)n ? i0 + slice : (int64_t)n;
+        for (int64_t i = i0; i < i1; i++) {
+            void *r = f((void *)(uintptr_t)ep, (void *)(uintptr_t)loc[i], (size_t)len[i], rem[i],
+                        (void *)(uintptr_t)rkey, (const void *)(uintptr_t)param);
+            if (PTR_IS_ERR(r)) {
+                status = (int)(intptr_t)r;
+                break;
+            }
+            posted++;
+            bytes += (long long)len[i];
+            if (r != NULL && nreqs < n)
+                out[nreqs++] = (uint64_t)(uintptr_t)r;
+        }
+        /* catch up before claiming more: UCX may queue a get and copy it only in a
+         * later progress call (cma serves one per call), and reads claimed but not yet
+         * copied would be a share the other readers cannot take over */
+        for (int spin = 0; start < nreqs && spin < PULL_SPIN; spin++) {
+            p((void *)(uintptr_t)worker);
+            reap(c, rel, out, nreqs, &start, &status);
+        }
+        if (status != 0)
+            __atomic_store_n(cur, (int64_t)n, __ATOMIC_RELAXED); /* stop the other readers */
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("nLnni", posted, bytes, nreqs, start, status);
+}
+
 static PyMethodDef methods[] = {
-    {"post", post, METH_VARARGS, "Post n RMA operations; (posted, nreqs, status)."},
     {"drive", drive, METH_VARARGS, "Progress and reap requests; (remaining, status)."},
+    {"pull", pull, METH_VARARGS,
+     "Claim and post slices of a shared read list; (posted, bytes, nreqs, start, status)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,7 @@
-def post(
+def drive(
+    progress: int, worker: int, check: int, free: int, reqs: int, n: int, start: int, rounds: int
+) -> tuple[int, int]: ...
+def pull(
     fn: int,
     ep: int,
     rkey: int,
@@ -7,8 +10,14 @@ def post(
     remote: int,
     length: int,
     n: int,
+    cursor: int,
+    slice: int,
+    max_bytes: int,
+    progress: int,
+    worker: int,
+    check: int,
+    free: int,
     reqs: int,
-) -> tuple[int, int, int]: ...
-def drive(
-    progress: int, worker: int, check: int, free: int, reqs: int, n: int, start: int, rounds: int
-) -> tuple[int, int]: ...
+    nreqs: int,
+    start: int,
+) -> tuple[int, int, int, int, int]: ...

@@ -18,9 +18,10 @@ How:
   arrays (no per-page Python): the transfer's token and lease, the ReceiverBook's slot
   checks and promises, that every source row lies inside the export, that the export is
   from this host (boot id) and, for CUDA, that its GPU is visible here. Then it copies:
-  both index arrays go up in one host-to-device copy from pinned memory, and each piece
-  of a page layout is one kernel launch whose views were worked out by the first push of
-  that layout (``_prepared``). It answers ``IpcAck`` once the copy is over: host copies
+  both index arrays go up in one host-to-device copy from a pinned buffer kept from push
+  to push (``_Staging``), and each piece of a page layout is one kernel launch whose
+  views were worked out by the first push of that layout (``_prepared``), launched
+  directly once Triton compiled it (``page_copy.launch_raw``). It answers ``IpcAck`` once the copy is over: host copies
   at once, device copies from the landing thread when their CUDA event fires (so the
   receiver thread checks the next push while the GPU copies). The sender's push is DONE
   only on that answer, so the sender never reuses rows a copy may still read.
@@ -73,6 +74,37 @@ checks + launch, more than the GPU time of the first parts (one push 0.28-0.32 s
 against 0.32-0.33 whole). What remains per 64 KiB push (timeline, no pause between
 pushes): post_push ~95, send ~125, receiver wake ~60, decode ~22, checks ~220, staging +
 launch ~320, landing + ack + waiter wake-ups ~180 us.
+
+Session 6 (base e265a67; H200, ``disagg bench gpu --ipc-only --page-sizes 64KiB,1MiB
+--total 1GiB --ipc-depths 1,4``, base and this code back to back, twice on each of two
+machines; raw output in the session's notes): the receiver now stages both index arrays
+in a ring of pinned buffers and one device buffer kept from push to push (``_Staging``)
+and launches the kernel Triton compiled straight away (``page_copy.launch_raw``, on the
+stream handle cached per device); post_push computes each bound once and hands msgspec
+the converted arrays without ``tobytes``. One push: 64K 0.25-0.33 before / 0.28-0.39
+after, 1M 0.34-0.37 / 0.39-0.42; four in flight: 64K 0.47-0.63 / 0.60-0.67, 1M
+0.64-0.71 / 0.65-0.74. Timeline of one 64 KiB push (median of 20, no pause between
+pushes; the second machine ran every step 20-50% slower): post_push 113-170, send
+108-161, receiver wake 56-94, decode 17-30, checks 193-272 (of which the book's slot
+checks ``accept_slots`` 137-173: three fancy-index passes and two counts over 16384
+slots), staging 160-245 (base 161: the kept buffers save the allocations, but the
+slice + ``copy_`` of a pinned buffer still costs ~50 us on a just-woken thread of that
+VM, and the Python between the checks and the launch the rest), launch 35-49 (JIT 63),
+landing + ack + waiter 180-250 (base 190); whole push 1515 / 1904 us on the two machines
+(base 1494 on a third: single timelines vary more between machines than the change).
+Tried, measured, and dropped: (1) keeping every thread busy-polling (select(0) loops,
+event query spins, a spinning waiter) instead of sleeping: 1490 us against 1494 (the
+spinning threads take the GIL from the working one); (2) the index arrays in a
+/dev/shm ring of the sender's (16 parts of 1 MiB, a ~400-byte frame; the receiver copied
+both arrays out before checking them): send fell to 62 us and decode to 16, but
+post_push (writing the ring) stayed at 157 and the receiver's copy-out raised the
+pre-check steps from 45-75 to 101 us; one push 0.29-0.32 against 0.30-0.31 for the base
+in the same run, so no gain for its complexity. What would close the gap to 0.5 (~1.0 ms
+for 1 GiB, ~0.45 ms of CPU in series with the ~0.55 ms kernel) is fewer interpreter and
+torch steps on the receiver's path, not less data: the slot checks in one pass over one
+state array per transfer (``ReceiverBook``: three fancy-index passes and two counts
+today), and the staging fill, H2D copy, launch and event record in one C call (each of
+those torch calls costs 20-50 us on a just-woken thread of this VM).
 """
 
 from __future__ import annotations
@@ -101,7 +133,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
 from . import framed
 from .dataplane import DataPlane, RowsSource, StoreRows, TransferState, TransferStatus
-from .page_copy import DeviceCopy, copy_indexed, launch_device, prepare_device
+from .page_copy import DeviceCopy, copy_indexed, launch_device, launch_raw, prepare_device
 from .receiver import BookedReceiver, Group, ReceiverBook, Rx
 
 log = logging.getLogger(__name__)
@@ -217,6 +249,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         self._sources: list[_Source] = []
         self._mapped: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
         self._prepared: Prepared = OrderedDict()
+        self._staging: dict[torch.device, _Staging] = {}  # the receiver thread's
         self._listener, bound = framed.listen(bind)
         self._unix_path = bound[len("ipc://") :] if bound.startswith("ipc://") else None
         self._endpoint = advertise or bound
@@ -366,13 +399,14 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 dst = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
             if group < 0:
                 raise ValueError(f"layer group must be >= 0, got {group}")
-            if dst.size and int(dst.min()) < -1:
-                raise ValueError(f"destination slots must be >= -1, got {int(dst.min())}")
+            low = int(dst.min(initial=0))  # one pass per bound: 16384 slots cost ~5 us each
+            if low < -1:
+                raise ValueError(f"destination slots must be >= -1, got {low}")
             sr = src if isinstance(src, StoreRows) else _rows_of(src)
             if len(sr.rows) != dst.size:
                 raise ValueError(f"{len(sr.rows)} source rows for {dst.size} destination slots")
             rows = np.asarray(sr.rows, dtype=np.int64).reshape(-1)
-            if int(dst.min(initial=0)) < 0:  # drop -1 slots (rarely any: skip the copy)
+            if low < 0:  # drop -1 slots (rarely any: skip the copy)
                 rows, dst = rows[dst >= 0], dst[dst >= 0]
             if not dst.size:
                 continue
@@ -388,8 +422,9 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                     export_id=export.export_id,
                     base=base,
                     row_stride=max(1, sr.slab.stride(0)),
-                    rows=rows.astype(dt).tobytes(),
-                    slots=dst.astype(dt).tobytes(),
+                    # the converted arrays' buffers: msgspec encodes them without tobytes()
+                    rows=memoryview(rows.astype(dt)).cast("B"),  # type: ignore[arg-type]
+                    slots=memoryview(dst.astype(dt)).cast("B"),  # type: ignore[arg-type]
                     spans=[(int(o), int(n)) for o, n in sr.cols],
                     page_bytes=sr.page_bytes,
                     index_bytes=4 if narrow else 8,
@@ -766,7 +801,12 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         try:
             for d in devices:  # device copies are queued: they land when these fire
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(d))
+                staging = self._staging.get(d)
+                if staging is None:
+                    ev.record(torch.cuda.current_stream(d))
+                else:  # the stream its copies went to; its buffers are free once ev fired
+                    ev.record(staging.stream)
+                    staging.seal(ev)
                 landing.events.append(ev)
         except Exception as exc:  # cannot tell when they end: fail, and ack only after
             log.exception("ipc copy of transfer %d: no completion event", rx.transfer_id)
@@ -862,7 +902,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 raise _Refused(why)
             src = self._open(export)
             grp = self._book.groups[batch.group]
-            plans.append(_Plan(grp, batch, slots, rows, n_rows, src, self._prepared))
+            plans.append(_Plan(grp, batch, slots, rows, n_rows, src, self._prepared, self._staging))
         return plans
 
     def _open(self, e: wire.Export) -> torch.Tensor:
@@ -956,6 +996,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                     pass
         self._sources = []
         self._prepared.clear()  # drops its references to mapped exports
+        self._staging.clear()
 
 
 @dataclass
@@ -987,30 +1028,96 @@ class _Plan(NamedTuple):
     n_rows: int  # one past the highest source row (checked inside the export)
     src: torch.Tensor  # the export, uint8 1-D
     cache: Prepared  # the plane's prepared device copies
+    staging: dict[torch.device, _Staging]  # the plane's index staging, per device
+
+
+class _Staging:
+    """The receiver thread's index staging for one device: a ring of pinned host buffers
+    and one device buffer, kept from push to push (a fresh pinned tensor, its numpy view
+    and a fresh device tensor per push cost ~160 us of a just-woken CPU on the H200's VM;
+    reused buffers ~40). Both index arrays of a batch go up in one host-to-device copy,
+    each starting 16-byte aligned (what ``page_copy.launch_raw`` needs).
+
+    Reuse rules: a pinned buffer is rewritten only after the completion event of the
+    push that last staged from it fired (``seal``; waited for, rarely, when more pushes
+    than ``RING`` are in flight); the device buffer is rewritten by copies queued on the
+    same stream as the kernels that read it, so in stream order after them."""
+
+    RING = 8
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.current_stream(device)  # the receiver thread's
+        self.handle = int(self.stream.cuda_stream)
+        self.host: list[torch.Tensor | None] = [None] * self.RING
+        self.views: list[np.ndarray] = [np.empty(0, np.uint8)] * self.RING  # numpy of host
+        self.busy: list[Any] = [None] * self.RING  # the event that frees each buffer
+        self.unsealed: list[int] = []  # buffers staged from since the last seal()
+        self.next = 0
+        self.dev: torch.Tensor | None = None
+
+    def stage(
+        self, slots: np.ndarray, rows: np.ndarray
+    ) -> tuple[torch.Tensor, int, int, torch.dtype]:
+        """Both arrays (one dtype, int32 or int64) on the device: (buffer, element
+        offset of ``rows``, byte offset of ``rows``, dtype); ``slots`` start at 0."""
+        n, width = slots.size, slots.dtype.itemsize
+        off = -(-n // (16 // width)) * (16 // width)  # rows start 16-byte aligned
+        nbytes = (off + n) * width
+        i = self.next
+        self.next = (i + 1) % self.RING
+        ev = self.busy[i]
+        if i in self.unsealed:  # one push staged more batches than buffers (rare)
+            self.stream.synchronize()
+        elif ev is not None and not ev.query():
+            ev.synchronize()  # more pushes in flight than buffers: wait for the oldest
+        self.busy[i] = None
+        buf = self.host[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+            self.host[i], self.views[i] = buf, buf.numpy()
+        arr = self.views[i].view(slots.dtype)
+        arr[:n] = slots
+        arr[off : off + n] = rows
+        self.unsealed.append(i)
+        dev = self.dev
+        if dev is None or dev.numel() < nbytes:
+            dev = self.dev = torch.empty(
+                max(nbytes, 1 << 16), dtype=torch.uint8, device=self.device
+            )
+        dev[:nbytes].copy_(buf[:nbytes], non_blocking=True)
+        return dev, off, off * width, _TORCH_INT[width]
+
+    def seal(self, event: Any) -> None:
+        """The buffers staged from since the last call are free once ``event`` fired."""
+        for i in self.unsealed:
+            self.busy[i] = event
+        self.unsealed.clear()
 
 
 def _copy(plan: _Plan) -> set[torch.device]:
     """Copy one batch: each piece where a source span meets a destination region is one
     ``copy_indexed`` over all pages of the batch. Host copies are done on return; device
     copies are queued on the current streams of the devices returned."""
-    grp, b, slots, rows, n_rows, src, _ = plan
+    grp, b, slots, rows, n_rows, src, _, _ = plan
     dev = grp.regions[0].tensor.device
     if dev.type == "cuda" and all(r.tensor.device == dev for r in grp.regions):
         # Both index arrays in one host-to-device copy, from pinned memory: a copy from
         # pageable memory would block this thread until the GPU finished the copies
-        # queued before it, so the next push could not be checked meanwhile. (torch's
-        # pinned allocator keeps the buffer until the copy has run.)
-        staged = torch.empty(
-            slots.size + rows.size, dtype=_TORCH_INT[slots.dtype.itemsize], pin_memory=True
-        )
-        np.concatenate((slots, rows), out=staged.numpy())
-        both = staged.to(dev, non_blocking=True)
-        dst_idx, src_idx = both[: slots.size], both[slots.size :]
+        # queued before it, so the next push could not be checked meanwhile.
+        staging = plan.staging.get(dev)
+        if staging is None:
+            staging = plan.staging[dev] = _Staging(dev)
+        both, off, off_bytes, dtype = staging.stage(slots, rows)
+        n = slots.size
         prepared = _prepared(plan.cache, grp, b, src)
         if prepared is not None:  # the usual case: views worked out by an earlier push
-            for c in prepared:
-                launch_device(c, dst_idx, src_idx)
+            base = both.data_ptr()
+            for c in prepared:  # straight launches once Triton compiled the kernel
+                if not launch_raw(c, n, base, base + off_bytes, dtype, staging.handle):
+                    launch_device(c, both.view(dtype)[:n], both.view(dtype)[off : off + n])
             return {dev}
+        dst_idx, src_idx = both.view(dtype)[:n], both.view(dtype)[off : off + n]
     else:  # host index kernels take int64 (and a copy: the message's view is read-only)
         dst_idx = torch.from_numpy(slots.astype(np.int64))
         src_idx = torch.from_numpy(rows.astype(np.int64))

@@ -19,7 +19,11 @@ rows and writes its own page slots), so it is the one place where bytes move:
   Indices may be int32 or int64 (the kernel widens each one it loads). A caller that repeats copies between the same two views (the ipc plane, push
   after push) prepares them once (``prepare_device``) and then only launches
   (``launch_device``): on the H200's VM each Python step before a launch costs tens of
-  microseconds on a CPU just woken.
+  microseconds on a CPU just woken. Once the JIT compiled the kernel for a prepared copy
+  and 16-byte aligned index arrays, ``launch_raw`` launches that compiled kernel with raw
+  addresses (session 6, H200, CPU time of one launch hot / after a 2 ms sleep: JIT 44 /
+  79 us, direct with int pointers and a cached stream handle 12 / 26; in the ipc plane's
+  receiver 63 -> 35-49 us).
 - **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.
 - **Host**: one memcpy per row, straight from the source row to its slot, on up to
   HOST_THREADS threads without the GIL (``_rowcopy.c``, built at install; indices checked
@@ -132,6 +136,9 @@ class DeviceCopy(NamedTuple):
     n_elems: int  # elements per row
     block: int
     chunks: int  # programs per row
+    # index dtype -> the kernel Triton compiled for this copy with 16-byte aligned index
+    # arrays of that dtype (None: direct launches failed once; use the JIT path)
+    compiled: dict[torch.dtype, Any]
 
 
 def prepare_device(dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy | None:
@@ -147,7 +154,8 @@ def prepare_device(dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy | None:
     ws, wd = _as_elems(src, dst)
     n_elems = ws.shape[1]
     block = min(4096, 1 << max(6, (n_elems - 1).bit_length()))
-    return DeviceCopy(ws, wd, ws.stride(0), wd.stride(0), n_elems, block, kernel[1](n_elems, block))
+    chunks = kernel[1](n_elems, block)
+    return DeviceCopy(ws, wd, ws.stride(0), wd.stride(0), n_elems, block, chunks, {})
 
 
 def launch_device(c: DeviceCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
@@ -159,10 +167,46 @@ def launch_device(c: DeviceCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -
     if n == 0 or c.n_elems == 0:
         return
     copy_pages = _triton_kernel()[0]
-    copy_pages[(n, c.chunks)](
+    ck = copy_pages[(n, c.chunks)](
         c.ws, c.wd, src_idx, dst_idx, c.src_stride, c.dst_stride, c.n_elems,
         BLOCK=c.block, num_warps=8,
     )  # fmt: skip
+    dtype = dst_idx.dtype
+    if (
+        dtype == src_idx.dtype
+        and dtype not in c.compiled
+        and (dst_idx.data_ptr() | src_idx.data_ptr()) % 16 == 0
+    ):
+        # what Triton compiled for aligned index arrays of this dtype: ``launch_raw``
+        # launches it again without the JIT's per-call argument binding
+        c.compiled[dtype] = ck
+
+
+def launch_raw(
+    c: DeviceCopy, n: int, dst_ptr: int, src_ptr: int, dtype: torch.dtype, stream: int
+) -> bool:
+    """``launch_device`` with raw device addresses of ``n`` indices each (both 16-byte
+    aligned; bounds checked by the caller) on the CUDA stream handle ``stream``: the
+    kernel compiled by an earlier ``launch_device`` of this copy with aligned indices of
+    ``dtype`` is launched straight away (the JIT's argument binding and specialisation
+    cost ~40 us of a just-woken CPU on the H200's VM; a direct launch ~15). Returns False,
+    launching nothing, where no such kernel is known (the caller then uses
+    ``launch_device`` with tensors). The kernel was specialised for exactly this copy's
+    views and strides, and for 16-byte aligned index arrays: hence the alignment rule."""
+    ck = c.compiled.get(dtype)
+    if ck is None or (dst_ptr | src_ptr) % 16:
+        return False
+    if n <= 0 or c.n_elems == 0:
+        return True
+    try:
+        ck[(n, c.chunks, 1)](
+            c.ws.data_ptr(), c.wd.data_ptr(), src_ptr, dst_ptr, c.src_stride, c.dst_stride,
+            c.n_elems, c.block, stream=stream,
+        )  # fmt: skip
+    except TypeError:  # another Triton's calling convention: the JIT path from now on
+        c.compiled[dtype] = None
+        return False
+    return True
 
 
 def _copy_device(

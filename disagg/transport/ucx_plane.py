@@ -140,6 +140,18 @@ spike numbers in ucx_iov.py. ``disagg bench transfer --transports ucx-shm,ucx-tc
 - tcp numpy gather, 3 runs: 1.36-1.91 (0.36-0.69), 1.58-1.77 (0.40-0.51), 2.71-3.82
   (0.77-0.96), 2.80-3.58 (0.67-1.05)
 
+Tried for tcp in session 6 and not merged (branch ``ucx-tcp``: ``_ucxtag.c``, the
+spike and its notes in ``docs/spikes/ucx-tcp/``): one tag message per run of 256 KiB or more, posted
+straight from the store rows and received straight into the slots, both loops in C (probe
+with remove, lookup in a table filled only from accepted headers, exact length, unknown
+tags drained). It keeps one copy per side, but every message adds about four small
+loopback packets of rendezvous handshake, ~15 us of kernel time per side: 64 KiB
+0.31-0.62 of raw TCP against 0.51-0.58 packed; in the plane, ``disagg bench transfer
+--transports ucx-tcp``, A/B in 3 pairs, 256 KiB 1.35-2.58 GB/s against 2.19-2.48 and
+1 MiB 3.14-4.19 against 2.76-3.60: no reliable gain for the code it adds.
+``UCX_TCP_RX_SEG_SIZE=8K`` moved the spike's 256 KiB from 2.04 to 2.97 GB/s and is the
+thing to settle next (many back-to-back runs) before trying again.
+
 Send ring (``GatherSeg``, ``_tx_pump``). The tcp gather used to run up front on the
 caller's thread into freshly allocated memory (np.take into fresh buffers: 0.5-4.6 GB/s,
 page faults). Now a scattered segment is planned as a ``GatherSeg`` and gathered by the
@@ -196,19 +208,20 @@ least recently used of more than ``_RMA_REGS`` unmapped when no active push read
 and unmapped on close.
 
 The receiver (``_rx_rma``) authenticates the header and checks the whole batch before a
-single read is posted: the book's slot checks (``accept_batch``), and the source
+single read is posted: the book's slot checks (``accept_slots``, on the runs converted
+once with ``np.fromiter``), and the source
 description (``_rma_check``: a row per page, rows inside the slab, columns inside a row
 and adding up to the page size, a host group, a worker-address endpoint). It connects
 back to the producer (cached, error handling off like every shm endpoint), unpacks the
 rkey (cached per endpoint and key, destroyed on close or when the endpoint is
 replaced), builds the read list with numpy (``ucx_rma.op_lists``: a page cut at column
 and region boundaries, reads that continue one another on both sides merged, so a run
-of rows into a run of slots is one read), and posts all of it from the C loop
-(``_ucxrma.post``). ``_rma_reap`` drives the reads (``_ucxrma.drive``: up to
-``_RMA_ROUNDS`` ``ucp_worker_progress`` calls per loop turn, then a status check of
-each request; the thread does not sleep while reads are in flight: cma reads progress
-in worker progress, not on the event fd). A batch's pages count as landed only once
-every read of it completed with UCS_OK; a failed or refused read fails the transfer.
+of rows into a run of slots is one read), and the batch's readers post it from the C
+loop ("Reader threads", below; the progress thread does not sleep while it has reads to
+claim or in flight: cma reads progress in worker progress, not on the event fd). A
+batch's pages count as landed only once every reader of it finished (nothing left to
+claim, its own reads completed) and every read completed with UCS_OK; a failed or
+refused read, on any reader, fails the transfer.
 Then the receiver acknowledges the batch to the producer under ``_ack_tag`` (keyed with
 the token like the data tags: a stranger cannot forge one, which would make the
 producer release rows still being read), with an error text when it failed or was
@@ -243,20 +256,72 @@ of the row's memcpy ceiling; before = tag path, i.e. ``DISAGG_UCX_RMA=0``):
   2.07-2.43 (0.53-0.61), 2.72-4.35, 2.39-4.85; Mooncake 1.39-1.52, 2.43-2.53, 2.02-2.24,
   1.86-1.94 (a tie at 256 KiB, ahead elsewhere).
 
-What limits it now: every copy is one ``process_vm_readv`` per run, made by the
-consumer's progress thread on one core (the producer's core idles), and UCX's cma serves
-one operation per ``ucp_worker_progress`` (``UCX_CMA_TX_QUOTA=1``; 8 measured worse:
-4.8/6.4 against 5.3/7.3 GB/s at 64/256 KiB). The medium's ceiling for that, measured in
-the same run (/scratch/ucx/rma_bench.py: the plane pulling 256 MiB of random rows into
-random slots, 10 reps, next to the same pages read by a ctypes loop of raw
-``process_vm_readv``, one call per page, in the consumer): 64 KiB plane 5.9 (4.7-6.0)
-GB/s against raw 7.1 (5.5-7.4); 256 KiB 7.6 (7.5-7.7) against 10.1 (9.5-11.1), i.e.
-0.75-0.83 of one core's per-page cma. The bench's memcpy ceiling (12-14 GB/s) copies
-one contiguous buffer; per-page cma on one core does not reach it. (``perf record -a``
-over a bench run was dominated by the bench's page clearing and setup, hence the
-same-run ceiling instead.) Closing the rest needs both cores copying, e.g. the producer
-writing half of each batch with cma puts, which would expose the consumer's pool to
-writes, or fewer UCX calls per page (its request and progress per operation).
+What limited it with one reader (the figures above): every copy is one
+``process_vm_readv`` per run, made by the consumer's progress thread on one core (the
+producer's core idles), and UCX's cma serves one operation per ``ucp_worker_progress``
+(``UCX_CMA_TX_QUOTA=1``; 8 measured worse: 4.8/6.4 against 5.3/7.3 GB/s at 64/256 KiB).
+The medium's ceiling for that, measured in the same run (/scratch/ucx/rma_bench.py: the
+plane pulling 256 MiB of random rows into random slots, 10 reps, next to the same pages
+read by a ctypes loop of raw ``process_vm_readv``, one call per page, in the consumer):
+64 KiB plane 5.9 (4.7-6.0) GB/s against raw 7.1 (5.5-7.4); 256 KiB 7.6 (7.5-7.7) against
+10.1 (9.5-11.1), i.e. 0.75-0.83 of one core's per-page cma. Hence the reader threads.
+
+Reader threads (``rma_readers``, ``DISAGG_UCX_RMA_READERS``; default 2 where the process
+may run on 2 or more CPUs, else 1). A consumer reads a batch with ``rma_readers``
+threads: its progress thread and ``rma_readers - 1`` reader lanes (``_ReadLane``, made on
+the first RMA batch), each lane a thread with its own UCX worker on the plane's context,
+its own endpoint to the producer and the producer's rkey unpacked on that endpoint (UCX
+workers are single-threaded: a lane's worker, endpoints and keys are touched by its
+thread only, and destroyed by it when the plane closes). The read list of a batch
+(``ucx_rma.RmaShared``; a merged read longer than ``_RMA_MAX_READ`` is cut so a long run
+is shared too) has one atomic cursor: every reader claims ``_RMA_SLICE`` bytes of reads
+at a time in the C loop (``_ucxrma.pull``, GIL released), posts them, and progresses its
+own worker until they completed before it claims more (cma queues a get and copies it
+in a later progress call: a reader that claimed ahead of its copies would hold reads
+the others could have taken; measured: without that wait the progress thread ran out
+of reads to claim at +14 ms of a 1 MiB-page transfer while the lane copied its backlog
+until +25 ms). So the list is shared out as it goes, whatever each reader's speed (a
+core taken by something else just reads less), and ends within one slice on every
+reader. Lanes claim until the list is exhausted; the progress thread at most
+``_RMA_TURN`` bytes per loop turn (it still serves headers and acknowledgements). A
+batch under ``_RMA_SPLIT_MIN`` bytes per reader stays on the progress thread. Each
+reader reports its share once it found nothing to claim and its reads completed
+(``_rma_done``: the first failure kept, a failure moves the cursor to the end so the
+others stop); the last one wakes the progress thread, which lands and acknowledges the
+batch as before: a batch is acknowledged only once ALL its reads, on every worker,
+completed. ``abort``/deadline: readers skip a batch whose transfer ended and stop
+claiming its reads; ``abort`` still waits for the reads under way (``Rx.inflight`` is
+released only after every reader finished). Close: the cursors are stopped, each lane
+ends its share, destroys its keys, closes its endpoints and drops its worker, and is
+joined before the progress thread's own teardown.
+
+Measured, 2-core box, A/B back to back (``DISAGG_UCX_RMA_READERS=1`` for the old
+behaviour; ``flock /tmp/bench.lock disagg bench transfer --transports ucx-shm
+--page-sizes 16KiB,64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5``, 5 pairs, ratio
+of the row's memcpy ceiling, GB/s in brackets):
+
+- 1 reader: 16 KiB 0.17-0.21 (2.2-2.9), 64 KiB 0.42-0.49 (5.6-7.0), 256 KiB 0.54-0.66
+  (7.1-9.1), 1 MiB 0.65-0.94 (8.7-10.2), 4 MiB 0.55-1.01 (7.6-11.5)
+- 2 readers: 16 KiB 0.25-0.35 (3.2-4.6), 64 KiB 0.58-0.71 (6.7-8.7), 256 KiB 0.66-0.86
+  (8.8-10.7), 1 MiB 0.83-1.09 (11.1-13.6), 4 MiB 0.72-0.99 (9.6-13.8)
+
+The plane's own view, same pages without the bench (/scratch/ucxshm/rb.py: 10 pulls of
+256 MiB, time from the first header to the last read): 64 KiB 9.2-11.8 GB/s against
+6.5-7.3 with one reader, 256 KiB 11.4-14.4 against 8.9-9.6, 1 MiB 13.8-14.5 against
+10.0-10.8.
+
+What limits it now (``perf record -e cpu-clock -a`` of a 64 KiB-page pull with 2
+readers, /scratch/ucxshm/rb.py): the copies (``_copy_to_iter``) take ~45% of both
+cores, the kernel's per-call cma work (pinning and unpinning the remote pages, the
+ptrace access check) ~10%, UCX ~4%, Python ~14% (the consumer's progress loop and header
+checks, ~1 ms per 2048-page batch, and the producer's planning), idle ~11% (mostly the
+fixed part of a transfer: ~1.5 ms from go to the first header at 64 KiB, ~0.5 ms from
+the last read to DONE through the acknowledgement and TransferDone). A plain C loop of
+per-page ``process_vm_readv`` in two threads (/scratch/ucxshm/rawv.py) moves 64 KiB
+pages at 12.1-14.3 GB/s, 256 KiB at 13-14.6, 16 KiB at 6.0-7.8 (16 pages per call: 9.8),
+so per-page cma through UCX on both cores is within ~15% of what the medium gives;
+what is left at 64-256 KiB is UCX's request per page, the Python around each batch, and
+the fixed per-transfer round trips.
 
 CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
 sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
@@ -293,8 +358,10 @@ KiB), not the copy engine.
 Threads: one progress thread owns the worker and makes every UCX call; the caller's
 threads only queue work and read state, so ``poll`` never blocks on the network. The
 thread sleeps in ``poll()`` on the worker's event fd and a wake-up pipe whenever UCX has
-nothing ready (blocking progress), also with data in flight (not while RMA reads are in
-flight: cma progresses only in worker progress).
+nothing ready (blocking progress), also with data in flight (not while it has RMA reads
+to claim or in flight: cma progresses only in worker progress). A consumer's reader
+lanes ("Reader threads") each own one more worker and make every call on it; they hand
+results back through ``_rma_done`` (under ``_rma_lock``) and the wake-up pipe.
 
 Safety (same contract as ZmqDataPlane, enforced by the shared ``ReceiverBook``): every
 slot of a batch is checked before any receive is posted (bounds, the slots the transfer
@@ -388,6 +455,17 @@ _RMA_MAX_PAGES = 32768  # pages per RMA batch (their rows travel in the header: 
 _RMA_REGS = 8  # producer: store slabs kept registered (least recently used ones unmapped)
 _RMA_RKEYS = 64  # consumer: unpacked remote keys kept
 _RMA_ROUNDS = 64  # worker progress calls per loop turn while reads are in flight
+# Reader threads ("Reader threads" in the module docstring): the readers of a batch claim
+# its reads about _RMA_SLICE bytes at a time from a shared cursor; a merged read longer
+# than _RMA_MAX_READ is cut (so one long run is shared too); the progress thread posts
+# at most _RMA_TURN bytes per loop turn (it has headers and acknowledgements to serve);
+# a batch smaller than _RMA_SPLIT_MIN per reader is read by the progress thread alone
+# (waking a lane costs more than it saves)
+_RMA_SLICE = 256 << 10
+_RMA_MAX_READ = 2 << 20
+_RMA_TURN = 8 << 20
+_RMA_SPLIT_MIN = 256 << 10
+_RMA_READERS_ENV = "DISAGG_UCX_RMA_READERS"
 # acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
 # data tag, not a header tag), 62 bits of a keyed hash like the data tags
 _ACK_BIT = 1 << 62
@@ -527,19 +605,203 @@ class _Scatter:
     pool: list[torch.Tensor]
 
 
-@dataclass
+def default_rma_readers() -> int:
+    """How many threads copy an RMA batch on the consumer (the progress thread plus
+    ``n - 1`` lanes, each with its own UCX worker): ``DISAGG_UCX_RMA_READERS`` when set
+    (an integer >= 1), else 2 where this process may run on 2 or more CPUs, 1 otherwise
+    (module docstring, "Reader threads")."""
+    raw = os.environ.get(_RMA_READERS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{_RMA_READERS_ENV} must be an integer >= 1, not {raw!r}")
+        return n
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return 2 if cpus >= 2 else 1
+
+
+@dataclass(eq=False)
 class _RmaRead:
     """An accepted RMA batch whose reads are in flight: its pages land (and the
-    producer is told, under ``ack_tag`` on ``ep``) once every read completed."""
+    producer is told, under ``ack_tag`` on ``ep``) once every reader that took part
+    (``left`` of them still reading: the progress thread and, for a split batch, every
+    lane) found nothing left to claim and its own reads completed. ``shared``: the read
+    list and its cursor; ``mine``: the progress thread's share (None once finished).
+    ``left``, ``error`` (the first failure) and ``posted`` change under the plane's
+    ``_rma_lock``."""
 
     rx: _UcxRx
     group: int
     pages: int
     nbytes: int
-    ops: ucx_rma.RmaOps
     ack_tag: int
     ep: Any
     endpoint: str
+    packed: bytes  # the producer's packed key: lanes unpack it on their own endpoints
+    shared: ucx_rma.RmaShared
+    left: int
+    mine: ucx_rma.RmaPull | None = None
+    error: str | None = None
+    posted: int = 0
+
+
+def _pull_error(endpoint: str, pull: ucx_rma.RmaPull) -> str | None:
+    """The failure of a reader's finished share, or None when all of it landed."""
+    if pull.ok:
+        return None
+    return f"RMA read from {endpoint} failed: ucs_status {pull.status}"
+
+
+class _ReadLane:
+    """A reader thread of the consumer with its own UCX worker on the plane's context
+    ("Reader threads" in the module docstring): takes the split batches the progress
+    thread hands it (``submit``), in order, and claims and reads their reads alongside
+    the other readers (``ucx_rma.RmaPull``: the C loop, GIL released) through its own
+    endpoint to the producer and a remote key unpacked on it (both cached like the
+    progress thread's), then reports its share (``done``). Its worker, endpoints and
+    keys are only ever touched by its thread (UCX workers are single-threaded);
+    ``close`` stops it, and the thread destroys its keys, closes its endpoints and drops
+    its worker before it ends."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        done: Callable[[_RmaRead, int, str | None], None],
+        stats: Counter[str],
+        index: int,
+    ) -> None:
+        self._ctx = ctx
+        self._done = done
+        self._stats = stats
+        self._todo: deque[_RmaRead] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"disagg-ucx-read{index}", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait(30.0)
+        if self._error is not None or not self._ready.is_set():
+            self.close()
+            raise RuntimeError(f"UCX reader thread failed to start: {self._error}")
+
+    def submit(self, read: _RmaRead) -> None:
+        """Take part in ``read`` (its ``left`` counts this lane)."""
+        with self._cond:
+            self._todo.append(read)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop (stop the batches' cursors first: a share under way ends with its
+        slice) and wait for the thread; batches it never took are reported skipped."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(10.0)
+        if self._thread.is_alive():
+            log.warning("UCX reader thread did not end within 10 s")
+        while self._todo:
+            self._done(self._todo.popleft(), 0, "data plane closed")
+
+    def _run(self) -> None:
+        try:
+            worker = ucx_api.UCXWorker(self._ctx)
+        except BaseException as exc:  # reported to the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        eps: dict[str, Any] = {}
+        dead: list[Any] = []
+        rkeys: dict[tuple[str, bytes], tuple[Any, int]] = {}
+        try:
+            while True:
+                with self._cond:
+                    while not self._todo and not self._stop:
+                        self._cond.wait(_IDLE_WAIT_S)
+                    if self._stop:
+                        return
+                    read = self._todo.popleft()
+                posted, error = self._read(worker, eps, dead, rkeys, read)
+                self._done(read, posted, error)
+        except Exception:
+            log.exception("UCX reader thread died")
+        finally:
+            for key in list(rkeys):
+                ucx_rma.destroy(rkeys.pop(key)[1])
+                self._stats["rma_lane_rkey_destroy"] += 1
+            for ep in list(eps.values()) + dead:
+                try:
+                    if ep.alive:
+                        ep.close()
+                except Exception:
+                    pass
+            try:
+                worker.progress()
+            except Exception:
+                pass
+            eps.clear()
+            dead.clear()
+            del worker
+
+    def _read(
+        self,
+        worker: Any,
+        eps: dict[str, Any],
+        dead: list[Any],
+        rkeys: dict[tuple[str, bytes], tuple[Any, int]],
+        read: _RmaRead,
+    ) -> tuple[int, str | None]:
+        """This lane's share of ``read``: (reads posted, failure or None). Nothing to
+        do when every read was claimed already, the batch failed, or its transfer
+        ended (aborted, expired: nothing would count its pages)."""
+        sh = read.shared
+        if sh.claimed or read.error is not None or read.rx.state.final:
+            return 0, None
+        try:
+            ep = eps.get(read.endpoint)
+            if ep is None or not ep.alive:
+                if ep is not None:
+                    dead.append(ep)
+                    for k in [k for k, (e, _) in rkeys.items() if e is ep]:
+                        ucx_rma.destroy(rkeys.pop(k)[1])
+                        self._stats["rma_lane_rkey_destroy"] += 1
+                u = urlsplit(read.endpoint)
+                addr = ucx_api.UCXAddress.create_from_buffer(
+                    bytes.fromhex(u.netloc or u.path.lstrip("/"))
+                )
+                ep = ucx_api.UCXEndpoint.create_from_worker_address(worker, addr, False)
+                eps[read.endpoint] = ep
+            key = (read.endpoint, read.packed)
+            got = rkeys.get(key)
+            if got is None:
+                if len(rkeys) >= _RMA_RKEYS:
+                    for k in list(rkeys)[:8]:
+                        ucx_rma.destroy(rkeys.pop(k)[1])
+                        self._stats["rma_lane_rkey_destroy"] += 1
+                got = (ep, ucx_rma.unpack(ep.handle, read.packed))
+                self._stats["rma_lane_rkey_unpack"] += 1
+                rkeys[key] = got
+            pull = ucx_rma.RmaPull(sh, ep.handle, got[1])
+            wh = worker.handle
+            pull.step(wh)
+            while pull.drive(wh, _RMA_ROUNDS):
+                if self._stop:
+                    log.warning("closing with %d RMA reads still in flight", pull.left)
+                    return pull.posted, "data plane closed"
+        except Exception as exc:
+            sh.stop()
+            return 0, f"RMA reads from {read.endpoint} failed: {type(exc).__name__}: {exc}"
+        self._stats["rma_lane_reads"] += pull.posted
+        return pull.posted, _pull_error(read.endpoint, pull)
 
 
 _RMA_FIXED = struct.Struct("<4sIQQQQIHHI")
@@ -673,7 +935,11 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     UCX picks shared memory locally and TCP otherwise). ``cuda``: accept CUDA regions and
     CUDA source rows (see "CUDA memory" in the module docstring); ``None`` turns it on when
     this process has already initialised CUDA. Use ``shm``/``auto`` for CUDA peers on one
-    node: cuda_ipc needs worker-address endpoints."""
+    node: cuda_ipc needs worker-address endpoints. ``rma_readers``: threads that copy
+    the one-sided reads of a batch as a consumer (the progress thread and
+    ``rma_readers - 1`` reader lanes, each with its own UCX worker; "Reader threads" in
+    the module docstring); ``None``: ``default_rma_readers()`` (``DISAGG_UCX_RMA_READERS``, else
+    2 on a machine with 2 or more CPUs, else 1)."""
 
     # producers hand StoreRows of their host slab: a message of scattered rows leaves
     # from where they lie (shm, ucx_iov: one scatter-gather send) or is gathered into a
@@ -691,9 +957,15 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         advertise: str | None = None,
         channel: str = "tcp",
         cuda: bool | None = None,
+        rma_readers: int | None = None,
     ) -> None:
         if channel not in ("tcp", "shm", "auto"):
             raise ValueError(f"channel must be tcp, shm or auto, not {channel!r}")
+        if rma_readers is None:
+            rma_readers = default_rma_readers()
+        elif isinstance(rma_readers, bool) or not isinstance(rma_readers, int) or rma_readers < 1:
+            raise ValueError(f"rma_readers must be an integer >= 1, not {rma_readers!r}")
+        self.rma_readers = rma_readers
         if cuda is None:
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda and not torch.cuda.is_available():
@@ -939,6 +1211,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._rma_reads: list[_RmaRead] = []
         self._rkeys: dict[tuple[str, bytes], tuple[Any, int]] = {}
         self._ack_sends: list[tuple[Any, np.ndarray]] = []
+        # Reader lanes (made on the first RMA batch); _rma_lock guards each read's
+        # ``left``, ``error`` and ``posted`` (changed by every reader)
+        self._rma_lock = threading.Lock()
+        self._lanes: list[_ReadLane] | None = None if self.rma_readers > 1 else []
         # 2 MiB-aligned huge pages (hostmem): CMA writes into them at memcpy speed, and
         # their rows agree modulo 64 with torch's stores and pools (numpy's start 16
         # bytes into a page, which made every CMA copy ~1.5x slower; "Shared memory")
@@ -1019,7 +1295,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             if self._scatters:  # short device work that does not signal the event fd
                 self._scatter_reap(block=True)
                 continue
-            if self._rma_reads:  # cma reads progress in worker progress, not on the fd
+            # cma reads progress in worker progress, not on the fd: keep going while
+            # this thread has reads to claim or in flight; while only the lanes read,
+            # sleep (the last reader of a batch wakes this thread: _rma_done)
+            if any(r.mine is not None for r in self._rma_reads):
                 continue
             # Blocking progress: sleep on the worker's event fd even with data in flight
             # (UCX signals it on every completion / arrival), so this thread never spins
@@ -1146,9 +1425,18 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 self.stats["rejected_kind"] += 1
                 return
             ack = _ack_tag(_tag_key(rx.token), rx.transfer_id, hdr.batch)
-            why = self._rma_check(hdr, msg)
+            # the book's accept_batch, without its conversion of the runs from a list
+            # of lists (np.asarray: ~0.3 ms per 2048 runs, twice): the runs as one array
+            nr = len(msg.runs)
+            runs = np.fromiter(chain.from_iterable(msg.runs), dtype=np.int64, count=2 * nr)
+            runs = runs.reshape(nr, 2)
+            slots = None
+            if nr and not ((runs[:, 0] < 0).any() or (runs[:, 1] < 1).any()):
+                slots = runs_slots(runs)
+            why = self._rma_check(hdr, msg, -1 if slots is None else int(slots.size))
             if why is None:
-                why = book.accept_batch(rx, msg)
+                end = int((runs[:, 0] + runs[:, 1]).max()) if nr else 0
+                why = book.accept_slots(rx, msg.group, msg.page_bytes, slots, end)
             elif not rx.state.final:
                 self.stats["rejected_batch"] += 1
                 book.fail(rx, why)
@@ -1157,9 +1445,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 self._rma_ack(hdr.endpoint, ack, f"batch refused: {why}")
                 return
             grp = book.groups[msg.group]
-            slots = runs_slots(msg.runs)
+            assert slots is not None  # accepted
             rx.inflight += 1
         pages = int(slots.size)
+        lanes = self._rma_lanes()
         try:
             pieces = ucx_rma.page_pieces(hdr.cols, [r.size for r in grp.regions])
             local, remote, length = ucx_rma.op_lists(
@@ -1170,10 +1459,12 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 [int(r.tensor.stride(0)) for r in grp.regions],
                 slots,
                 pieces,
+                _RMA_MAX_READ if lanes else None,
             )
             ep = self._connect(hdr.endpoint)
             rkey = self._rkey(hdr.endpoint, ep, hdr.rkey)
-            ops = ucx_rma.RmaOps(ep.handle, rkey, local, remote, length, grp.regions)
+            shared = ucx_rma.RmaShared(local, remote, length, _RMA_SLICE, grp.regions)
+            mine = ucx_rma.RmaPull(shared, ep.handle, rkey)
         except Exception as exc:
             with book.cond:
                 rx.inflight -= 1
@@ -1181,17 +1472,34 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
             self._rma_ack(hdr.endpoint, ack, "reads failed")
             return
-        self.stats["rma_reads"] += ops.total
-        read = _RmaRead(rx, msg.group, pages, pages * msg.page_bytes, ops, ack, ep, hdr.endpoint)
+        nbytes = pages * msg.page_bytes
+        helpers = lanes if nbytes >= _RMA_SPLIT_MIN * (len(lanes) + 1) else []
+        read = _RmaRead(
+            rx,
+            msg.group,
+            pages,
+            nbytes,
+            ack,
+            ep,
+            hdr.endpoint,
+            hdr.rkey,
+            shared,
+            1 + len(helpers),
+            mine,
+        )
+        self.stats["rma_reads"] += int(local.size)
         self._rma_reads.append(read)
+        for lane in helpers:  # they start on it while this thread posts its first turn
+            lane.submit(read)
+        self._rma_step(read)
 
-    def _rma_check(self, hdr: RmaHeader, msg: m.PageBatch) -> str | None:
+    def _rma_check(self, hdr: RmaHeader, msg: m.PageBatch, pages: int) -> str | None:
         """What is wrong with an RMA batch's source description, or None: every read
         must lie inside the slab the producer registered, the columns must make a page of
         the batch's size, and the group must be host memory (reads into device memory
-        are not done here: such a receiver does not offer RMA)."""
-        pages = sum(int(c) for _, c in msg.runs)
-        if hdr.rows.size != pages:
+        are not done here: such a receiver does not offer RMA). ``pages``: the batch's
+        page count (-1 when its runs are malformed: the book names that)."""
+        if pages >= 0 and hdr.rows.size != pages:
             return f"RMA batch names {hdr.rows.size} source rows for {pages} pages"
         if hdr.rows.size and (int(hdr.rows.min()) < 0 or int(hdr.rows.max()) >= hdr.nrows):
             return f"RMA batch names source rows outside the producer's {hdr.nrows}"
@@ -1245,29 +1553,75 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         except Exception as exc:
             log.debug("RMA acknowledgement to %s failed: %s", endpoint, exc)
 
+    def _rma_lanes(self) -> list[_ReadLane]:
+        """The reader lanes (``rma_readers - 1``), made on first use; none when a lane
+        cannot start (logged: this thread then reads everything, as with one reader)."""
+        if self._lanes is None:
+            self._lanes = []
+            try:
+                for i in range(self.rma_readers - 1):
+                    self._lanes.append(_ReadLane(self._ctx, self._rma_done, self.stats, i))
+            except Exception as exc:
+                log.warning("UCX reader lanes: %s (reading on the progress thread)", exc)
+                for lane in self._lanes:
+                    lane.close()
+                self._lanes = []
+        return self._lanes
+
+    def _rma_done(self, read: _RmaRead, posted: int, error: str | None) -> None:
+        """A reader finished its share of ``read`` (``posted`` reads), on any thread:
+        ``error`` None when all of it landed. The last one wakes the progress thread,
+        which lands (or fails) the batch and acknowledges it (``_rma_reap``)."""
+        with self._rma_lock:
+            read.left -= 1
+            read.posted += posted
+            if error is not None and read.error is None:
+                read.error = error
+            last = read.left == 0
+        if last and not self._stop.is_set():  # closing: the pipe may be gone
+            self._wake()
+
+    def _rma_step(self, read: _RmaRead) -> None:
+        """The progress thread's turn at ``read``: claim and post up to ``_RMA_TURN``
+        bytes of its reads (the post copies what completes in place), reap what
+        completed, and report its share once nothing is left to claim and its own
+        reads completed."""
+        mine = read.mine
+        if mine is None:
+            return
+        if read.error is not None or read.rx.state.final:
+            read.shared.stop()  # nothing would count its pages: claim no more
+        wh = self._worker.handle
+        mine.step(wh, _RMA_TURN)
+        if mine.drive(wh, 0 if mine.left == 0 else _RMA_ROUNDS) == 0 and mine.finished:
+            read.mine = None
+            self._rma_done(read, mine.posted, _pull_error(read.endpoint, mine))
+
     def _rma_reap(self) -> None:
-        """Drive the batches being read (the oldest with up to ``_RMA_ROUNDS`` progress
-        calls in the C loop, the others checked), land those whose reads all completed
-        and acknowledge them. A failed read fails the transfer: its pages never count."""
+        """Take a turn at the oldest batch this thread still reads (``_rma_step``),
+        then land the batches every reader of which finished and acknowledge them. A
+        failed read fails the transfer: its pages never count."""
         if self._ack_sends:
             self._ack_sends = [a for a in self._ack_sends if not a[0].completed]
         if not self._rma_reads:
             return
-        wh = self._worker.handle
+        for r in self._rma_reads:
+            if r.mine is not None:
+                self._rma_step(r)
+                break
         still = []
-        for i, r in enumerate(self._rma_reads):
-            if r.ops.drive(wh, _RMA_ROUNDS if i == 0 else 0):
+        for r in self._rma_reads:
+            if r.left:
                 still.append(r)
                 continue
             book = self._book
             error = None
             with book.cond:
                 rx = r.rx
-                if not r.ops.ok:
-                    st = r.ops.status
-                    error = f"RMA read from {r.endpoint} failed: ucs_status {st}"
-                    if r.ops.posted < r.ops.total:
-                        error += f" ({r.ops.posted} of {r.ops.total} reads posted)"
+                if r.error is not None and not rx.state.final:
+                    error = r.error
+                    if r.posted < r.shared.total:
+                        error += f" ({r.posted} of {r.shared.total} reads posted)"
                     book.fail(rx, error)
                 elif rx.state.final:
                     error = f"transfer {rx.transfer_id} ended: {rx.error}"
@@ -1337,10 +1691,15 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     def _rma_teardown(self) -> None:
         """Close: reads still in flight were cancelled with their endpoints (checked
         once here, freeing their requests); remote keys destroyed, slabs unmapped."""
+        for r in self._rma_reads:
+            r.shared.stop()  # readers claim nothing more
+        for lane in self._lanes or ():
+            lane.close()  # each lane ends its share, frees its keys, endpoints, worker
+        self._lanes = []
         wh = self._worker.handle
         for r in self._rma_reads:
-            if r.ops.drive(wh, 16):
-                log.warning("closing with %d RMA reads still in flight", r.ops.left)
+            if r.mine is not None and r.mine.drive(wh, 16):
+                log.warning("closing with %d RMA reads still in flight", r.mine.left)
             with self._book.cond:
                 r.rx.inflight -= 1
         self._rma_reads = []

@@ -6,8 +6,10 @@ handles (``context.handle``, ``worker.handle``, ``ep.handle``): ``ucp_mem_map`` 
 ``ucp_rkey_pack`` / ``ucp_rkey_buffer_release`` / ``ucp_mem_unmap`` for the producer's
 store slab (``Registration``), ``ucp_ep_rkey_unpack`` / ``ucp_rkey_destroy`` on the
 consumer (``unpack``/``destroy``), and thousands of ``ucp_get_nbx`` from the small C loop
-in ``_ucxrma.c`` (``RmaOps``), which receives libucp's function addresses from ctypes as
-integers and so needs no UCX header at build time. ``ucp_mem_map_params_t`` is mirrored
+in ``_ucxrma.c`` (``RmaShared`` / ``RmaPull``: one read list, claimed a slice at a time
+through an atomic cursor by every reader thread, each on its own worker and endpoint),
+which receives libucp's function addresses from ctypes as integers and so needs no UCX
+header at build time. ``ucp_mem_map_params_t`` is mirrored
 below and checked field by field against a C compile of the installed ucp.h in
 tests/transport/test_ucx_rma.py (``ucp_request_param_t`` is ucx_iov's, checked there).
 
@@ -308,12 +310,15 @@ def op_lists(
     dst_strides: list[int],
     slots: np.ndarray,
     pieces: list[tuple[int, int, int, int]],
+    max_len: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(local, remote, length) uint64 arrays of the reads that move pages: page ``i`` is
     row ``rows[i]`` of the remote slab (``src_base`` + row * ``src_stride``) landing in
     slot ``slots[i]`` of each destination region (``dst_bases``/``dst_strides``), cut
     into ``pieces`` (``page_pieces``). Reads that continue one another on both sides are
-    merged into one (consecutive rows into consecutive slots: one read per run).
+    merged into one (consecutive rows into consecutive slots: one read per run); with
+    ``max_len``, a read longer than that is then cut into reads of at most ``max_len``
+    bytes (so a long run can be shared between reader threads: ``RmaShared``).
     Vectorised: no Python step per page."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -336,70 +341,139 @@ def op_lists(
     ends_l = local[:-1] + length[:-1]
     start[1:] = (remote[1:] != ends_r) | (local[1:] != ends_l)
     first = np.flatnonzero(start)
-    return (
-        local[first].astype(np.uint64),
-        remote[first].astype(np.uint64),
-        np.add.reduceat(length, first).astype(np.uint64),
-    )
+    loc, rem, ln = local[first], remote[first], np.add.reduceat(length, first)
+    if max_len is not None and ln.size and int(ln.max()) > max_len:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, not {max_len}")
+        cuts = -(-ln // max_len)  # reads per merged read
+        at = np.repeat(np.cumsum(cuts) - cuts, cuts)  # index of each piece's first piece
+        off = (np.arange(int(cuts.sum()), dtype=np.int64) - at) * max_len
+        loc, rem = np.repeat(loc, cuts) + off, np.repeat(rem, cuts) + off
+        ln = np.minimum(np.repeat(ln, cuts) - off, max_len)
+    return loc.astype(np.uint64), rem.astype(np.uint64), ln.astype(np.uint64)
 
 
-class RmaOps:
-    """A batch of reads posted on one endpoint, progressed and reaped by the C loop.
-    Keeps the address arrays (and ``keep``: what they point into) alive until every
-    posted read completed: UCX reads none of the arrays after posting, but the memory
-    they name must stay put until then."""
+class RmaShared:
+    """A read list that several threads read at once (the consumer's reader threads,
+    "Reader threads" in ucx_plane.py), each through its own ``RmaPull``: they claim
+    ``slice`` reads at a time from one atomic cursor (``_ucxrma.pull``), so the list is
+    shared out as it goes, whatever each thread's speed. Keeps the arrays (and ``keep``:
+    what they point into) alive while any reader may still post from them."""
 
-    __slots__ = ("_lib", "_reqs", "_n", "_start", "status", "posted", "total", "keep")
+    __slots__ = ("local", "remote", "length", "cursor", "slice", "keep", "total", "addrs")
 
     def __init__(
         self,
-        ep_handle: int,
-        rkey: int,
         local: np.ndarray,
         remote: np.ndarray,
         length: np.ndarray,
+        slice_bytes: int,
         keep: Any = None,
-        put: bool = False,
     ) -> None:
-        lib = _need()
-        assert _ucxrma is not None
         n = int(local.size)
         for a in (local, remote, length):
             if a.dtype != np.uint64 or not a.flags.c_contiguous or a.size != n:
                 raise ValueError("local/remote/length must be C-contiguous uint64 of one size")
-        self._lib = lib
-        self._reqs = np.zeros(max(n, 1), dtype=np.uint64)
-        self.keep = keep
+        self.local, self.remote, self.length, self.keep = local, remote, length, keep
         self.total = n
-        posted, nreqs, status = _ucxrma.post(
-            lib.put_fn if put else lib.get_fn,
-            ep_handle,
-            rkey,
+        mean = int(length.sum()) // n if n else 1
+        self.slice = max(1, min(64, slice_bytes // max(mean, 1)))
+        self.cursor = np.zeros(1, dtype=np.int64)  # next unclaimed read (atomic in C)
+        # (local, remote, length, cursor) addresses, taken once (``.ctypes`` costs µs)
+        self.addrs = tuple(int(a.ctypes.data) for a in (local, remote, length, self.cursor))
+
+    @property
+    def claimed(self) -> bool:
+        """Every read was claimed by some reader (or the list was stopped)."""
+        return int(self.cursor[0]) >= self.total
+
+    def stop(self) -> None:
+        """No reader claims another read (a plain aligned 8-byte store; readers may
+        still finish the slice they hold)."""
+        self.cursor[0] = max(self.total, int(self.cursor[0]))
+
+
+class RmaPull:
+    """One thread's share of an ``RmaShared`` read list, posted on its own endpoint with
+    a remote key unpacked there, progressed and reaped on its own worker (only ever
+    from that worker's thread)."""
+
+    __slots__ = (
+        "_lib",
+        "_shared",
+        "_ep",
+        "_rkey",
+        "_reqs",
+        "_reqs_addr",
+        "_n",
+        "_start",
+        "status",
+        "posted",
+    )
+
+    def __init__(self, shared: RmaShared, ep_handle: int, rkey: int) -> None:
+        self._lib = _need()
+        assert _ucxrma is not None
+        self._shared = shared
+        self._ep, self._rkey = ep_handle, rkey
+        self._reqs = np.zeros(max(shared.total, 1), dtype=np.uint64)
+        self._reqs_addr = int(self._reqs.ctypes.data)
+        self._n = 0  # requests UCX returned (the others completed in place)
+        self._start = 0  # of those, seen complete and freed
+        self.status = _UCS_OK  # first failure (refused at post or completed in error)
+        self.posted = 0
+
+    def step(self, worker_handle: int, max_bytes: int = 0) -> int:
+        """Claim and post reads until none is left to claim or this call posted
+        ``max_bytes`` (0: no limit); returns the bytes posted."""
+        sh = self._shared
+        if sh.claimed or self.status != _UCS_OK:
+            return 0
+        assert _ucxrma is not None
+        lib = self._lib
+        local, remote, length, cursor = sh.addrs
+        posted, nbytes, self._n, self._start, st = _ucxrma.pull(
+            lib.get_fn,
+            self._ep,
+            self._rkey,
             lib.param_addr,
-            int(local.ctypes.data),
-            int(remote.ctypes.data),
-            int(length.ctypes.data),
-            n,
-            int(self._reqs.ctypes.data),
+            local,
+            remote,
+            length,
+            sh.total,
+            cursor,
+            sh.slice,
+            max_bytes,
+            lib.progress_fn,
+            worker_handle,
+            lib.check_fn,
+            lib.free_fn,
+            self._reqs_addr,
+            self._n,
+            self._start,
         )
-        self.posted = posted
-        self._n = nreqs  # requests UCX returned (the others completed in place)
-        self._start = 0  # requests before this one completed and were freed
-        self.status = status  # first failure (refused at post or completed in error)
+        self.posted += posted
+        if st and self.status == _UCS_OK:
+            self.status = st
+        return int(nbytes)
 
     @property
     def left(self) -> int:
-        """Requests not yet seen complete."""
+        """Requests posted by this reader not yet seen complete."""
         return self._n - self._start
 
     @property
+    def finished(self) -> bool:
+        """Nothing left to claim (for anyone) and every request of this reader done."""
+        return (self._shared.claimed or self.status != _UCS_OK) and self.left == 0
+
+    @property
     def ok(self) -> bool:
-        """Every read was posted and none failed (meaningful once ``left`` is 0)."""
-        return self.status == _UCS_OK and self.posted == self.total
+        return self.status == _UCS_OK
 
     def drive(self, worker_handle: int, rounds: int) -> int:
         """Progress the worker up to ``rounds`` times (0: only check), reaping this
-        batch's requests; returns how many are still in flight."""
+        reader's requests; returns how many are still in flight."""
         if self._start < self._n:
             assert _ucxrma is not None
             lib = self._lib
@@ -408,11 +482,12 @@ class RmaOps:
                 worker_handle,
                 lib.check_fn,
                 lib.free_fn,
-                int(self._reqs.ctypes.data),
+                self._reqs_addr,
                 self._n,
                 self._start,
                 rounds,
             )
             if st and self.status == _UCS_OK:
                 self.status = st
+                self._shared.stop()
         return self.left

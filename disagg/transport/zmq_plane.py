@@ -1,22 +1,32 @@
 """The fallback DataPlane (``transport: zmq``): pages over plain stream sockets.
 
-Named zmq for config compatibility; since this version (stream version 1) the payload
-travels on plain sockets (TCP for ``tcp://`` endpoints, AF_UNIX for ``ipc://``); control
-stays on ZMQ (control.py), and no ZMQ is left in this module. A ZMQ peer (a zmq plane
-from before) is refused at its first bytes, by name: both ends must be upgraded together.
+Named zmq for config compatibility; the payload travels on plain sockets (TCP for
+``tcp://`` endpoints, AF_UNIX for ``ipc://``, where large pages go through a pipe, see
+below); control stays on ZMQ (control.py), and no ZMQ is left in this module. A ZMQ
+peer (a zmq plane from before) or a stream of another version is refused at its first
+bytes, by name: both ends must be upgraded together.
 
-Wire: one connection per (sender plane, receiver endpoint), opened by the sender. It
-starts with ``PREAMBLE`` (``b"DGSTRM\\0"`` and one version byte); the receiver refuses
-anything else (a ZMTP greeting, another version, garbage) with an error naming what it
-saw, counts it as ``rejected_BAD_VERSION``, writes its own preamble back (so a sender
-of another version can say which) and closes that connection only. Then messages, each
-``<u32 header length><u64 payload length>``, the msgpack header (``PageBatch`` or
-``TransferDone``), and the payload: a batch's pages in run order (``len(slots) *
-page_bytes`` bytes; any other length fails the transfer). Explicit lengths keep the
-stream in step past any refused header: its payload is read and dropped, and the
+Wire (stream version 2): one connection per (sender plane, receiver endpoint), opened
+by the sender. It starts with the hello: ``PREAMBLE`` (``b"DGSTRM\\0"`` and one version
+byte) and one payload mode byte: ``MODE_INLINE`` (payloads on the stream) or
+``MODE_PIPE`` (AF_UNIX only: the read end of a pipe comes with the hello as SCM_RIGHTS
+ancillary data). The receiver answers ``PREAMBLE`` and the mode it takes: ``MODE_PIPE``
+when it was offered a pipe and may use it (``DISAGG_STREAM_PIPE=0`` on either end, or no
+C extension, keeps ``MODE_INLINE``; the sender waits for the answer). It refuses anything
+else (a ZMTP greeting, another version, garbage: ``rejected_BAD_VERSION``; an unknown
+mode, a pipe over TCP, no or several descriptors, one that is not a pipe's read end:
+``rejected_BAD_HELLO``) with an error naming what it saw, writes its bare preamble back
+(so the sender can say which version refused it) and closes that connection only; any
+descriptor that came along is closed. Then messages, each ``<u32 header length><u64
+payload length>``, the msgpack header (``PageBatch`` or ``TransferDone``), and the
+payload: a batch's pages in run order (``len(slots) * page_bytes`` bytes; any other
+length fails the transfer). The payload follows its header on the stream, or, when the
+length's top bit (``PIPED``) is set, in the pipe (a ``PIPED`` message on a connection
+without a pipe closes it: ``rejected_framing``). Explicit lengths keep the stream (and
+the pipe) in step past any refused header: its payload is read and dropped, and the
 connection keeps serving.
 
-Copies: exactly one per byte per side, by the kernel. The sender ``sendmsg``s straight
+Copies (plain stream): exactly one per byte per side, by the kernel. The sender ``sendmsg``s straight
 from the store rows (an iovec per page column span, adjacent ones merged: whole-row runs
 are one iovec); the receiver checks the batch header (``authenticate`` and
 ``accept_batch``: bounds, promises, counts) and then ``recvmsg``s the payload straight
@@ -28,13 +38,30 @@ before a byte moves); without the extension a pure-Python path does the same wit
 ``sendmsg`` / ``recv_into`` and one vectorised gather or scatter per 4 MiB (a copy more;
 ``DISAGG_REQUIRE_NATIVE=1`` makes a missing extension an ImportError).
 
+The pipe (``MODE_PIPE``, batches of pages of ``PIPE_MIN_PAGE`` = 64 KiB or more): one
+copy per byte in all. The sender ``vmsplice``s the store rows into the pipe (the pages
+are referenced by the pipe, not copied) and the receiver, after the same header checks,
+``readv``s them out of the pipe into the slots (the only copy). Because the pipe
+references the rows, the sender waits for the pipe to be empty (``drain_pipe``:
+FIONREAD, checked every 20 us; the last pipe-full drains in about 0.2 ms) before it
+sends TransferDone and calls the push DONE: the rows are free only then, and a push
+that fails before (deadline, abort, close) sends no TransferDone, so the receiver never
+completes a transfer with pages read from rows the producer has reused. The pipe is
+sized ``PIPE_BYTES`` or what the kernel allows (``fs.pipe-max-size``, 1 MiB here); a
+smaller one (a user's pipe quota spent) keeps the plain stream. Both C loops poll the
+pipe together with the stream socket, so a shutdown of the socket (``abort``, ``close``,
+a peer gone) ends them at once; SIGPIPE is blocked around ``vmsplice`` (EPIPE instead).
+Smaller pages stay on the stream: at 16 KiB the pipe measured slower (0.55-0.66 of the
+ceiling against 0.70-0.80).
+
 Threads: the receiver has one acceptor thread (it also expires transfers past their
 deadline) and one thread per connection, which reads a header, then its payload, with
 no lock held while bytes land (``Rx.inflight`` counts the write; ``abort`` shuts the
 connection down to end a write in progress at once). The sender has one thread and
 connection per peer endpoint: a stalled or dead consumer holds back only its own
-pushes. A push is DONE on the sender once the kernel has taken its last byte (the rows
-are no longer referenced); delivery is the receiver's state.
+pushes. A push is DONE on the sender once the kernel has taken its last byte and the
+pipe, if any, has been read empty (the rows are no longer referenced); delivery is the
+receiver's state.
 
 Checksum: off by default. TCP and AF_UNIX deliver the bytes intact and in order, and the
 receiver checks the framing itself (each batch's slots and byte count before a byte
@@ -61,7 +88,7 @@ right before each row; ``disagg bench transfer --transports zmq-tcp,zmq-ipc --pa
 ceilings themselves moved between runs: raw TCP 1.7-4.9 GB/s, AF_UNIX 4.6-6.3 GB/s):
 
     ======== ========================== =========================================
-    page     ZMQ (before): ratio          stream (now): ratio
+    page     ZMQ (before): ratio          plain stream: ratio
     ======== ========================== =========================================
     tcp 64K  0.54-0.66 (2.3-2.6 GB/s)     0.44-1.44, median 0.90 (1.5-3.2 GB/s)
     tcp 256K 0.55-0.82                    0.68-1.09, median 0.89
@@ -73,10 +100,38 @@ ceilings themselves moved between runs: raw TCP 1.7-4.9 GB/s, AF_UNIX 4.6-6.3 GB
     ipc 4M   0.52-0.59                    0.89-1.08, median 0.97
     ======== ========================== =========================================
 
-What still limits it: at 64 KiB the scatter itself. Two threads moving 256 MiB over an
-AF_UNIX socketpair with these calls (``send_rows`` / ``recv_rows``, 8 MiB batches) make
-5.5-6.3 GB/s between random rows and random slots against 6.7-7.2 GB/s between
-contiguous ones (1 MiB pages: no difference), while the ceiling is one contiguous
+Same-host pipe (``MODE_PIPE``), A/B back to back with ``DISAGG_STREAM_PIPE=0|1``,
+``disagg bench transfer --transports zmq-ipc --page-sizes
+16KiB,64KiB,256KiB,1MiB,4MiB --total 256MiB --repeats 5`` (12 pairs at 64K and 256K,
+3 of them with ``--page-sizes 64KiB,256KiB --repeats 7``; 9 pairs at 1M and 4M); ratios
+against the AF_UNIX ceiling measured right before each row, which itself moved 3.3-6.3
+GB/s between rows (so the GB/s, side by side, say more; medians in brackets):
+
+    ======== ================================== ==================================
+    page     plain stream: ratio, GB/s            pipe: ratio, GB/s
+    ======== ================================== ==================================
+    ipc 64K  0.69-1.27 [0.86], 3.2-5.0 [4.15]     0.72-1.18 [0.93], 3.6-5.4 [4.94]
+    ipc 256K 0.63-1.31 [0.89], 3.3-5.6 [4.38]     0.87-1.40 [1.06], 4.9-6.7 [5.81]
+    ipc 1M   0.57-1.04 [0.89], 2.6-5.7 [4.83]     0.84-1.59 [1.13], 4.2-7.8 [6.18]
+    ipc 4M   0.72-1.30 [0.91], 4.3-5.7 [4.96]     1.01-1.52 [1.19], 4.1-7.1 [6.32]
+    ======== ================================== ==================================
+
+The C loops alone (two threads, 256 MiB, random rows of a 2N-row huge-page store into
+random slots, 8 MiB batches): 64 KiB 5.7-7.0 GB/s through the pipe against 5.8-5.9 over
+the socket, 256 KiB 7.7 against 6.1; 16 KiB 4.5-4.9 against 4.7-5.4 (hence
+``PIPE_MIN_PAGE``). A C spike (two processes, 5 x 256 MiB at 64 KiB, setup included)
+used 0.28 s of system time with vmsplice + readv against 0.45 s with sendmsg + recvmsg
+(0.52 s for the contiguous ceiling): the sender's copy is gone, and the freed core is
+what the plane gains.
+
+What still limits it: the receiver's single thread, which does all the copying now
+(``readv`` out of 4 KiB pipe buffers into the slots) and, between batches, the header
+checks in Python; the pipe holds only 1 MiB (``fs.pipe-max-size``; raising it needs
+CAP_SYS_RESOURCE, refused in this container even as root), so a sender waits while the
+receiver checks a header, where the socket's 4 MiB send buffer let it run ahead. At
+64 KiB the plain stream's limit was the scatter itself: two threads over an AF_UNIX
+socketpair (``send_rows`` / ``recv_rows``) made 5.5-6.3 GB/s between random rows and
+slots against 6.7-7.2 between contiguous ones, while the ceiling is one contiguous
 buffer. The rest is per-push work the ceiling does not have (planning about 1.3 ms for
 4096 pages, one header check per 8 MiB batch) and the bench's own polling thread on a
 2-core box.
@@ -84,12 +139,14 @@ buffer. The rest is per-push work the ceiling does not have (planning about 1.3 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import os
 import queue
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -127,9 +184,18 @@ except ImportError:  # no compiler at install time: the Python path below
 log = logging.getLogger(__name__)
 
 STREAM_MAGIC = b"DGSTRM\x00"
-STREAM_VERSION = 1
+STREAM_VERSION = 2  # 2: the hello carries a payload mode and the receiver answers it
 PREAMBLE = STREAM_MAGIC + bytes([STREAM_VERSION])
+MODE_INLINE = 0  # each payload follows its header on the stream
+MODE_PIPE = 1  # payloads travel on a pipe whose read end comes with the hello (AF_UNIX)
+HELLO = PREAMBLE + bytes([MODE_INLINE])  # what StreamPush (tests, tools) says
+# DISAGG_STREAM_PIPE=0: neither offer nor accept the pipe (A/B switch; read per plane)
+PIPE_ENV = "DISAGG_STREAM_PIPE"
+PIPE_BYTES = 4 << 20  # pipe size asked for; the kernel caps it (fs.pipe-max-size, 1 MiB)
+MIN_PIPE_BYTES = 256 << 10  # a smaller pipe (per-user pipe quota spent): the plain stream
 _PREFIX = struct.Struct("<IQ")  # header length, payload length
+PIPED = 1 << 63  # payload length flag: this payload travels in the pipe (MODE_PIPE only)
+PIPE_MIN_PAGE = 64 << 10  # smaller pages stay on the stream: see the module docstring
 MAX_HEADER = MAX_CONTROL_FRAME  # a longer header is skipped unread and counted TOO_LARGE
 
 MSG_BYTES = 8 << 20  # payload per batch message (one header check per this many bytes)
@@ -176,6 +242,71 @@ def recv_rows(
     if _native is not None:
         return int(_native.recv_rows(sock.fileno(), arr, rows, cols, deadline))
     return _py_recv_rows(sock, arr, rows, cols, deadline)
+
+
+def splice_rows(
+    pipe_fd: int,
+    watch: socket.socket,
+    arr: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    deadline: float,
+) -> int:
+    """``send_rows`` into a pipe with ``vmsplice``: the pages are referenced, not copied,
+    so they must stay unchanged until ``drain_pipe`` returned. Ends (ConnectionError)
+    when ``watch``, the stream socket, is shut down or hangs up; needs the extension."""
+    return int(_streamio.splice_rows(pipe_fd, watch.fileno(), arr, rows, cols, deadline))
+
+
+def recv_pipe_rows(
+    pipe_fd: int,
+    watch: socket.socket,
+    arr: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    deadline: float,
+) -> int:
+    """``recv_rows`` from a non-blocking pipe (``readv``: the only copy of the pipe
+    path); ConnectionError at the pipe's EOF or when ``watch`` is shut down (abort)."""
+    return int(_streamio.recv_rows(pipe_fd, arr, rows, cols, deadline, watch.fileno()))
+
+
+def drain_pipe(pipe_fd: int, watch: socket.socket, deadline: float) -> None:
+    """Wait until the receiver has read every byte in the pipe (its rows are free)."""
+    _streamio.pipe_drain(pipe_fd, watch.fileno(), deadline)
+
+
+def open_pipe() -> tuple[int, int] | None:
+    """A pipe for the payload, ``(read end, write end)``, both close-on-exec and
+    non-blocking, sized ``PIPE_BYTES`` or what the kernel allows; None when no pipe of
+    ``MIN_PIPE_BYTES`` can be had (the caller keeps the plain stream)."""
+    try:
+        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        size = 0
+        for want in (PIPE_BYTES, _pipe_max()):
+            try:
+                size = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, want)
+                break
+            except OSError:  # above fs.pipe-max-size, or this user's pipe quota is spent
+                continue
+        if size >= MIN_PIPE_BYTES:
+            return r, w
+    except OSError:
+        pass
+    os.close(r)
+    os.close(w)
+    return None
+
+
+def _pipe_max() -> int:
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 20
 
 
 def _check(arr: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> int:
@@ -331,9 +462,9 @@ def _shutdown(sock: socket.socket | None) -> None:
             pass
 
 
-def frame(header: bytes, payload_len: int) -> bytes:
+def frame(header: bytes, payload_len: int, piped: bool = False) -> bytes:
     """A message's length prefix and header (its payload follows on the stream)."""
-    return _PREFIX.pack(len(header), payload_len) + header
+    return _PREFIX.pack(len(header), payload_len | (PIPED if piped else 0)) + header
 
 
 class StreamPush:
@@ -341,7 +472,7 @@ class StreamPush:
     forge) messages: ``send_multipart([header, *payload])`` sends one message, its
     payload the concatenation of the rest, like the ZMQ PUSH socket it replaces."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 10.0, preamble: bytes = PREAMBLE):
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, preamble: bytes = HELLO):
         family, addr = framed.sockaddr(endpoint)
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
@@ -380,6 +511,10 @@ class _Source:
     keep: torch.Tensor
     batches: list[_Batch]
 
+    @property
+    def page_bytes(self) -> int:
+        return int(self.cols[:, 1].sum())
+
 
 @dataclass
 class _Lane:
@@ -388,6 +523,7 @@ class _Lane:
     endpoint: str
     jobs: queue.Queue[PushHandle | None] = field(default_factory=queue.Queue)
     sock: socket.socket | None = None
+    pipe: int | None = None  # the payload pipe's write end (MODE_PIPE), else None
     thread: threading.Thread = field(default=None)  # type: ignore[assignment]
     closing: bool = False
 
@@ -399,6 +535,7 @@ class _Conn:
     sock: socket.socket
     peer: str
     thread: threading.Thread = field(default=None)  # type: ignore[assignment]
+    pipe: int | None = None  # the payload pipe's read end (MODE_PIPE), else None
     writing: Rx | None = None  # the transfer whose payload is landing now
     scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     skip: bytearray = field(default_factory=lambda: bytearray(1 << 20))
@@ -446,6 +583,8 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         checksum: bool = False,
     ) -> None:
         self.checksum = checksum
+        # same-host payloads on a pipe (offered as a sender, accepted as a receiver)
+        self.pipe = os.environ.get(PIPE_ENV, "1") != "0"
         self.stats: Counter[str] = Counter()
         self._book = ReceiverBook(self.stats, checksum=checksum)
         self._stop = threading.Event()
@@ -544,10 +683,16 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.sock.close()
+            if conn.pipe is not None:
+                os.close(conn.pipe)
+                conn.pipe = None
 
-    def _read(self, conn: _Conn, n: int, timeout_s: float | None) -> bytes | None:
+    def _read(
+        self, conn: _Conn, n: int, timeout_s: float | None, fds: list[int] | None = None
+    ) -> bytes | None:
         """``n`` bytes of the connection; None when the peer closed before the first one.
-        ``timeout_s``: None waits for as long as the plane runs."""
+        ``timeout_s``: None waits for as long as the plane runs. ``fds``: collect the
+        file descriptors that come with the bytes (SCM_RIGHTS; the caller closes them)."""
         buf = bytearray(n)
         mv = memoryview(buf)
         got = 0
@@ -556,7 +701,10 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         poller.register(conn.sock, select.POLLIN)
         while got < n:
             try:
-                k = conn.sock.recv_into(mv[got:], n - got)
+                if fds is None or conn.sock.family != socket.AF_UNIX:
+                    k = conn.sock.recv_into(mv[got:], n - got)
+                else:
+                    k = _recv_with_fds(conn.sock, mv[got:], fds)
             except (BlockingIOError, InterruptedError):
                 k = -1
             if k == 0:
@@ -578,14 +726,40 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         return bytes(buf)
 
     def _preamble(self, conn: _Conn) -> bool:
+        """The hello: ``PREAMBLE`` and a payload mode byte (with the pipe's read end for
+        MODE_PIPE); answered with ``PREAMBLE`` and the mode this receiver takes, or
+        refused (``PREAMBLE`` alone, then the connection closes). False: closed."""
+        fds: list[int] = []
         try:
-            got = self._read(conn, len(PREAMBLE), PREAMBLE_TIMEOUT_S)
+            return self._hello(conn, fds)
+        finally:
+            for fd in fds:  # any descriptor that came along and was not taken
+                os.close(fd)
+
+    def _hello(self, conn: _Conn, fds: list[int]) -> bool:
+        try:
+            got = self._read(conn, len(PREAMBLE), PREAMBLE_TIMEOUT_S, fds)
         except TimeoutError:
             got = b"(nothing in time)"
         if got is None:
             return False
         if got == PREAMBLE:
-            return True
+            try:
+                mode = self._read(conn, 1, PREAMBLE_TIMEOUT_S, fds)
+            except TimeoutError:
+                mode = b""
+            if mode is None:
+                return False
+            why = self._payload_mode(conn, mode, fds)
+            if why is None:
+                answer = PREAMBLE + bytes([MODE_INLINE if conn.pipe is None else MODE_PIPE])
+                try:
+                    _send_bytes(conn.sock, answer, time.monotonic() + PREAMBLE_TIMEOUT_S)
+                except OSError as e:
+                    log.info("data plane connection from %s closed: %s", conn.peer, e)
+                    return False
+                return True
+            return self._refuse(conn, "rejected_BAD_HELLO", why)
         if got[: len(STREAM_MAGIC)] == STREAM_MAGIC:
             why = f"stream protocol version {got[-1]}, this receiver speaks {STREAM_VERSION}"
         elif got[:1] == b"\xff":
@@ -595,8 +769,38 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             )
         else:
             why = f"not a disagg data stream (preamble {got!r})"
+        return self._refuse(conn, "rejected_BAD_VERSION", why)
+
+    def _payload_mode(self, conn: _Conn, mode: bytes, fds: list[int]) -> str | None:
+        """Take the hello's payload mode (sets ``conn.pipe`` for an accepted pipe);
+        returns why the hello is refused, or None."""
+        if not mode:
+            return "no payload mode after the preamble"
+        if mode[0] == MODE_INLINE:
+            if fds:
+                return f"{len(fds)} file descriptor(s) came with an inline stream's hello"
+            return None
+        if mode[0] != MODE_PIPE:
+            return f"unknown payload mode {mode[0]}"
+        if conn.sock.family != socket.AF_UNIX:
+            return "a payload pipe offered over TCP (same-host AF_UNIX streams only)"
+        if len(fds) != 1:
+            return f"the pipe payload mode needs one file descriptor, {len(fds)} came"
+        try:
+            st = os.fstat(fds[0])
+            acc = fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError as e:
+            return f"the payload pipe cannot be inspected: {e}"
+        if not stat.S_ISFIFO(st.st_mode) or acc != os.O_RDONLY:
+            return "the payload pipe is not the read end of a pipe"
+        if self.pipe and _native is not None:  # else answer MODE_INLINE (fd closed)
+            conn.pipe = fds.pop()
+            os.set_blocking(conn.pipe, False)  # recv_pipe_rows polls it with the socket
+        return None
+
+    def _refuse(self, conn: _Conn, stat_key: str, why: str) -> bool:
         with self._book.lock:
-            self.stats["rejected_BAD_VERSION"] += 1
+            self.stats[stat_key] += 1
             self._refusals_logged += 1
         if self._refusals_logged <= 10:  # a reconnecting ZMQ peer comes back every 100 ms
             log.warning("data plane refused a connection from %s: %s", conn.peer, why)
@@ -606,8 +810,9 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             pass
         return False
 
-    def _skip(self, conn: _Conn, n: int) -> bool:
-        """Read and drop ``n`` payload bytes (of a refused message); False on EOF."""
+    def _skip(self, conn: _Conn, n: int, piped: bool) -> bool:
+        """Read and drop ``n`` bytes of a refused message (from the pipe when ``piped``,
+        else from the stream); False on EOF."""
         buf = np.frombuffer(conn.skip, dtype=np.uint8).reshape(1, -1)
         cols = np.array([[0, buf.shape[1]]], dtype=np.int64)
         row = np.zeros(1, dtype=np.int64)
@@ -618,7 +823,8 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             if k < buf.shape[1]:
                 cols = np.array([[0, k]], dtype=np.int64)
             try:
-                recv_rows(conn.sock, buf, row, cols, time.monotonic() + HEADER_TIMEOUT_S)
+                end = time.monotonic() + HEADER_TIMEOUT_S
+                self._recv_payload(conn, piped, buf, row, cols, end)
             except ConnectionError:
                 return False
             n -= k
@@ -630,10 +836,21 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         if pre is None:
             return False
         hlen, plen = _PREFIX.unpack(pre)
+        piped = bool(plen & PIPED)
+        plen &= ~PIPED
+        if piped and conn.pipe is None:  # where its payload is cannot be known: out of step
+            with self._book.lock:
+                self.stats["rejected_framing"] += 1
+            log.warning(
+                "data plane connection from %s closed: a message's payload was said to be "
+                "in a pipe, and this stream has none",
+                conn.peer,
+            )
+            return False
         if hlen > MAX_HEADER:
             with self._book.lock:
                 self.stats["rejected_TOO_LARGE"] += 1
-            return self._skip(conn, hlen) and self._skip(conn, plen)
+            return self._skip(conn, hlen, False) and self._skip(conn, plen, piped)
         head = self._read(conn, hlen, HEADER_TIMEOUT_S) if hlen else b""
         if head is None:
             return False
@@ -642,7 +859,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         except ProtocolError as e:
             with self._book.lock:  # connection threads count into one Counter
                 self.stats["rejected_" + e.code.name] += 1
-            return self._skip(conn, plen)
+            return self._skip(conn, plen, piped)
         book = self._book
         land: tuple[Rx, m.PageBatch, Group, np.ndarray] | None = None
         with book.lock:
@@ -672,10 +889,12 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             if rx is not None and rx.state.final:
                 book.cond.notify_all()  # wake wait()
         if land is None:
-            return self._skip(conn, plen)
-        return self._land(conn, *land)
+            return self._skip(conn, plen, piped)
+        return self._land(conn, piped, *land)
 
-    def _land(self, conn: _Conn, rx: Rx, h: m.PageBatch, grp: Group, slots: np.ndarray) -> bool:
+    def _land(
+        self, conn: _Conn, piped: bool, rx: Rx, h: m.PageBatch, grp: Group, slots: np.ndarray
+    ) -> bool:
         """Receive a checked batch's payload straight into its slots (a directly
         registered region) or through the connection's scratch buffer; no lock held."""
         pb = h.page_bytes
@@ -684,7 +903,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         try:
             if grp.direct is not None:
                 cols = np.array([[0, pb]], dtype=np.int64)
-                recv_rows(conn.sock, grp.direct, slots, cols, rx.deadline)
+                self._recv_payload(conn, piped, grp.direct, slots, cols, rx.deadline)
                 if rx.hasher is not None:
                     s0 = int(slots[0])
                     run = _runs_of(slots)
@@ -695,7 +914,8 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                     conn.scratch = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
                 flat = conn.scratch.numpy()[:total]
                 cols = np.array([[0, total]], dtype=np.int64)
-                recv_rows(conn.sock, flat.reshape(1, -1), np.zeros(1, np.int64), cols, rx.deadline)
+                one = np.zeros(1, np.int64)
+                self._recv_payload(conn, piped, flat.reshape(1, -1), one, cols, rx.deadline)
                 if rx.hasher is not None:
                     rx.hasher.update(flat)
                 grp.scatter(slots, flat.reshape(-1, pb))
@@ -721,6 +941,20 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                 book.maybe_finish(rx)
             book.cond.notify_all()
         return error is None  # after a broken payload the stream is out of step: close
+
+    def _recv_payload(
+        self,
+        conn: _Conn,
+        piped: bool,
+        arr: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        deadline: float,
+    ) -> None:
+        if piped and conn.pipe is not None:
+            recv_pipe_rows(conn.pipe, conn.sock, arr, rows, cols, deadline)
+        else:
+            recv_rows(conn.sock, arr, rows, cols, deadline)
 
     def abort(self, transfer_id: int, reason: str = "aborted") -> int:
         """Fail the transfer; a payload of it landing now is cut off at once (its
@@ -813,8 +1047,11 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
 
     def _tx_drop_socket(self, lane: _Lane) -> None:
         sock, lane.sock = lane.sock, None
+        pipe, lane.pipe = lane.pipe, None
         if sock is not None:
             sock.close()
+        if pipe is not None:  # pages still in it stay readable; no TransferDone follows them
+            os.close(pipe)
 
     def _tx_socket(self, lane: _Lane, h: PushHandle) -> socket.socket | None:
         """The lane's connection, (re)connected and introduced; None when the push failed
@@ -860,14 +1097,52 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 elif UNIX_SNDBUF:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
-                _send_bytes(sock, PREAMBLE, h.deadline)
+                pipe = self._tx_hello(sock, h)
+            except _Refused as e:  # a receiver that will not take this stream: fail now
+                sock.close()
+                self._tx_fail(h, f"send to {h.endpoint} failed: {e}")
+                return None
             except OSError as e:  # refused or reset: the peer is not (yet) there
                 sock.close()
                 last = f"connect: {e}"
                 time.sleep(min(CONNECT_RETRY_S, max(h.deadline - time.monotonic(), 0)))
                 continue
-            lane.sock = sock
+            lane.sock, lane.pipe = sock, pipe
             return sock
+
+    def _tx_hello(self, sock: socket.socket, h: PushHandle) -> int | None:
+        """Say the hello (offering the pipe on AF_UNIX when this plane may) and read the
+        receiver's answer; returns the pipe's write end when the receiver took it, None
+        for the plain stream. _Refused when the receiver refused the stream, OSError
+        when the connection failed (the caller retries)."""
+        pipe = None
+        if sock.family == socket.AF_UNIX and self.pipe and _native is not None:
+            pipe = open_pipe()
+        try:
+            end = min(h.deadline, time.monotonic() + PREAMBLE_TIMEOUT_S)
+            if pipe is None:
+                _send_bytes(sock, HELLO, end)
+            else:
+                _wait(sock, select.POLLOUT, end, "the hello unsent")
+                socket.send_fds(sock, [PREAMBLE + bytes([MODE_PIPE])], [pipe[0]])
+                os.close(pipe[0])  # the receiver's copy is the only read end left
+                pipe = (-1, pipe[1])
+            got = _read_upto(sock, len(PREAMBLE) + 1, end, self._stop)
+            if got[: len(PREAMBLE)] != PREAMBLE or len(got) <= len(PREAMBLE):
+                raise _Refused(_answer_refused(got))
+            if got[-1] == MODE_PIPE and pipe is not None:
+                return pipe[1]
+            if got[-1] != MODE_INLINE:
+                raise _Refused(f"the receiver answered with payload mode {got[-1]}")
+        except BaseException:
+            if pipe is not None:
+                os.close(pipe[1])
+                if pipe[0] >= 0:
+                    os.close(pipe[0])
+            raise
+        if pipe is not None:  # the receiver keeps to the plain stream
+            os.close(pipe[1])
+        return None
 
     def _tx_send(self, lane: _Lane, h: PushHandle) -> None:
         hasher = xxhash.xxh3_64() if self.checksum else None
@@ -877,6 +1152,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             sock = self._tx_socket(lane, h)
             if sock is None:
                 return
+            pipe = lane.pipe
             for src in h.plan:
                 for b in src.batches:
                     if not self._wait_writable(sock, h):
@@ -884,8 +1160,23 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                         return
                     if hasher is not None:
                         hasher.update(_gathered(src, b).data)
-                    send_rows(sock, b.head, src.arr, b.rows, src.cols, h.deadline)
+                    if pipe is None or src.page_bytes < PIPE_MIN_PAGE:
+                        send_rows(sock, b.head, src.arr, b.rows, src.cols, h.deadline)
+                    else:  # the header on the stream (flagged), the pages into the pipe
+                        hlen, plen = _PREFIX.unpack_from(b.head)
+                        _send_bytes(
+                            sock,
+                            _PREFIX.pack(hlen, plen | PIPED) + b.head[_PREFIX.size :],
+                            h.deadline,
+                        )
+                        splice_rows(pipe, sock, src.arr, b.rows, src.cols, h.deadline)
                     h.nbytes += b.nbytes
+            if pipe is not None:
+                # the pipe references the rows' pages until the receiver has copied them
+                # out: only then are the rows free, and only then may TransferDone go
+                # (a push that fails before sends none, so no transfer completes with
+                # pages read from rows the producer reused)
+                drain_pipe(pipe, sock, h.deadline)
             done = m.TransferDone(
                 transfer_id=h.transfer_id,
                 lease_id=h.lease_id,
@@ -894,7 +1185,8 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             )
             header = m.encode(done)
             _send_bytes(sock, frame(header, 0), h.deadline)
-            # the kernel holds every byte now: the rows are free again
+            # the kernel holds every byte now (the receiver has read the pipe): the rows
+            # are free again
             h.state = TransferState.DONE
             h.plan = []
             self.stats["push_done"] += 1
@@ -936,6 +1228,67 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
             _shutdown(lane.sock)  # a send blocked on a stalled peer ends now
         for t in [self._rx_thread, *(lane.thread for lane in lanes)]:
             t.join(5.0)
+
+
+class _Refused(Exception):
+    """The receiver refused the hello (another stream version, a bad hello)."""
+
+
+def _read_upto(sock: socket.socket, n: int, deadline: float, stop: threading.Event) -> bytes:
+    """Up to ``n`` bytes: fewer only when the peer closed the connection first.
+    TimeoutError at ``deadline``; OSError when nothing came before the close (a
+    receiver that went away, or refused connections: the caller retries) or when
+    ``stop`` is set (the plane closes)."""
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except (BlockingIOError, InterruptedError):
+            if stop.is_set():
+                raise ConnectionAbortedError("data plane closed") from None
+            try:  # in slices, to see stop
+                _wait(sock, select.POLLIN, min(deadline, time.monotonic() + 0.05), "")
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"deadline passed with {len(buf)} of {n} answer bytes received"
+                    ) from None
+            continue
+        except OSError:  # a reset after a refusal (our unread hello byte): say the refusal
+            if buf:
+                break
+            raise
+        if not chunk:
+            if not buf:
+                raise ConnectionResetError("the receiver closed the connection at the hello")
+            break
+        buf += chunk
+    return buf
+
+
+def _answer_refused(got: bytes) -> str:
+    if got[: len(STREAM_MAGIC)] == STREAM_MAGIC and len(got) >= len(PREAMBLE):
+        v = got[len(STREAM_MAGIC)]
+        if v != STREAM_VERSION:
+            return (
+                f"the receiver refused this stream: it speaks stream version {v}, this "
+                f"sender {STREAM_VERSION} (upgrade both ends together)"
+            )
+        return "the receiver refused this stream's hello (its log says why)"
+    return f"the receiver answered the hello with {got[:16]!r}, not a disagg data stream"
+
+
+def _recv_with_fds(sock: socket.socket, mv: memoryview, fds: list[int]) -> int:
+    """``recv_into`` that also collects SCM_RIGHTS descriptors (appended to ``fds``)."""
+    data, anc, _flags, _addr = sock.recvmsg(
+        len(mv), socket.CMSG_SPACE(4 * 4), getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    )
+    for level, kind, blob in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(blob) - len(blob) % 4
+            fds.extend(np.frombuffer(blob[:usable], dtype=np.int32).tolist())
+    mv[: len(data)] = data
+    return len(data)
 
 
 def _refusal(sock: socket.socket | None) -> str:

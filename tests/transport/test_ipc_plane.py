@@ -493,3 +493,37 @@ def test_repeated_pushes_of_one_layout_land_exactly(planes):
         assert not _landed(regions, untouched).any()
     if DEVICE == "cuda":
         assert len(rx._prepared) == 1, "the layout's copies were prepared more than once"
+
+
+def test_many_pushes_in_flight_reuse_the_index_staging(planes):
+    """More pushes in flight than the receiver's staging buffers, of odd page counts (the
+    rows' part of a staged buffer is padded to 16 bytes) and two layer groups per push
+    (two batches staged per push): every page lands where it belongs, also once the
+    receiver launches the compiled kernel directly (on a GPU)."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store(rows=64, width=96))
+    groups = [_regions(400, (96,)), _regions(400, (40, 56))]
+    rx.register_regions(groups)
+    g = np.random.default_rng(11)
+    free = [g.permutation(400).tolist(), g.permutation(400).tolist()]  # disjoint per push
+    handles, sent = [], []
+    for tid in range(100, 120):  # 20 pushes > _Staging.RING buffers, all in flight
+        n = int(g.integers(1, 9)) | 1  # odd counts
+        batches, promised = [], []
+        for grp in range(2):
+            rows = g.permutation(64)[:n]
+            slots = [free[grp].pop() for _ in range(n)]
+            batches.append((grp, StoreRows(slab, rows, ((0, 96),)), slots))
+            promised.append(slots)
+        rx.expect(tid, 1, b"t", [n, n], 10.0, promised)
+        handles.append(tx.post_push(rx.endpoint, tid, 1, b"t", batches))
+        sent += batches
+    for h in handles:
+        assert tx.wait_push(h, 20).done, h.error
+    assert all(rx.poll(t).done for t in range(100, 120))
+    for grp, src, slots in sent:
+        want = slab[torch.from_numpy(np.asarray(src.rows)).to(DEVICE)]
+        assert torch.equal(_landed(groups[grp], slots), want)
+    for grp, regions in enumerate(groups):  # random rows: a written row is never all zero
+        n_sent = sum(len(slots) for g_, _, slots in sent if g_ == grp)
+        assert int(torch.cat(regions, dim=1).any(dim=1).sum()) == n_sent, "stray writes"

@@ -306,7 +306,7 @@ def test_sender_names_the_version_a_receiver_refused_it_for():
     def fake_receiver() -> None:
         c, _ = srv.accept()
         c.recv(8)
-        c.sendall(zmq_plane.STREAM_MAGIC + b"\x02")
+        c.sendall(zmq_plane.STREAM_MAGIC + b"\x01")
         time.sleep(0.2)
         c.close()
 
@@ -317,7 +317,7 @@ def test_sender_names_the_version_a_receiver_refused_it_for():
         src = torch.zeros(64, 1 << 20, dtype=torch.uint8)
         h = tx.post_push(f"tcp://127.0.0.1:{port}", 1, 1, b"t", [(0, src, list(range(64)))], 5)
         st = tx.wait_push(h, 10)
-        assert st.failed and "stream version 2" in st.error, st
+        assert st.failed and "stream version 1" in st.error, st
     finally:
         tx.close()
         srv.close()
@@ -416,3 +416,431 @@ def test_close_fails_a_push_blocked_on_a_stalled_peer_promptly():
         assert st.failed and st.error == "data plane closed", st
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------------- the pipe path
+needs_native = pytest.mark.skipif(
+    zmq_plane._streamio is None, reason="the _streamio extension is not built"
+)
+
+
+def _pipe(size: int = 1 << 20) -> tuple[int, int]:
+    got = zmq_plane.open_pipe()
+    assert got is not None, "no pipe of MIN_PIPE_BYTES on this box"
+    return got
+
+
+@needs_native
+@pytest.mark.parametrize("width, n, spans", CASES)
+def test_splice_then_readv_between_random_rows_is_byte_exact(width, n, spans):
+    """vmsplice from random rows into the pipe, readv out of it into random slots (two
+    threads: the pipe holds 1 MiB at a time): the slots hold exactly the rows' columns."""
+    rng = np.random.default_rng(width * 5 + n)
+    src = rng.integers(0, 256, (2 * n, width), dtype=np.uint8)
+    rows = rng.permutation(2 * n)[:n].astype(np.int64)
+    slots = rng.permutation(2 * n)[:n].astype(np.int64)
+    dst = np.zeros_like(src)
+    r, w = _pipe()
+    a, b = pair()
+    sent: list[int] = []
+    try:
+        t = threading.Thread(
+            target=lambda: sent.append(
+                zmq_plane.splice_rows(w, a, src, rows, _cols(spans), time.monotonic() + 10)
+            )
+        )
+        t.start()
+        got = zmq_plane.recv_pipe_rows(r, b, dst, slots, _cols(spans), time.monotonic() + 10)
+        t.join(10)
+        zmq_plane.drain_pipe(w, a, time.monotonic() + 1)  # empty: returns at once
+        per_row = sum(c for _, c in spans)
+        assert sent == [n * per_row] and got == n * per_row
+        want = np.zeros_like(src)
+        pages = _ref_pages(src, rows, spans)
+        col = 0
+        for o, c in spans:
+            want[slots, o : o + c] = pages[:, col : col + c]
+            col += c
+        assert np.array_equal(dst, want)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+@needs_native
+def test_spliced_pages_are_referenced_until_read():
+    """Why the sender drains the pipe before TransferDone: a row changed after vmsplice
+    and before the reader's readv reaches the reader changed."""
+    src = np.full((4, 4096), 1, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    r, w = _pipe()
+    a, b = pair()
+    try:
+        zmq_plane.splice_rows(w, a, src, np.arange(4), _cols([(0, 4096)]), time.monotonic() + 5)
+        with pytest.raises(TimeoutError, match="16384 payload bytes still unread"):
+            zmq_plane.drain_pipe(w, a, time.monotonic() + 0.05)
+        src[2] = 7  # the "reused" row
+        zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), _cols([(0, 4096)]), 0)
+        assert int(dst[2, 0]) == 7 and int(dst[1, 0]) == 1
+        zmq_plane.drain_pipe(w, a, time.monotonic() + 1)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+@needs_native
+def test_pipe_eof_cut_and_deadline_mid_payload_raise_clear_errors():
+    dst = np.zeros((4, 1024), dtype=np.uint8)
+    cols = _cols([(0, 1024)])
+    r, w = _pipe()
+    a, b = pair()
+    try:  # the sender wrote part of the payload and went away: EOF
+        os.write(w, b"y" * 1500)
+        os.close(w)
+        w = -1
+        with pytest.raises(ConnectionError, match="1500 of 4096 payload bytes received"):
+            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 5)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    r, w = _pipe()
+    try:
+        os.write(w, b"z" * 100)
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match="100 of 4096 payload bytes received"):
+            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 0.2)
+        assert time.monotonic() - t < 2.0
+        # a stalled read ends at once when its stream socket is shut down (abort)
+        threading.Timer(0.2, lambda: b.shutdown(socket.SHUT_RDWR)).start()
+        t = time.monotonic()
+        with pytest.raises(ConnectionError, match="shut down with 0 of 4096"):
+            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 10)
+        assert time.monotonic() - t < 2.0
+        # and a full pipe's writer when the peer's end of the socket is shut down
+        big = np.zeros((64, 1 << 20), dtype=np.uint8)
+        with pytest.raises(ConnectionError, match="shut down with"):
+            zmq_plane.splice_rows(w, a, big, np.arange(64), _cols([(0, 1 << 20)]), 0)
+        with pytest.raises(ConnectionError, match="still unread in its pipe"):
+            zmq_plane.drain_pipe(w, a, 0)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+@needs_native
+def test_splice_into_a_pipe_without_reader_fails_without_killing_the_process():
+    """EPIPE, not SIGPIPE, even where the program left SIGPIPE at its default action."""
+    code = (
+        "import os, signal, socket, time, numpy as np\n"
+        "from disagg.transport import zmq_plane\n"
+        "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+        "r, w = zmq_plane.open_pipe(); os.close(r)\n"
+        "a, b = socket.socketpair()\n"
+        "src = np.ones((4, 4096), dtype=np.uint8)\n"
+        "try:\n"
+        "    zmq_plane.splice_rows(w, a, src, np.arange(4), np.array([[0, 4096]]), 0)\n"
+        "except BrokenPipeError as e:\n"
+        "    print('EPIPE', e)\n"
+        "    raise SystemExit(5)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 5, (p.returncode, p.stdout, p.stderr)
+    assert "0 of 16384 payload bytes sent" in p.stdout
+
+
+class PipeClient:
+    """A hand-made MODE_PIPE sender: headers on the AF_UNIX stream, payloads written
+    into the pipe whose read end went with the hello."""
+
+    def __init__(self, endpoint: str, mode: int = zmq_plane.MODE_PIPE, fds=None):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(endpoint[len("ipc://") :])
+        self.r, self.w = os.pipe()
+        hello = zmq_plane.PREAMBLE + bytes([mode])
+        socket.send_fds(self.sock, [hello], [self.r] if fds is None else fds)
+        self.answer = self.sock.recv(16)
+
+    def batch(self, header: bytes, payload: bytes, declared: int | None = None) -> None:
+        n = len(payload) if declared is None else declared
+        self.sock.sendall(zmq_plane.frame(header, n, piped=True))
+        os.write(self.w, payload)
+
+    def close(self) -> None:
+        self.sock.close()
+        for fd in (self.r, self.w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def ipc_planes(tmp_path):
+    rx = ZmqDataPlane(f"ipc://{tmp_path}/rx.sock")
+    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+    yield rx, tx
+    rx.close()
+    tx.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@needs_native
+@pytest.mark.parametrize("rx_pipe, tx_pipe", [(True, True), (False, True), (True, False)])
+def test_ipc_push_negotiates_the_pipe_and_lands_byte_exact(monkeypatch, tmp_path, rx_pipe, tx_pipe):
+    """Store rows to random slots over ipc: the pipe when both ends allow it
+    (DISAGG_STREAM_PIPE=0 on either end keeps the plain stream), the same bytes."""
+    monkeypatch.setenv(zmq_plane.PIPE_ENV, "1" if rx_pipe else "0")
+    rx = ZmqDataPlane(f"ipc://{tmp_path}/rx.sock")
+    monkeypatch.setenv(zmq_plane.PIPE_ENV, "1" if tx_pipe else "0")
+    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+    try:
+        from disagg.transport.dataplane import StoreRows
+
+        rng = np.random.default_rng(3)
+        # group 0: pages of two column spans of 8 KiB rows (below PIPE_MIN_PAGE: on the
+        # stream); group 1: 64 KiB pages (in the pipe, when there is one)
+        store0 = torch.from_numpy(rng.integers(0, 256, (600, 8192), dtype=np.uint8))
+        store1 = torch.from_numpy(rng.integers(0, 256, (64, 65536), dtype=np.uint8))
+        cols = ((0, 3000), (5000, 3192))
+        pool0 = torch.zeros(600, 6192, dtype=torch.uint8)
+        pool1 = torch.zeros(64, 65536, dtype=torch.uint8)
+        want0 = torch.cat([store0[:, 0:3000], store0[:, 5000:8192]], dim=1)
+        rx.register_regions([[pool0], [pool1]])
+        rows0, slots0 = rng.permutation(600)[:300], rng.permutation(600)[:300]
+        rows1, slots1 = rng.permutation(64)[:40], rng.permutation(64)[:40]
+        for tid in (1, 2):  # the second push reuses the lane's connection (and pipe)
+            rx.expect(
+                tid, 1, b"t", [300, 40], 10.0, slots_by_group=[slots0.tolist(), slots1.tolist()]
+            )
+            srcs = [
+                (0, StoreRows(store0, rows0, cols), slots0.tolist()),
+                (1, StoreRows(store1, rows1, ((0, 65536),)), slots1.tolist()),
+            ]
+            h = tx.post_push(rx.endpoint, tid, 1, b"t", srcs, 10.0)
+            assert tx.wait_push(h, 10).done
+            assert rx.wait(tid, 10).done
+            assert torch.equal(pool0[slots0], want0[rows0])
+            assert torch.equal(pool1[slots1], store1[rows1])
+            pool0.zero_()
+            pool1.zero_()
+        lane = next(iter(tx._lanes.values()))
+        assert (lane.pipe is not None) == (rx_pipe and tx_pipe)
+        with rx._conns_lock:
+            assert [c.pipe is not None for c in rx._conns] == [rx_pipe and tx_pipe]
+    finally:
+        rx.close()
+        tx.close()
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_fd", "needs one file descriptor, 0 came"),
+        ("two_fds", "needs one file descriptor, 2 came"),
+        ("write_end", "not the read end of a pipe"),
+        ("regular_file", "not the read end of a pipe"),
+        ("unknown_mode", "unknown payload mode 7"),
+        ("inline_with_fd", "came with an inline stream's hello"),
+    ],
+)
+def test_bad_pipe_hello_is_refused_by_name_and_the_receiver_serves_on(
+    ipc_planes, caplog, tmp_path, case, needle
+):
+    rx, tx = ipc_planes
+    pool = torch.zeros(8, 256, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    before = _open_fds()
+    r, w = os.pipe()
+    f = os.open(tmp_path / "file", os.O_CREAT | os.O_RDONLY)
+    fds, mode = {
+        "no_fd": ([], zmq_plane.MODE_PIPE),
+        "two_fds": ([r, r], zmq_plane.MODE_PIPE),
+        "write_end": ([w], zmq_plane.MODE_PIPE),
+        "regular_file": ([f], zmq_plane.MODE_PIPE),
+        "unknown_mode": ([], 7),
+        "inline_with_fd": ([r], zmq_plane.MODE_INLINE),
+    }[case]
+    c = PipeClient(rx.endpoint, mode, fds)
+    try:
+        assert c.answer == zmq_plane.PREAMBLE  # refused: its preamble alone, then closed
+        assert c.sock.recv(16) == b""
+    finally:
+        c.close()
+        for fd in (r, w, f):
+            os.close(fd)
+    assert rx.stats["rejected_BAD_HELLO"] == 1
+    assert any(needle in rec.getMessage() for rec in caplog.records), caplog.text
+    end = time.monotonic() + 5  # the receiver closed the connection and what came with it
+    while _open_fds() > before and time.monotonic() < end:
+        time.sleep(0.02)
+    assert _open_fds() == before
+    _push_ok(rx, tx, 1, pool)
+
+
+@needs_native
+def test_pipe_stream_refuses_a_bad_batch_before_a_byte_lands_and_keeps_in_step(ipc_planes):
+    """Over the pipe: a batch outside the pool is refused from its header (its payload
+    is read out of the pipe and dropped, nothing lands); the next one lands."""
+    rx, _ = ipc_planes
+    pool = torch.zeros(16, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    c = PipeClient(rx.endpoint)
+    try:
+        assert c.answer == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE])
+        rx.expect(1, 1, b"t", [3], 5.0)
+        h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(14, 3)], page_bytes=64)
+        c.batch(encode(h), b"w" * 192)
+        st = rx.wait(1, 5.0)
+        assert st.failed and "outside [0, 16)" in st.error
+        rx.expect(2, 1, b"u", [1], 5.0)  # a wrong token: refused, payload skipped
+        h = PageBatch(transfer_id=2, lease_id=1, token=b"x", group=0, runs=[(3, 1)], page_bytes=64)
+        c.batch(encode(h), b"x" * 64)
+        h = PageBatch(transfer_id=2, lease_id=1, token=b"u", group=0, runs=[(3, 1)], page_bytes=64)
+        c.batch(encode(h), b"v" * 64)
+        c.sock.sendall(
+            zmq_plane.frame(encode(TransferDone(transfer_id=2, lease_id=1, token=b"u")), 0)
+        )
+        assert rx.wait(2, 5.0).done
+        assert bytes(pool[3].numpy()) == b"v" * 64
+        assert int(pool.sum()) == 64 * ord("v")
+    finally:
+        c.close()
+
+
+@needs_native
+def test_pipe_stream_short_payload_fails_the_transfer_and_the_receiver_serves_on(ipc_planes):
+    rx, tx = ipc_planes
+    pool = torch.zeros(16, 4096, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(1, 1, b"t", [4], 5.0)
+    c = PipeClient(rx.endpoint)
+    h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096)
+    c.batch(encode(h), b"q" * 5000, declared=4 * 4096)
+    c.close()  # 5000 of 16384 payload bytes, then the sender is gone
+    st = rx.wait(1, 5.0)
+    assert st.failed and "broke off" in st.error and "5000 of 16384" in st.error, st
+    _push_ok(rx, tx, 2, pool)
+    assert rx.health() == (True, "")
+
+
+@needs_native
+def test_pipe_stream_abort_cuts_off_a_stalled_payload(ipc_planes):
+    rx, tx = ipc_planes
+    pool = torch.zeros(16, 4096, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(1, 1, b"t", [4], 30.0)
+    c = PipeClient(rx.endpoint)
+    try:
+        h = PageBatch(
+            transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096
+        )
+        c.batch(encode(h), b"q" * 100, declared=4 * 4096)
+        end = time.monotonic() + 5
+        while rx.poll(1).state.value != "receiving" and time.monotonic() < end:
+            time.sleep(0.01)
+        t = time.monotonic()
+        assert rx.abort(1, "cancelled") == 0  # no write left in flight
+        assert time.monotonic() - t < 1.0
+        assert rx.poll(1).error == "cancelled"
+        assert c.sock.recv(16) == b""  # the connection was shut down under the sender
+        os.write(c.w, b"q" * 1000)  # nothing more of it lands
+        time.sleep(0.1)
+    finally:
+        c.close()
+    assert int(pool[8:12].sum()) == 100 * ord("q")
+    _push_ok(rx, tx, 2, pool)
+
+
+@needs_native
+def test_pipe_push_is_done_only_after_the_receiver_read_the_pipe(tmp_path):
+    """The sender's rows stay referenced by the pipe until the receiver reads them: the
+    push is not DONE (and no TransferDone is sent) before that. A fake receiver reads
+    the headers but holds the last payload back."""
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    seen: list[str] = []
+    release = threading.Event()
+
+    def fake_receiver() -> None:
+        c, _ = srv.accept()
+        c.settimeout(10)
+        hello, fds, _, _ = socket.recv_fds(c, 9, 4)
+        assert hello == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE]) and len(fds) == 1
+        c.sendall(zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE]))
+        prefix = c.recv(12, socket.MSG_WAITALL)
+        hlen, plen = zmq_plane._PREFIX.unpack(prefix)
+        c.recv(hlen, socket.MSG_WAITALL)
+        seen.append(f"batch {plen & ~zmq_plane.PIPED} piped={bool(plen & zmq_plane.PIPED)}")
+        plen &= ~zmq_plane.PIPED
+        release.wait(10)
+        with os.fdopen(fds[0], "rb") as pipe:
+            got = 0
+            while got < plen:
+                got += len(pipe.read(plen - got))
+        seen.append("payload read")
+        prefix = c.recv(12, socket.MSG_WAITALL)
+        hlen, _ = zmq_plane._PREFIX.unpack(prefix)
+        c.recv(hlen, socket.MSG_WAITALL)
+        seen.append("done")
+        time.sleep(0.5)
+        c.close()
+
+    t = threading.Thread(target=fake_receiver, daemon=True)
+    t.start()
+    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+    try:
+        src = torch.ones(4, 65536, dtype=torch.uint8)  # pages of PIPE_MIN_PAGE: piped
+        h = tx.post_push(f"ipc://{path}", 1, 1, b"t", [(0, src, list(range(4)))], 10)
+        end = time.monotonic() + 5
+        while not seen and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the whole payload sits in the pipe by now, unread
+        assert seen == ["batch 262144 piped=True"]
+        assert tx.poll_push(h).state.value == "receiving"
+        release.set()
+        assert tx.wait_push(h, 10).done
+        t.join(5)
+        assert seen[1:] == ["payload read", "done"]
+    finally:
+        tx.close()
+        srv.close()
+
+
+@needs_native
+def test_a_piped_payload_on_a_stream_without_pipe_closes_that_connection(ipc_planes):
+    """The prefix says the payload is in a pipe the connection does not have: where the
+    payload is cannot be known, so that connection closes (counted), nothing lands, and
+    the receiver serves on."""
+    rx, tx = ipc_planes
+    pool = torch.zeros(16, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(1, 1, b"t", [1], 5.0)
+    s = zmq_plane.StreamPush(rx.endpoint)
+    try:
+        s.sock.settimeout(5)
+        h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(2, 1)], page_bytes=64)
+        s.sock.sendall(zmq_plane.frame(encode(h), 64, piped=True) + b"p" * 64)
+        assert s.sock.recv(16) == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_INLINE])
+        try:  # closed (a reset: our payload bytes went unread)
+            assert s.sock.recv(16) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        s.close()
+    assert rx.stats["rejected_framing"] == 1
+    assert int(pool.sum()) == 0
+    _push_ok(rx, tx, 2, pool)

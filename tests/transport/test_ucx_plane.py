@@ -127,7 +127,10 @@ def test_out_of_range_slot_refused_before_write():
     pb = 300 << 10
     src_idx = [0, 1, 2]
     dst = [5, 6, SLOTS + 3]  # last one out of range: nothing of the batch may land
-    (state, err, pool, stats), _, _ = _run("tcp", pb, src_idx, dst, expected=3, deadline_s=5)
+    # The receiver's deadline starts before the sender process is spawned; on a loaded
+    # host (the H200 VM) a spawn took over 5 s and the transfer failed on its deadline
+    # before the refusal could arrive. The refusal ends the test long before 30 s.
+    (state, err, pool, stats), _, _ = _run("tcp", pb, src_idx, dst, expected=3, deadline_s=30)
     assert state == "failed"
     assert "outside" in err
     assert not pool.any()

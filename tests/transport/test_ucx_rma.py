@@ -385,3 +385,243 @@ def test_iov_switch_does_not_turn_off_rma():
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want
+
+
+def test_op_lists_cut_long_reads():
+    """``max_len``: a merged read longer than that becomes consecutive reads of at most
+    ``max_len`` bytes covering the same bytes (so reader threads can share one run)."""
+    rows, slots = np.arange(4), np.arange(10, 14)
+    local, remote, length = ucx_rma.op_lists(
+        0, 100, rows, [5000], [100], slots, [(0, 0, 0, 100)], max_len=150
+    )
+    assert length.tolist() == [150, 150, 100]
+    assert remote.tolist() == [0, 150, 300]
+    assert local.tolist() == [6000, 6150, 6300]
+    # reads at or under the limit are left as they are
+    same = ucx_rma.op_lists(0, 100, rows, [5000], [100], slots, [(0, 0, 0, 100)], max_len=400)
+    assert [a.tolist() for a in same] == [[6000], [0], [400]]
+
+
+def test_reader_count_knob(monkeypatch):
+    """``DISAGG_UCX_RMA_READERS`` sets the readers (bad values named); unset: 2 where the
+    process may use 2 CPUs or more, 1 on one CPU; the constructor checks its own."""
+    from disagg.transport.ucx_plane import UcxDataPlane, default_rma_readers
+
+    monkeypatch.setenv("DISAGG_UCX_RMA_READERS", "3")
+    assert default_rma_readers() == 3
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("DISAGG_UCX_RMA_READERS", bad)
+        with pytest.raises(ValueError, match="DISAGG_UCX_RMA_READERS"):
+            default_rma_readers()
+    monkeypatch.delenv("DISAGG_UCX_RMA_READERS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_rma_readers() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert default_rma_readers() == 2
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="rma_readers"):
+            UcxDataPlane(channel="shm", rma_readers=bad)
+
+
+@needs_c_loop
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_reader_lanes_share_a_batch_byte_exact(readers):
+    """A batch of 64 KiB pages (random rows, random slots, with runs of adjacent rows
+    into adjacent slots merged into long reads and cut again) read by ``readers``
+    threads, each on its own worker: every byte lands where it belongs, the lanes took
+    part (with more than one reader), and on close every key a lane unpacked was
+    destroyed and no lane thread is left."""
+    import threading
+
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    pb, n = 65536, 160
+    rng = np.random.default_rng(5)
+    rows = np.concatenate([rng.permutation(2 * n)[: n - 40], np.arange(200, 240)])
+    dst = np.concatenate([rng.permutation(np.arange(40, n + 40))[: n - 40], np.arange(0, 40)])
+    slab = _slab(2 * n, pb, salt=readers)
+    rx = UcxDataPlane(channel="shm", rma_readers=readers)
+    tx = UcxDataPlane(channel="shm")
+    try:
+        pool = torch.zeros(n + 40, pb, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        for tid in (7, 8):  # twice: the lanes' endpoints and keys are reused
+            rx.expect(tid, 3, b"tok", [n], 20)
+            src = StoreRows(slab, rows, ((0, pb),))
+            h = tx.post_push(rx.endpoint, tid, 3, b"tok", [(0, src, dst.tolist())])
+            st = rx.wait(tid, 20)
+            assert st.done, st.error
+            assert tx.wait_push(h, 20).done
+            np.testing.assert_array_equal(pool.numpy()[dst], slab.numpy()[rows])
+            pool.zero_()
+        stats = dict(rx.stats)
+        lanes = [t for t in threading.enumerate() if t.name.startswith("disagg-ucx-read")]
+        assert len(lanes) == readers - 1
+    finally:
+        rx.close()
+        tx.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("disagg-ucx-read")]
+    if readers == 1:
+        assert "rma_lane_reads" not in stats
+    else:
+        # every lane that took part unpacked the key once, on its own endpoint
+        assert 0 < stats["rma_lane_reads"] < stats["rma_reads"]
+        assert 1 <= rx.stats["rma_lane_rkey_unpack"] <= readers - 1
+    assert rx.stats.get("rma_lane_rkey_unpack", 0) == rx.stats.get("rma_lane_rkey_destroy", 0)
+    assert rx.stats["rma_rkey_unpack"] == rx.stats["rma_rkey_destroy"] == 1
+
+
+def _stopping_receiver(width, n, q_out, q_in):
+    """A consumer that stops dead (SIGSTOP) right after its first RMA batch landed, before
+    it acknowledges it: the producer then has the batch read and unacknowledged and
+    later batches unsent or unread when the test kills this process."""
+    from disagg.transport import receiver
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    orig = receiver.ReceiverBook.landed
+
+    def landed(self, *a, **kw):
+        orig(self, *a, **kw)
+        q_out.put("stopping")
+        q_out.close()
+        q_out.join_thread()  # flushed before the whole process stops
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    receiver.ReceiverBook.landed = landed  # type: ignore[method-assign]
+    plane = UcxDataPlane(channel="shm")
+    plane.register_regions([[torch.zeros(n, width, dtype=torch.uint8)]])
+    plane.expect(7, 3, b"tok", [n], 60)
+    q_out.put(plane.endpoint)
+    plane.wait(7, 60)
+    q_in.get(timeout=60)
+
+
+@needs_c_loop
+def test_consumer_killed_mid_pull_fails_the_push_and_the_producer_serves_another():
+    """Pull model: the consumer reads the producer's rows itself. A consumer killed (SIGKILL)
+    mid-transfer, after reading its first batch and before acknowledging it, leaves the
+    producer's push without its acknowledgements: the push ends FAILED with a reason by
+    its deadline (no hang past it), and the same producer then pushes to a new consumer,
+    whose pages land byte-exactly."""
+    import time
+
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    width, n = 65536, 64
+    rng = np.random.default_rng(9)
+    rows = rng.permutation(2 * n)[:n]
+    dst = rng.permutation(n)
+    slab = _slab(2 * n, width)
+    ctx = mp.get_context("spawn")
+    q_a, q_in = ctx.Queue(), ctx.Queue()
+    a = ctx.Process(target=_stopping_receiver, args=(width, n, q_a, q_in))
+    a.start()
+    saved = ucx_plane._RMA_MAX_PAGES
+    ucx_plane._RMA_MAX_PAGES = 8  # 8 batches: the consumer dies after the first
+    tx = UcxDataPlane(channel="shm")
+    try:
+        ep_a = q_a.get(timeout=30)
+        assert "rma=1" in ep_a
+        src = StoreRows(slab, rows, ((0, width),))
+        h = tx.post_push(ep_a, 7, 3, b"tok", [(0, src, dst.tolist())], deadline_s=3.0)
+        start = time.monotonic()
+        assert q_a.get(timeout=30) == "stopping"
+        a.kill()
+        a.join(15)
+        st = tx.wait_push(h, 10)
+        took = time.monotonic() - start
+        assert st.failed and st.error, st
+        assert took < 3.0 + 2.0, took  # its deadline, not later
+        assert tx.stats["rma_mem_map"] == 1
+        # the same producer, a new consumer (another process): all of it lands
+        ep_b, (state, err, pages, pool, _), _ = _push_from(tx, slab, rows, dst, width, n, ctx)
+        assert (state, err) == ("done", None), err
+        assert pages == n
+        np.testing.assert_array_equal(pool[dst], slab.numpy()[rows])
+        assert ep_b != ep_a
+    finally:
+        ucx_plane._RMA_MAX_PAGES = saved
+        tx.close()
+        if a.is_alive():
+            a.kill()
+        a.join(5)
+
+
+def _push_from(tx, slab, rows, dst, width, n, ctx):
+    """Push ``rows`` of ``slab`` from the plane ``tx`` (this process) into slots ``dst`` of
+    a new consumer process; (its endpoint, its report, the push's status)."""
+    q_r, q_in = ctx.Queue(), ctx.Queue()
+    r = ctx.Process(target=_receiver_n, args=(width, n, 20, q_r, q_in))
+    r.start()
+    try:
+        ep = q_r.get(timeout=30)
+        src = StoreRows(slab, rows, ((0, width),))
+        h = tx.post_push(ep, 8, 3, b"tok", [(0, src, list(map(int, dst)))], deadline_s=20)
+        report = q_r.get(timeout=60)
+        st = tx.wait_push(h, 20)
+        assert st.done, st
+        return ep, report, st
+    finally:
+        q_in.put(None)
+        r.join(15)
+        if r.is_alive():
+            r.kill()
+
+
+def _receiver_n(width, n, deadline_s, q_out, q_in):
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="shm")
+    pool = torch.zeros(n, width, dtype=torch.uint8)
+    plane.register_regions([[pool]])
+    plane.expect(8, 3, b"tok", [n], deadline_s)
+    q_out.put(plane.endpoint)
+    st = plane.wait(8, deadline_s + 10)
+    q_out.put((st.state.value, st.error, st.pages, pool.numpy().copy(), dict(plane.stats)))
+    q_in.get(timeout=60)
+    plane.close()
+
+
+@needs_c_loop
+def test_abort_while_lanes_read_writes_nothing_after():
+    """``abort`` mid-pull with two readers: it returns once no read of the transfer is
+    under way on any worker (0 left), the transfer ends FAILED, no byte lands in the pool
+    afterwards, and the next transfer from the same producer lands byte-exactly."""
+    import time
+
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    pb, n = 65536, 512
+    rng = np.random.default_rng(21)
+    slab = _slab(2 * n, pb)
+    saved = ucx_plane._RMA_MAX_PAGES
+    ucx_plane._RMA_MAX_PAGES = 16  # 32 batches of 1 MiB, each split between the readers
+    rx = UcxDataPlane(channel="shm", rma_readers=2)
+    tx = UcxDataPlane(channel="shm")
+    try:
+        pool = torch.zeros(n, pb, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        rows, dst = rng.permutation(2 * n)[:n], rng.permutation(n)
+        rx.expect(7, 3, b"tok", [n], 20)
+        h = tx.post_push(rx.endpoint, 7, 3, b"tok", [(0, StoreRows(slab, rows, ((0, pb),)), dst)])
+        end = time.monotonic() + 10
+        while rx.poll(7).pages == 0 and time.monotonic() < end:
+            time.sleep(0.0002)
+        assert rx.abort(7, "test abort") == 0
+        st = rx.poll(7)
+        assert st.failed and "test abort" in (st.error or "")
+        snap = pool.numpy().copy()
+        assert tx.wait_push(h, 20).failed
+        time.sleep(0.2)
+        np.testing.assert_array_equal(pool.numpy(), snap)
+        # the same planes carry on
+        pool.zero_()
+        rows2 = rng.permutation(2 * n)[:n]
+        rx.expect(8, 3, b"tok", [n], 20)
+        h = tx.post_push(rx.endpoint, 8, 3, b"tok", [(0, StoreRows(slab, rows2, ((0, pb),)), dst)])
+        assert rx.wait(8, 20).done and tx.wait_push(h, 20).done
+        np.testing.assert_array_equal(pool.numpy()[dst], slab.numpy()[rows2])
+    finally:
+        ucx_plane._RMA_MAX_PAGES = saved
+        rx.close()
+        tx.close()
