@@ -17,6 +17,11 @@ Schema (all sections are plain mappings; unknown keys are refused)::
     transport: zmq | ucx | ipc               # data plane, default zmq (ipc: one host only)
     transport_checksum: false                # zmq only: xxh3-64 over every payload, checked
                                              # at the receiver (both ends must set it)
+    ucx_channel: tcp | shm | auto            # ucx only, default tcp; shm: producer and
+                                             # consumer on one host (one-sided reads of the
+                                             # producer's store; worker-address endpoints)
+    ucx_rma_readers: int | null              # ucx shm consumer: threads copying its reads,
+                                             # default $DISAGG_UCX_RMA_READERS, else 2 on 2+ CPUs
     producer:                                # required when role = producer, refused otherwise
       control: endpoint to bind              # default tcp://127.0.0.1:0
       events: endpoint to bind | null        # stored/removed event stream (PUB), default off
@@ -70,6 +75,7 @@ __all__ = [
     "ENV_VARS",
     "ROLES",
     "TRANSPORTS",
+    "UCX_CHANNELS",
     "STORE_DEVICES",
     "LOAD_FAILURE_POLICIES",
     "LOAD_MODES",
@@ -93,6 +99,7 @@ __all__ = [
 ENV_VARS: tuple[str, ...] = ("TRTLLM_DISAGG_CONFIG", "DISAGG_CONFIG")
 ROLES: tuple[str, ...] = ("producer", "consumer")
 TRANSPORTS: tuple[str, ...] = ("zmq", "ucx", "ipc")
+UCX_CHANNELS: tuple[str, ...] = ("tcp", "shm", "auto")
 STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
 LOAD_MODES: tuple[str, ...] = ("async", "sync")
 # What a failed load does (after the claim: the tokens were already offered). fail_request:
@@ -593,6 +600,8 @@ class DisaggConfig:
     model_id: str | None = None
     transport: str = "zmq"
     transport_checksum: bool = False
+    ucx_channel: str | None = None
+    ucx_rma_readers: int | None = None
     producer: ProducerConfig | None = None
     consumer: ConsumerConfig | None = None
     security: SecurityConfig | None = None
@@ -619,6 +628,21 @@ class DisaggConfig:
                 "transport_checksum",
                 f"only the zmq data plane checksums payloads; transport is "
                 f"'{self.transport}' (remove transport_checksum or set transport: zmq)",
+            )
+        for name in ("ucx_channel", "ucx_rma_readers"):
+            if getattr(self, name) is not None and self.transport != "ucx":
+                raise _err(
+                    name,
+                    f"is a UCX data plane setting; transport is '{self.transport}' "
+                    f"(remove {name} or set transport: ucx)",
+                )
+        if self.ucx_channel is not None:
+            _choice(self.ucx_channel, UCX_CHANNELS, "ucx_channel")
+        r = self.ucx_rma_readers
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise _err(
+                "ucx_rma_readers",
+                f"must be an integer >= 1 (threads copying a UCX shm consumer's reads), got {r!r}",
             )
         other = "consumer" if self.role == "producer" else "producer"
         if getattr(self, other) is not None:
@@ -719,6 +743,9 @@ class DisaggConfig:
             "transport": self.transport,
             "transport_checksum": self.transport_checksum,
         }
+        if self.transport == "ucx":
+            out["ucx_channel"] = self.ucx_channel
+            out["ucx_rma_readers"] = self.ucx_rma_readers
         for name in _SECTIONS:
             sec = getattr(self, name)
             if sec is None:

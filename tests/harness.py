@@ -58,10 +58,12 @@ def make_producer(
     cfg: EngineConfig,
     security: dict[str, Any] | None = None,
     transport: str | None = None,
+    top: dict[str, Any] | None = None,
     **section: Any,
 ) -> tuple[Engine, Any]:
     """A producer engine and its service (control on a free loopback port);
-    ``transport`` sets the top-level data plane (``zmq``/``ucx``)."""
+    ``transport`` sets the top-level data plane (``zmq``/``ucx``), ``top`` adds other
+    top-level keys (``ucx_channel``...)."""
     name = f"p{next(_ids)}"
     conf: dict[str, Any] = {
         "role": "producer",
@@ -72,6 +74,7 @@ def make_producer(
         conf["security"] = security
     if transport is not None:
         conf["transport"] = transport
+    conf.update(top or {})
     return _engine(cfg, "producer", conf), producer_services[name]
 
 
@@ -94,6 +97,7 @@ def make_consumer(
     model_id: str | None = None,
     security: dict[str, Any] | None = None,
     transport: str | None = None,
+    top: dict[str, Any] | None = None,
     **section: Any,
 ) -> tuple[Engine, Any]:
     """A consumer engine claiming from ``endpoints`` (each an endpoint, or a TP producer's
@@ -111,6 +115,7 @@ def make_consumer(
         conf["security"] = security
     if transport is not None:
         conf["transport"] = transport
+    conf.update(top or {})
     return _engine(cfg, "consumer", conf), consumer_services[name]
 
 

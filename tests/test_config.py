@@ -324,6 +324,25 @@ def test_transport_checksum():
     assert e.field == "transport_checksum" and "only the zmq" in str(e)
 
 
+def test_ucx_channel_and_readers():
+    cfg = DisaggConfig.from_dict(dict(CONSUMER, transport="ucx"))
+    assert cfg.ucx_channel is None and cfg.ucx_rma_readers is None
+    cfg = DisaggConfig.from_dict(
+        dict(CONSUMER, transport="ucx", ucx_channel="shm", ucx_rma_readers=3)
+    )
+    assert (cfg.ucx_channel, cfg.ucx_rma_readers) == ("shm", 3)
+    assert DisaggConfig.from_dict(cfg.to_dict()) == cfg
+    # other transports refuse them, naming the fix
+    for key, value in (("ucx_channel", "shm"), ("ucx_rma_readers", 2)):
+        e = err(dict(PRODUCER, **{key: value}))
+        assert e.field == key and "set transport: ucx" in str(e)
+    e = err(dict(PRODUCER, transport="ucx", ucx_channel="rdma"))
+    assert e.field == "ucx_channel" and "valid values" in str(e)
+    for bad in (0, -1, True, "2", 1.5):
+        e = err(dict(PRODUCER, transport="ucx", ucx_rma_readers=bad))
+        assert e.field == "ucx_rma_readers" and "integer >= 1" in str(e)
+
+
 @pytest.mark.parametrize("port", [-1, 65536, "9100", True])
 def test_bad_metrics_port(port):
     e = err(dict(PRODUCER, metrics={"port": port}))

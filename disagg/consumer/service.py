@@ -279,6 +279,8 @@ class ConsumerService(ConnectorService):
             bind=self.ccfg.data,
             advertise_host=self.ccfg.advertise_host,
             checksum=self.config.transport_checksum,
+            ucx_channel=self.config.ucx_channel,
+            ucx_rma_readers=self.config.ucx_rma_readers,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())

@@ -170,7 +170,12 @@ class ProducerService(ConnectorService):
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
             max_hold_s=self.pcfg.lease_max_hold_s,
         )
-        self.data = make_data_plane(self.config.transport, checksum=self.config.transport_checksum)
+        self.data = make_data_plane(
+            self.config.transport,
+            checksum=self.config.transport_checksum,
+            ucx_channel=self.config.ucx_channel,
+            ucx_rma_readers=self.config.ucx_rma_readers,
+        )
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)
             self.store.slab = register(self.store.slab)

@@ -11,16 +11,24 @@ def make_data_plane(
     bind: str = "tcp://127.0.0.1:0",
     advertise_host: str | None = None,
     checksum: bool = False,
+    ucx_channel: str | None = None,
+    ucx_rma_readers: int | None = None,
 ) -> DataPlane:
     """``zmq`` (always available), ``ucx`` (needs ``pip install disagg[ucx]``) or ``ipc``
     (producer and consumer on one host: the consumer copies from the producer's store).
 
     ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told.
     ``checksum`` (config ``transport_checksum``): xxh3-64 over every zmq payload, checked
-    by the receiver; only the zmq plane has it (ValueError for the others)."""
+    by the receiver; only the zmq plane has it (ValueError for the others).
+    ``ucx_channel`` (``tcp`` when None) and ``ucx_rma_readers`` (None: the plane's
+    default) go to the UCX plane; ValueError for the others."""
     if checksum and transport != "zmq":
         raise ValueError(
             f"transport_checksum: only the zmq data plane checksums, not {transport!r}"
+        )
+    if (ucx_channel is not None or ucx_rma_readers is not None) and transport != "ucx":
+        raise ValueError(
+            f"ucx_channel / ucx_rma_readers: UCX data plane settings, not for {transport!r}"
         )
     advertise = None
     if advertise_host and bind.startswith("tcp://"):
@@ -39,7 +47,12 @@ def make_data_plane(
                 f"transport: 'ucx' needs the ucxx package ({exc}); install it with "
                 "`pip install disagg[ucx]` or set transport: zmq"
             ) from exc
-        return UcxDataPlane(bind, advertise=advertise)
+        return UcxDataPlane(
+            bind,
+            advertise=advertise,
+            channel=ucx_channel or "tcp",
+            rma_readers=ucx_rma_readers,
+        )
     if transport == "ipc":
         from .ipc_plane import IpcDataPlane
 

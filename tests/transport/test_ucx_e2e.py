@@ -51,3 +51,34 @@ def test_ucx_tokens_and_pages_match_monolithic(kv_manager):
     assert csvc.metrics["pages_loaded"] > 0
     assert wait_for(lambda: psvc.metrics["pages_pushed"] > 0)  # counted after the sender drains
     assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_ucx_shm_channel_from_config():
+    """``ucx_channel: shm`` + ``ucx_rma_readers`` in the config reach both services' UCX
+    planes: the consumer reads the producer's store one-sided (where the C loop is built)
+    on two lanes, and tokens still equal the monolithic run."""
+    from disagg.transport import ucx_rma
+
+    cfg = EngineConfig(**SHAPE, capture_pages=True)
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=6)
+    top = {"ucx_channel": "shm", "ucx_rma_readers": 2}
+    prod, psvc = make_producer(cfg, transport="ucx", top=top)
+    produced = run(prod, ps, max_tokens=1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], transport="ucx", top=top)
+    consumed = run(cons, ps, max_tokens=6)
+    assert psvc.data.channel == csvc.data.channel == "shm"
+    assert csvc.data.rma_readers == 2
+    assert csvc.data.endpoint.startswith("ucx+shm://")
+    check_against_monolithic(produced, consumed, mono)
+    assert csvc.metrics["pages_loaded"] > 0
+    if ucx_rma.available():
+        assert csvc.data.stats["rma_reads"] > 0
+    assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_factory_refuses_ucx_settings_for_other_planes():
+    from disagg.transport.factory import make_data_plane
+
+    with pytest.raises(ValueError, match="UCX data plane settings"):
+        make_data_plane("zmq", ucx_channel="shm")

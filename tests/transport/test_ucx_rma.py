@@ -611,7 +611,10 @@ def test_abort_while_lanes_read_writes_nothing_after():
         st = rx.poll(7)
         assert st.failed and "test abort" in (st.error or "")
         snap = pool.numpy().copy()
-        assert tx.wait_push(h, 20).failed
+        # The push fails, unless every batch had been read and acknowledged before the
+        # abort (the producer's push is over once all its batches are acked): on a loaded
+        # box the pull can finish between the first page and the abort.
+        assert tx.wait_push(h, 20).failed or st.pages == n
         time.sleep(0.2)
         np.testing.assert_array_equal(pool.numpy(), snap)
         # the same planes carry on
