@@ -105,6 +105,17 @@ static int set_timeout(int fd, int opt, double deadline) {
     return setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof(tv));
 }
 
+/* Drop the `got` bytes a call moved from the front of iov[first:n] (whole iovecs, then
+ * part of the next); returns the new `first`. */
+static int consume(struct iovec *iov, int first, int n, size_t got) {
+    while (first < n && got >= iov[first].iov_len) got -= iov[first++].iov_len;
+    if (got) {
+        iov[first].iov_base = (char *)iov[first].iov_base + got;
+        iov[first].iov_len -= got;
+    }
+    return first;
+}
+
 /* Move everything the pieces (after `head`, when sending) describe. Runs without the GIL.
  * Returns OK or an error kind; *moved counts the bytes moved, *err the errno.
  *
@@ -176,12 +187,7 @@ static int run(int fd, int sending, const char *head, Py_ssize_t head_len, piece
             break;
         }
         *moved += got;
-        size_t left = (size_t)got;
-        while (first < n && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-        if (left) {
-            iov[first].iov_base = (char *)iov[first].iov_base + left;
-            iov[first].iov_len -= left;
-        }
+        first = consume(iov, first, n, (size_t)got);
         if ((size_t)got < want) { /* cut short (timeout, signal, EOF next): re-arm */
             t = set_timeout(fd, opt, deadline);
             if (t == -2) rc = E_TIMEOUT;
@@ -268,12 +274,7 @@ static int run_pipe(int fd, int watch, int sending, pieces_t *p, double deadline
             break;
         }
         *moved += got;
-        size_t left = (size_t)got;
-        while (first < n && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-        if (left) {
-            iov[first].iov_base = (char *)iov[first].iov_base + left;
-            iov[first].iov_len -= left;
-        }
+        first = consume(iov, first, n, (size_t)got);
         if (first == n) {
             first = 0;
             n = fill(p, iov, 0);

@@ -357,9 +357,10 @@ def test_abort_cuts_off_a_payload_that_stalled_mid_way(planes):
             transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096
         )
         s.sock.sendall(zmq_plane.frame(encode(h), 4 * 4096) + b"q" * 100)
-        end = time.monotonic() + 5
-        while rx.poll(1).state.value != "receiving" and time.monotonic() < end:
+        end = time.monotonic() + 5  # the bytes themselves landed, not only the header
+        while int(pool[8:12].sum()) != 100 * ord("q") and time.monotonic() < end:
             time.sleep(0.01)
+        assert rx.poll(1).state.value == "receiving"
         t = time.monotonic()
         assert rx.abort(1, "cancelled") == 0
         assert time.monotonic() - t < 1.0
@@ -747,9 +748,12 @@ def test_pipe_stream_abort_cuts_off_a_stalled_payload(ipc_planes):
             transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096
         )
         c.batch(encode(h), b"q" * 100, declared=4 * 4096)
+        # wait for the 100 bytes themselves, not only the accepted header: on a loaded
+        # box the abort could otherwise come before the receiver read them from the pipe
         end = time.monotonic() + 5
-        while rx.poll(1).state.value != "receiving" and time.monotonic() < end:
+        while int(pool[8:12].sum()) != 100 * ord("q") and time.monotonic() < end:
             time.sleep(0.01)
+        assert rx.poll(1).state.value == "receiving"
         t = time.monotonic()
         assert rx.abort(1, "cancelled") == 0  # no write left in flight
         assert time.monotonic() - t < 1.0
