@@ -172,6 +172,11 @@ class ProducerLink:
         self.bg.client.close()
 
 
+def _pages(slots: list[int]) -> int:
+    """Pages a group's destination slots load (``-1``: a block not loaded)."""
+    return int(np.count_nonzero(np.asarray(slots, dtype=np.int64) >= 0))
+
+
 @dataclass
 class Claimed:
     link: ProducerLink
@@ -495,12 +500,19 @@ class ConsumerService(ConnectorService):
             load.transfer_id = next(self._transfer_ids)
             load.token = secrets.token_bytes(16)
             load.deadline = time.monotonic() + self.ccfg.load_timeout_s
+            # pages per group counted once (numpy), not once per layer in Python: a 128k
+            # prompt is thousands of slots per group, and layer-wise loads repeat each
+            # group's slots for every layer
+            pages_by_group = [_pages(g) for g in load.dst_slots]
             if layerwise:
-                by_layer = [load.dst_slots[self.pool.group_of_layer(la)] for la in self.pool.layers]
-                slots_by_group = [[] for _ in load.dst_slots] + by_layer
-                counts = np.cumsum([sum(1 for s in g if s >= 0) for g in by_layer])
+                layer_groups = [self.pool.group_of_layer(la) for la in self.pool.layers]
+                slots_by_group = [[] for _ in load.dst_slots] + [
+                    load.dst_slots[g] for g in layer_groups
+                ]
+                per_layer = [pages_by_group[g] for g in layer_groups]
+                counts = np.cumsum(per_layer)
                 load.layer_marks = dict(zip(self.pool.layers, counts.tolist()))
-            pages_by_group = [sum(1 for s in g if s >= 0) for g in slots_by_group]
+                pages_by_group = [0] * len(load.dst_slots) + per_layer
             try:
                 self.data.expect(
                     load.transfer_id,
@@ -584,9 +596,7 @@ class ConsumerService(ConnectorService):
             if st.state is TransferState.DONE:
                 load.done = True
                 self.metrics["loads_done"] += 1
-                self.metrics["pages_loaded"] += sum(
-                    sum(1 for s in g if s >= 0) for g in load.dst_slots or []
-                )
+                self.metrics["pages_loaded"] += sum(_pages(g) for g in load.dst_slots or [])
                 self._publish(load)
             elif st.state is TransferState.FAILED:
                 self.fail(load, st.error or "transfer failed")

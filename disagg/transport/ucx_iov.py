@@ -89,27 +89,43 @@ PARAM_SIZE = 72
 IOV_ENTRY_SIZE = 16  # ucp_dt_iov_t: void *buffer; size_t length
 
 
+def layout_matches(cls: type[ctypes.Structure], layout: dict[str, int], size: int) -> bool:
+    """A ctypes mirror agrees with the C layout recorded for it (size and field offsets)."""
+    if ctypes.sizeof(cls) != size:
+        return False
+    return all(getattr(cls, f).offset == off for f, off in layout.items())
+
+
+def bind_common(lib: ctypes.CDLL) -> tuple[int, int, int]:
+    """Declare the libucp calls every ctypes user here needs (request status and free,
+    version) and return libucp's version; RuntimeError for one whose struct layouts are
+    not mirrored (before 1.10)."""
+    vp = ctypes.c_void_p
+    lib.ucp_request_check_status.restype = ctypes.c_int8  # ucs_status_t: a one-byte enum
+    lib.ucp_request_check_status.argtypes = [vp]
+    lib.ucp_request_free.restype = None
+    lib.ucp_request_free.argtypes = [vp]
+    lib.ucp_get_version.restype = None
+    lib.ucp_get_version.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+    major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+    lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+    version = (major.value, minor.value, release.value)
+    if version[0] != 1 or version[1] < 10:
+        raise RuntimeError(f"libucp {version}: struct layouts mirrored for 1.10+")
+    return version
+
+
 class _Lib:
     """The bound libucp functions and the one request-parameter block sends use."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
         vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-        # ucs_status_t is a packed enum (one signed byte): read it as int8, not int
-        status = ctypes.c_int8
         lib.ucp_tag_send_nbx.restype = vp
         lib.ucp_tag_send_nbx.argtypes = [vp, vp, sz, u64, vp]
-        lib.ucp_request_check_status.restype = status
-        lib.ucp_request_check_status.argtypes = [vp]
-        lib.ucp_request_free.restype = None
-        lib.ucp_request_free.argtypes = [vp]
-        lib.ucp_get_version.restype = None
-        lib.ucp_get_version.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+        self.version = bind_common(lib)
         self.lib = lib
         self.path = path
-        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
-        lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
-        self.version = (major.value, minor.value, release.value)
         p = RequestParam()
         p.op_attr_mask = _OP_ATTR_FIELD_DATATYPE | _OP_ATTR_FIELD_MEMORY_TYPE
         p.datatype = _DATATYPE_IOV
@@ -142,9 +158,7 @@ def _libucp_path() -> str | None:
 
 
 def _layout_ok() -> bool:
-    if ctypes.sizeof(RequestParam) != PARAM_SIZE:
-        return False
-    return all(getattr(RequestParam, f).offset == off for f, off in PARAM_LAYOUT.items())
+    return layout_matches(RequestParam, PARAM_LAYOUT, PARAM_SIZE)
 
 
 def load() -> _Lib | None:
@@ -162,10 +176,7 @@ def load() -> _Lib | None:
             raise OSError("libucp not found (is ucxx imported?)")
         if not _layout_ok():
             raise RuntimeError("ctypes layout of ucp_request_param_t does not match ucp.h")
-        lib = _Lib(path)
-        if lib.version[0] != 1 or lib.version[1] < 10:
-            raise RuntimeError(f"libucp {lib.version}: struct layouts mirrored for 1.10+")
-        _lib = lib
+        _lib = _Lib(path)
     except Exception as exc:
         _lib_error = f"{type(exc).__name__}: {exc}"
         log.info("UCX scatter-gather sends unavailable (%s): gathering instead", _lib_error)

@@ -97,9 +97,7 @@ MAP_SIZE = 48
 
 
 def _layout_ok() -> bool:
-    if ctypes.sizeof(MapParams) != MAP_SIZE:
-        return False
-    return all(getattr(MapParams, f).offset == off for f, off in MAP_LAYOUT.items())
+    return ucx_iov.layout_matches(MapParams, MAP_LAYOUT, MAP_SIZE)
 
 
 class _Lib:
@@ -126,18 +124,10 @@ class _Lib:
         lib.ucp_get_nbx.argtypes = [vp, vp, sz, u64, vp, vp]
         lib.ucp_ep_flush_nbx.restype = vp
         lib.ucp_ep_flush_nbx.argtypes = [vp, vp]
-        lib.ucp_request_check_status.restype = status
-        lib.ucp_request_check_status.argtypes = [vp]
-        lib.ucp_request_free.restype = None
-        lib.ucp_request_free.argtypes = [vp]
         lib.ucp_worker_progress.restype = ctypes.c_uint
         lib.ucp_worker_progress.argtypes = [vp]
-        lib.ucp_get_version.restype = None
-        lib.ucp_get_version.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+        self.version = ucx_iov.bind_common(lib)
         self.lib = lib
-        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
-        lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
-        self.version = (major.value, minor.value, release.value)
 
         def addr(name: str) -> int:
             return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
@@ -178,10 +168,7 @@ def load() -> _Lib | None:
             raise RuntimeError("libucp not found (is ucxx imported?)")
         if not ucx_iov._layout_ok() or not _layout_ok():
             raise RuntimeError("ctypes layouts of ucp_request_param_t / ucp_mem_map_params_t")
-        lib = _Lib(path)
-        if lib.version[0] != 1 or lib.version[1] < 10:
-            raise RuntimeError(f"libucp {lib.version}: struct layouts mirrored for 1.10+")
-        _lib = lib
+        _lib = _Lib(path)
     except Exception as exc:
         _lib_error = f"{type(exc).__name__}: {exc}"
         log.info("UCX RMA unavailable (%s): tag messages instead", _lib_error)
