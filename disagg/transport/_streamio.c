@@ -227,6 +227,11 @@ static int wait_pipe(int fd, short events, int watch, double deadline, int *err)
             *err = errno;
             return E_ERRNO;
         }
+        /* Receiving, bytes already in the pipe are read before a cut is reported: a
+         * sender that wrote its last bytes and then died closes the socket first, and
+         * the error must say how much arrived. A cut while bytes keep flowing is still
+         * seen within WATCH_EVERY calls (run_pipe). */
+        if (events == POLLIN && (pf[0].revents & POLLIN)) return OK;
         if (watch >= 0 && pf[1].revents) return E_CUT;
         if (pf[0].revents) return OK; /* POLLERR / POLLHUP too: the next call says which */
     }
