@@ -546,6 +546,10 @@ class ConsumerService(ConnectorService):
             self.metrics["loads_started"] += 1
         except Exception as exc:
             self.fail(load, f"push request to {load.claimed.link.endpoint} failed: {exc}")
+        if self.bus is not None:
+            # the bus thread polls this load from its next pass: start that pass now rather
+            # than after the thread's idle poll (50 ms), so peers learn the outcome early
+            self.bus.wake()
 
     def fail(self, load: Load, why: str) -> None:
         """The load failed (a no-op once it is over: the first outcome stands). Its

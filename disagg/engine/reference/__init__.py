@@ -15,10 +15,16 @@ Public API (used by serve/bench/tests)::
 TP ranks (``EngineConfig(tp=N)``) run in one process, but are judged as separate ones: a
 forward hook that raises on some ranks and not on others raises ``RankDivergenceError``
 (fatal), where a real multi-process engine would hang in the layer's all-reduce.
+
+Or each TP rank is its own process (the MPI mode, ``disagg.engine.reference.mpi``:
+``Engine(cfg, spec, comm=MpiComm())`` in every rank's process under ``mpirun``): the leader's
+answers are broadcast, ``get_finished`` is all-gathered, every layer all-gathers the ranks'
+attention heads, and a rank that left while the others went on leaves them waiting there
+(``RankHangError`` after ``hang_timeout_s``). Tokens are the same as in one process.
 """
 
 from .config import ConnectorSpec, EngineConfig, LlmArgs, parse_windows
-from .connector_driver import CpuStream, RankDivergenceError
+from .connector_driver import CpuStream, RankDivergenceError, RankHangError, TpComm
 from .executor import Engine, EngineStats, Request, RequestResult
 
 __all__ = [
@@ -29,7 +35,9 @@ __all__ = [
     "EngineStats",
     "LlmArgs",
     "RankDivergenceError",
+    "RankHangError",
     "Request",
     "RequestResult",
+    "TpComm",
     "parse_windows",
 ]

@@ -6,6 +6,9 @@ of stdout: ``outputs`` (generated ids per prompt), ``errors``, ``connector_match
 ``device_matched_tokens``, ``calls`` and the other ``EngineStats`` fields. ``--dump-pages F``
 (with capture on) writes ``torch.save`` of ``[{"loaded": {"g:o": uint8 tensor},
 "computed": {...}}]`` per prompt, for byte comparisons.
+
+``--mpi`` (under ``mpirun -n TP``): every rank its own process (``mpi.MpiComm`` over
+COMM_WORLD, whose size must be ``--tp``); rank 0 prints, rank r > 0 dumps pages to ``F.r``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--dump-pages", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--mpi", action="store_true", help="one TP rank per process (mpirun -n TP)")
     return p
 
 
@@ -94,8 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             [rng.randrange(cfg.vocab_size) for _ in range(a.prompt_len)]
             for _ in range(a.num_prompts)
         ]
+    comm = None
+    if a.mpi:
+        from .mpi import MpiComm
+
+        comm = MpiComm()
+        if comm.size != cfg.tp:
+            print(f"error: mpirun -n {comm.size}, but --tp {cfg.tp}", file=sys.stderr)
+            return 2
+        if comm.rank and a.dump_pages:
+            a.dump_pages = f"{a.dump_pages}.{comm.rank}"
     t0 = time.perf_counter()
-    eng = Engine(cfg, spec)
+    eng = Engine(cfg, spec, comm=comm)
     ids = [eng.add_request(p, a.max_tokens, a.cache_salt) for p in prompts]
     while eng.has_work():
         eng.step()
@@ -128,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         "per_request_connector_matched": [eng.results[i].connector_matched_tokens for i in ids],
         **eng.stats.as_dict(),
     }
-    if a.json:
+    if comm is not None and comm.rank != 0:
+        pass  # rank 0 answers
+    elif a.json:
         print(json.dumps(out))
     else:
         for i, (o, e) in enumerate(zip(outputs, errors, strict=True)):

@@ -14,6 +14,20 @@ everywhere, with rank 0's message: rank 0 answers the client) or none did are bo
 consistent; some but not all is ``RankDivergenceError``, fatal, standing in for the hang
 (unless a raising rank's error is fatal by TensorRT-LLM's classification anyway: that rank's
 executor stops and the job with it, and that error is raised).
+
+Ranks as processes (``comm``: a ``TpComm``, the MPI mode, ``disagg.engine.reference.mpi``):
+this process is rank ``comm.rank`` and holds only its own worker (and, on rank 0, the
+scheduler), as TensorRT-LLM's ranks do. The calls are the same; what changes is where the
+ranks meet, as in ``KvCacheConnectorManager``: ``_run_on_leader`` calls
+(``get_num_new_matched_tokens``, ``build_connector_meta``, ``request_finished``) run on rank
+0 and their answer is broadcast (pickled: every rank, rank 0 too, binds an unpickled copy);
+``update_state_after_alloc`` runs on rank 0 only, with no broadcast; ``get_finished``
+all-gathers every rank's locally finished ids and takes the intersection. A forward hook
+that raises fails this rank's batch only; nothing here compares ranks: a rank that left
+while the others went on leaves them in the layer's collective (``model.TpGroup``), which
+fails with ``RankHangError`` once it waited ``hang_timeout_s`` (TensorRT-LLM would hang).
+A scheduler call that raises on rank 0 is broadcast as that error (every rank raises it:
+the job dies, where TensorRT-LLM's rank 0 would die and the others hang in the broadcast).
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import pickle
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -79,6 +93,46 @@ class RankDivergenceError(RuntimeError):
         return RankDivergenceError(self.hook, self.raised, self.clean, request_ids)
 
 
+class RankHangError(RankDivergenceError):
+    """A collective waited past its ``hang_timeout_s`` (MPI mode): the other ranks are not
+    coming (one left a forward, raised where this one did not, or died). TensorRT-LLM
+    would hang here; the engine raises this instead, fatal. ``where``: the collective
+    (e.g. ``layer 0 attention heads``, ``get_finished``); ``waited_s``: how long."""
+
+    def __init__(
+        self, where: str, rank: int, waited_s: float, request_ids: list[int] | None = None
+    ):
+        self.where, self.rank, self.waited_s = where, rank, waited_s
+        self.hook, self.raised, self.clean = where, {}, [rank]
+        self.request_ids = list(request_ids or [])
+        reqs = f" for request(s) {self.request_ids}" if self.request_ids else ""
+        RuntimeError.__init__(
+            self,
+            f"TP rank {rank} waited {waited_s:.1f} s in the collective of {where}{reqs} and the "
+            "other rank(s) never joined: the ranks diverged (a rank left the forward, raised "
+            "where this one did not, or died) -- a hang in a real multi-process engine",
+        )
+
+    def with_requests(self, request_ids: list[int]) -> RankHangError:
+        return RankHangError(self.where, self.rank, self.waited_s, request_ids)
+
+
+class TpComm(Protocol):
+    """This process's rank of the TP group (MPI mode). ``bcast``/``allgather`` are the
+    executor's (pickled objects, root 0); ``allgather_heads`` is the layers' collective on
+    a communicator of its own (``model.TpGroup``). Each raises ``RankHangError`` naming
+    ``where`` after waiting too long."""
+
+    rank: int
+    size: int
+
+    def bcast(self, obj: Any, where: str) -> Any: ...
+
+    def allgather(self, obj: Any, where: str) -> list[Any]: ...
+
+    def allgather_heads(self, t: torch.Tensor, where: str) -> torch.Tensor: ...
+
+
 class CpuStream:
     """Stands in for ``torch.cuda.current_stream()`` on CPU (all work is synchronous)."""
 
@@ -100,7 +154,8 @@ def current_stream(device: str) -> Any:
 
 
 class Driver:
-    """Owns the scheduler (rank 0) and one worker per rank."""
+    """Owns the scheduler (rank 0) and one worker per rank held here: every rank in the
+    one-process simulation (``comm`` None), this process's own with ``comm``."""
 
     def __init__(
         self,
@@ -109,24 +164,36 @@ class Driver:
         llm_args: LlmArgs,
         kv: KvCacheManager,
         calls: Counter[str],
+        comm: TpComm | None = None,
     ):
-        self.cfg, self.spec, self.kv, self.calls = cfg, spec, kv, calls
+        self.cfg, self.spec, self.kv, self.calls, self.comm = cfg, spec, kv, calls, comm
+        self.ranks: list[int] = list(kv.ranks)
+        self.leader = 0 in self.ranks
         self.stream = current_stream(cfg.device)
         module = importlib.import_module(spec.module)
         sched_cls = getattr(module, spec.scheduler_class)
         worker_cls = getattr(module, spec.worker_class)
         # Construct concurrently (a worker and its scheduler may rendezvous in __init__);
-        # scheduler on rank 0 only. Any exception aborts bring-up.
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            sched_f = pool.submit(sched_cls, llm_args_for_rank(llm_args, 0))
-            worker_fs = [
-                pool.submit(worker_cls, llm_args_for_rank(llm_args, r)) for r in range(cfg.tp)
-            ]
-            self.workers = [f.result() for f in worker_fs]
-            self.scheduler = sched_f.result()
+        # scheduler on rank 0 only. Any exception aborts bring-up (on every rank).
+        self.scheduler: Any = None
+        self.workers: list[Any] = []
+        try:
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                sched_f = (
+                    pool.submit(sched_cls, llm_args_for_rank(llm_args, 0)) if self.leader else None
+                )
+                worker_fs = [
+                    pool.submit(worker_cls, llm_args_for_rank(llm_args, r)) for r in self.ranks
+                ]
+                self.workers = [f.result() for f in worker_fs]
+                self.scheduler = sched_f.result() if sched_f is not None else None
+            err: BaseException | None = None
+        except Exception as exc:
+            err = exc
+        self._everywhere(err, "connector construction")
         self.callables: list[Callable[..., Any] | None] = []
-        for w in self.workers:
-            self._count("register_forward_pass_callable", rank0=w is self.workers[0])
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count("register_forward_pass_callable", rank0=r == self.ranks[0])
             self.callables.append(w.register_forward_pass_callable() or None)
         self.n_groups = len(kv.groups)
         # Bring-up checks, then registration, then wait_for_initialization (§7.1, §9).
@@ -138,53 +205,96 @@ class Driver:
                     f"VSWA ({self.n_groups} attention windows) is not supported with a KV "
                     "connector on the V1 KV cache manager; use kv_manager='v2'"
                 )
-            for r, w in enumerate(self.workers):
-                self._count("register_kv_caches", rank0=r == 0)
+            for r, w in zip(self.ranks, self.workers, strict=True):
+                self._count("register_kv_caches", rank0=r == self.ranks[0])
                 w.register_kv_caches(kv.v1_tensor(r))
         else:
-            reject_flat_only_scheduler(self.scheduler, self.n_groups, KvCacheConnectorScheduler)
-            for r, w in enumerate(self.workers):
-                self._count("register_kv_cache_layout", rank0=r == 0)
+            # the method-presence probe is the leader's, and collective
+            self.leader_call(
+                lambda: reject_flat_only_scheduler(
+                    self.scheduler, self.n_groups, KvCacheConnectorScheduler
+                ),
+                "the scheduler's bring-up probe",
+            )
+            for r, w in zip(self.ranks, self.workers, strict=True):
+                self._count("register_kv_cache_layout", rank0=r == self.ranks[0])
                 w.register_kv_cache_layout(kv.layout(r))
-        self._count("wait_for_initialization")
-        self.scheduler.wait_for_initialization()
-        # get_finished bookkeeping, per rank (§7.5).
+        if self.leader:
+            self._count("wait_for_initialization")
+            self.scheduler.wait_for_initialization()
+        # get_finished bookkeeping, per rank held here (§7.5).
         # ids handed in and not yet returned, per rank; saving and loading apart, as the
         # manager keeps them in two dicts (a request parked on a load that ends while the
         # load lands is in both)
-        self.pending_saving: list[set[int]] = [set() for _ in range(cfg.tp)]
-        self.pending_loading: list[set[int]] = [set() for _ in range(cfg.tp)]
-        self.local_saving: list[set[int]] = [set() for _ in range(cfg.tp)]
-        self.local_loading: list[set[int]] = [set() for _ in range(cfg.tp)]
+        n = len(self.ranks)
+        self.pending_saving: list[set[int]] = [set() for _ in range(n)]
+        self.pending_loading: list[set[int]] = [set() for _ in range(n)]
+        self.local_saving: list[set[int]] = [set() for _ in range(n)]
+        self.local_loading: list[set[int]] = [set() for _ in range(n)]
 
     def _count(self, name: str, rank0: bool = True) -> None:
         if rank0:
             self.calls[name] += 1
 
-    # ----- leader calls (the answer would be broadcast) -------------------------------
-    def sched(self, name: str, *args: Any) -> Any:
-        self._count(name)
-        return getattr(self.scheduler, name)(*args)
+    def _everywhere(self, err: BaseException | None, where: str) -> None:
+        """Raise ``err`` here, and (MPI mode) on every rank if any rank has one: bring-up
+        fails on every rank alike (one rank failing it would leave the others waiting)."""
+        if self.comm is not None:
+            errs = self.comm.allgather(_portable(err), where)
+            err = next((e for e in errs if e is not None), None)
+        if err is not None:
+            raise err
+
+    # ----- leader calls (the answer is broadcast) -------------------------------------
+    def leader_call(self, fn: Callable[[], Any], where: str, broadcast: bool = True) -> Any:
+        """``fn()`` on rank 0 (the scheduler's process); with ``broadcast`` every rank gets
+        its answer (or raises its error), as ``_run_on_leader`` + ``mpi_broadcast`` do.
+        Without, ranks other than 0 get None."""
+        if self.comm is None:
+            return fn()  # rank 0 is here; the answer is shared by every simulated rank
+        env: tuple[str, Any] | None = None
+        if self.leader:
+            try:
+                env = ("ok", fn())
+            except Exception as exc:
+                if not broadcast:
+                    raise
+                env = ("err", _portable(exc))
+        if broadcast:
+            env = self.comm.bcast(env, where)
+        if env is None:
+            return None
+        if env[0] == "err":
+            raise env[1]
+        return env[1]
+
+    def sched(self, name: str, *args: Any, broadcast: bool = True) -> Any:
+        """A scheduler call (rank 0), counted; see ``leader_call``."""
+        if self.leader:
+            self._count(name)
+        return self.leader_call(lambda: getattr(self.scheduler, name)(*args), name, broadcast)
 
     # ----- per-iteration worker calls ---------------------------------------------------
     def bind_and_start(self, meta: object) -> None:
         """Pickle round-trip of the leader's metadata to every rank, bind, start_load_kv.
+        (MPI mode: ``meta`` came through the broadcast already, unpickled on every rank.)
         Exceptions propagate (fatal for the executor)."""
-        blob = pickle.dumps(meta)
-        for r, w in enumerate(self.workers):
-            self._count("bind_connector_meta", rank0=r == 0)
-            w.bind_connector_meta(pickle.loads(blob))
-        for r, w in enumerate(self.workers):
-            self._count("start_load_kv", rank0=r == 0)
+        blob = pickle.dumps(meta) if self.comm is None else None
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count("bind_connector_meta", rank0=r == self.ranks[0])
+            w.bind_connector_meta(pickle.loads(blob) if blob is not None else meta)
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count("start_load_kv", rank0=r == self.ranks[0])
             w.start_load_kv(self.stream)
 
     def each_worker(self, name: str, *args: Any) -> None:
-        """A forward hook on every rank (see the module docstring): every rank's hook runs
-        (each rank is its own process, its own ``try``); then all ranks raised (rank 0's
-        error is raised), none did, or ``RankDivergenceError``."""
+        """A forward hook on every rank held here (see the module docstring): every rank's
+        hook runs (each rank is its own process, its own ``try``); then all ranks raised
+        (rank 0's error is raised), none did, or ``RankDivergenceError``. In the MPI mode
+        that is this rank's hook alone: its error fails this rank's batch."""
         raised: dict[int, BaseException] = {}
-        for r, w in enumerate(self.workers):
-            self._count(name, rank0=r == 0)
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count(name, rank0=r == self.ranks[0])
             try:
                 getattr(w, name)(*args)
             except Exception as exc:
@@ -196,7 +306,7 @@ class Driver:
         if self.callables and self.callables[0] is not None:
             self.calls["forward_pass_callable"] += 1
         raised: dict[int, BaseException] = {}
-        for r, c in enumerate(self.callables):
+        for r, c in zip(self.ranks, self.callables, strict=True):
             if c is not None:
                 try:
                     c()
@@ -208,25 +318,26 @@ class Driver:
         if not raised:
             return
         if len(raised) == len(self.workers):
-            raise raised[0]  # every rank fails the batch; rank 0 answers the client
+            raise raised[min(raised)]  # every rank fails the batch; rank 0 answers the client
         fatal = [e for e in raised.values() if is_fatal(e)]
         if fatal:  # that rank's executor stops, and the MPI job with it
             raise fatal[0]
-        clean = [r for r in range(len(self.workers)) if r not in raised]
+        clean = [r for r in self.ranks if r not in raised]
         raise RankDivergenceError(where, raised, clean)
 
     def get_finished(self, saving: list[int], loading: list[int]) -> tuple[set[int], set[int]]:
         """Hand each id in once per rank; return the ids every rank has reported
-        ``(finished_saving, finished_loading)``. An id never handed in (or returned twice)
-        raises ``KeyError``, as the manager's direct dict indexing does."""
-        for r, w in enumerate(self.workers):
-            self.pending_saving[r].update(saving)
-            self.pending_loading[r].update(loading)
-            self._count("get_finished", rank0=r == 0)
+        ``(finished_saving, finished_loading)`` (MPI mode: the ranks' reports are
+        all-gathered). An id never handed in (or returned twice) raises ``KeyError``, as
+        the manager's direct dict indexing does."""
+        for i, (r, w) in enumerate(zip(self.ranks, self.workers, strict=True)):
+            self.pending_saving[i].update(saving)
+            self.pending_loading[i].update(loading)
+            self._count("get_finished", rank0=r == self.ranks[0])
             done_save, done_load = w.get_finished(list(saving), list(loading))
             for ids, local, pending, what in (
-                (done_save, self.local_saving[r], self.pending_saving[r], "saving"),
-                (done_load, self.local_loading[r], self.pending_loading[r], "loading"),
+                (done_save, self.local_saving[i], self.pending_saving[i], "saving"),
+                (done_load, self.local_loading[i], self.pending_loading[i], "loading"),
             ):
                 for rid in ids:
                     if rid not in pending:
@@ -237,9 +348,25 @@ class Driver:
                         )
                     pending.discard(rid)
                     local.add(rid)
-        fin_save = set.intersection(*self.local_saving)
-        fin_load = set.intersection(*self.local_loading)
-        for r in range(self.cfg.tp):
-            self.local_saving[r] -= fin_save
-            self.local_loading[r] -= fin_load
+        saving_sets, loading_sets = self.local_saving, self.local_loading
+        if self.comm is not None:  # mpi_allgather of every rank's (saving, loading)
+            got = self.comm.allgather((saving_sets[0], loading_sets[0]), "get_finished")
+            saving_sets, loading_sets = [g[0] for g in got], [g[1] for g in got]
+        fin_save = set.intersection(*saving_sets)
+        fin_load = set.intersection(*loading_sets)
+        for i in range(len(self.ranks)):
+            self.local_saving[i] -= fin_save
+            self.local_loading[i] -= fin_load
         return fin_save, fin_load
+
+
+def _portable(exc: BaseException | None) -> BaseException | None:
+    """``exc`` if it survives pickling (to travel to the other ranks), else a
+    ``RuntimeError`` carrying its type and message."""
+    if exc is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -19,6 +19,10 @@ One ``Engine.step()`` is one executor iteration:
    do not, a real multi-process engine hangs (the others wait in the layer's all-reduce),
    so the engine raises ``RankDivergenceError`` naming the ranks and requests, fatal
    (``connector_driver``);
+   with ``comm`` (the MPI mode: this process is one TP rank, ``connector_driver.TpComm``)
+   only this rank's hook runs, and each layer all-gathers the ranks' attention heads: a
+   rank that left the forward leaves the others there (``RankHangError`` after the
+   comm's ``hang_timeout_s``, fatal);
 5. sampling (greedy), block registration for reuse, sliding-window reclamation;
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
@@ -34,7 +38,7 @@ from typing import Any
 
 from .. import RequestData, SchedulerOutput
 from .config import ConnectorSpec, EngineConfig, build_llm_args
-from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError
+from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
 
@@ -148,16 +152,32 @@ def _request_data(**kw: Any) -> Any:
 
 class Engine:
     """The reference engine. Single-threaded: call ``add_request`` and ``step`` from the
-    same thread. See the module docstring for what one ``step`` does."""
+    same thread. See the module docstring for what one ``step`` does.
 
-    def __init__(self, config: EngineConfig, connector: ConnectorSpec | None = None):
+    ``comm`` (MPI mode, ``disagg.engine.reference.mpi.MpiComm``): this process is TP rank
+    ``comm.rank`` of ``config.tp == comm.size``; every rank's process builds its own
+    ``Engine`` and must be given the same requests (and cancels) in the same order, as
+    TensorRT-LLM's rank 0 broadcasts the request queue; the ranks then schedule alike.
+    Pools, ``page_bytes`` and page snapshots hold this rank's KV-head shard only."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: ConnectorSpec | None = None,
+        comm: TpComm | None = None,
+    ):
         self.config = cfg = config
+        if comm is not None and comm.size != cfg.tp:
+            raise ValueError(f"Engine: comm has {comm.size} ranks, config says tp={cfg.tp}")
+        self.comm = comm
         self.stats = EngineStats()
-        self.model = TinyLlama(cfg)
-        self.kv = KvCacheManager(cfg)
+        self.model = TinyLlama(cfg, tp=comm)
+        self.kv = KvCacheManager(cfg, ranks=None if comm is None else [comm.rank])
         self.llm_args = build_llm_args(cfg, connector)
         self.driver: Driver | None = (
-            Driver(cfg, connector, self.llm_args, self.kv, self.stats.calls) if connector else None
+            Driver(cfg, connector, self.llm_args, self.kv, self.stats.calls, comm)
+            if connector
+            else None
         )
         self.results: dict[int, RequestResult] = {}
         self.requests: dict[int, Request] = {}
@@ -174,7 +194,8 @@ class Engine:
     # ----- public API -----------------------------------------------------------------
     @property
     def kv_pools(self) -> list[list[Any]]:
-        """``kv_pools[group][rank]``: the pool tensors (see ``kv_cache`` for the layout)."""
+        """``kv_pools[group][i]``: the pool tensors of the ranks held here, rank order
+        (every rank; MPI mode: this rank's alone); see ``kv_cache`` for the layout."""
         return [g.pools for g in self.kv.groups]
 
     def request_pages(self, request_id: int) -> list[list[int]]:
@@ -182,7 +203,7 @@ class Engine:
         return [list(p) for p in self.requests[request_id].pages]
 
     def page_bytes(self, group: int, slot: int) -> bytes:
-        """One group page's bytes (every rank's shard, rank order)."""
+        """One group page's bytes (every rank's shard held here, rank order)."""
         return self.kv.page_bytes(group, slot)
 
     def add_request(
@@ -428,10 +449,13 @@ class Engine:
         self.kv.extend(req.pages, upto, P + N, hashes, P // cfg.tokens_per_block)
         if drv is not None:
             if cfg.kv_manager == "v1":
-                drv.sched("update_state_after_alloc", req, list(req.pages[0]))
+                drv.sched("update_state_after_alloc", req, list(req.pages[0]), broadcast=False)
             else:
                 drv.sched(
-                    "update_state_after_alloc_by_layer_group", req, [list(p) for p in req.pages]
+                    "update_state_after_alloc_by_layer_group",
+                    req,
+                    [list(p) for p in req.pages],
+                    broadcast=False,
                 )
             if is_async:
                 req.state = "loading"
@@ -591,6 +615,8 @@ class Engine:
                             "request_finished_by_layer_group", req, [list(p) for p in req.pages]
                         )
                     )
+            except RankDivergenceError:  # the ranks parted ways (MPI mode): fatal
+                raise
             except Exception:
                 keep = False
         if keep:

@@ -1,5 +1,8 @@
 """Paged KV cache: one page pool per layer group (one group per distinct attention window,
-in first-appearance order, like TensorRT-LLM's V2 manager), per simulated TP rank.
+in first-appearance order, like TensorRT-LLM's V2 manager), per TP rank held in this
+process: every rank when the ranks are simulated in one process, only its own when each
+rank is its own process (``ranks=[r]``, the MPI mode). Page slots, allocation and reuse are
+rank-independent (every rank's allocator takes the same decisions from the same inputs).
 
 Pool tensor of group ``g`` on rank ``r``: ``[num_blocks, len(layer_ids), 2,
 tokens_per_block * kv_heads_per_rank * head_dim]`` in the KV dtype. In V1 mode the single
@@ -53,7 +56,7 @@ class OutOfPages(RuntimeError):
 class GroupState:
     window: int | None
     layer_ids: tuple[int, ...]
-    pools: list[torch.Tensor]  # one per rank
+    pools: list[torch.Tensor]  # one per rank held here (``KvCacheManager.ranks`` order)
     free: list[int] = field(default_factory=list)
     cached: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # free, hashed (LRU)
     live: dict[bytes, int] = field(default_factory=dict)  # in use, hashed
@@ -65,11 +68,15 @@ class GroupState:
 
 
 class KvCacheManager:
-    """Page pools plus allocation, reuse and reclamation."""
+    """Page pools plus allocation, reuse and reclamation. ``ranks``: the TP ranks whose
+    KV-head shards this process holds (default: all of them, the one-process simulation)."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, ranks: list[int] | None = None):
         self.cfg = cfg
         self.tpb = cfg.tokens_per_block
+        self.ranks = list(range(cfg.tp)) if ranks is None else list(ranks)
+        if not self.ranks or any(not 0 <= r < cfg.tp for r in self.ranks):
+            raise ValueError(f"KvCacheManager: ranks {self.ranks} not within tp={cfg.tp}")
         width = cfg.tokens_per_block * cfg.kv_heads_per_rank * cfg.head_dim
         self.groups: list[GroupState] = []
         self.layer_group: dict[int, int] = {}
@@ -84,7 +91,7 @@ class KvCacheManager:
                     dtype=cfg.torch_dtype,
                     device=cfg.device,
                 )
-                for _ in range(cfg.tp)
+                for _ in self.ranks
             ]
             g = GroupState(
                 window,
@@ -99,6 +106,14 @@ class KvCacheManager:
                 self.layer_group[layer] = gid
                 self.layer_index[layer] = li
 
+    def local(self, rank: int) -> int:
+        """Index of ``rank``'s pool in ``GroupState.pools`` (``KeyError``-like ValueError
+        naming the rank if this process does not hold it)."""
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"TP rank {rank} is not held here (ranks {self.ranks})") from None
+
     # ----- registration views -------------------------------------------------------
     def v1_tensor(self, rank: int) -> torch.Tensor:
         """The V1 ``register_kv_caches`` tensor of ``rank`` (single group only)."""
@@ -107,7 +122,7 @@ class KvCacheManager:
                 f"the V1 KV cache manager describes one pool, but this model has "
                 f"{len(self.groups)} attention windows (VSWA): use kv_manager='v2'"
             )
-        return self.groups[0].pools[rank]
+        return self.groups[0].pools[self.local(rank)]
 
     def layout(self, rank: int) -> _layout_mod.KvCacheLayout:
         """The V2 ``register_kv_cache_layout`` description of ``rank``'s pools."""
@@ -115,7 +130,7 @@ class KvCacheManager:
 
         groups = []
         for gid, g in enumerate(self.groups):
-            t = g.pools[rank]
+            t = g.pools[self.local(rank)]
             page = t[0].numel() * t.element_size()
             bufs = tuple(
                 KvCacheBufferRef(layer_id=layer, role=role)
@@ -240,7 +255,8 @@ class KvCacheManager:
 
     # ----- byte access ----------------------------------------------------------------
     def page_bytes(self, gid: int, slot: int) -> bytes:
-        """A group page's bytes, the ranks' slots concatenated in rank order."""
+        """A group page's bytes: the slot of every rank held here, concatenated in rank
+        order (in the MPI mode: this rank's shard only)."""
         return b"".join(
             p[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes()
             for p in self.groups[gid].pools
@@ -249,7 +265,9 @@ class KvCacheManager:
 
 class RequestKv:
     """``KvIO`` over one request's pages: each rank's pool holds its kv-head shard; the
-    model writes the split and reads the concatenation."""
+    model writes every KV head (each rank's pool keeps its own shard's heads) and reads
+    the concatenation of the shards held here, in rank order: every KV head in the
+    one-process simulation, this rank's heads only in the MPI mode."""
 
     def __init__(self, mgr: KvCacheManager, pages: list[list[int]]):
         self.mgr, self.pages = mgr, pages
@@ -282,7 +300,7 @@ class RequestKv:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         views, slots, offs, li = self._index(layer, start, start + k.shape[0])
         kh = self.shape[1]
-        for r, view in enumerate(views):
+        for r, view in zip(self.mgr.ranks, views, strict=True):
             view[slots, li, 0, offs] = k[:, r * kh : (r + 1) * kh].to(view.dtype)
             view[slots, li, 1, offs] = v[:, r * kh : (r + 1) * kh].to(view.dtype)
 

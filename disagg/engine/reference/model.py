@@ -5,6 +5,14 @@ the keys/values it attends to back through it, so whatever a connector writes in
 pages is exactly what the model sees. Attention is computed per request in float32 over
 the gathered KV, so a token's output does not depend on how its prompt was chunked or
 whether its prefix was computed here or loaded (up to float rounding of the projections).
+
+Tensor parallelism across processes (``tp``: a ``TpGroup``, the MPI mode): this process is
+one rank; its pools hold only its KV-head shard, so it attends with its own query heads
+(those of its KV heads) and the ranks' head outputs are all-gathered (in rank order, along
+the heads) before the output projection, a real collective in every layer: a rank that
+leaves a forward while the others go on leaves them waiting there. Everything else (the
+projections, the MLP, sampling) is computed whole on every rank from the same inputs, so
+the gathered heads are the same numbers as one process's and the tokens are identical.
 """
 
 from __future__ import annotations
@@ -16,6 +24,17 @@ from typing import Protocol
 import torch
 
 from .config import EngineConfig
+
+
+class TpGroup(Protocol):
+    """This process's rank of a TP group, and the layers' collective."""
+
+    rank: int
+    size: int
+
+    def allgather_heads(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        """Every rank's ``t`` ``[n, w]`` (same shape on every rank) concatenated in rank
+        order along dim 1: ``[n, size * w]``. Blocks until every rank has called it."""
 
 
 class KvIO(Protocol):
@@ -36,8 +55,10 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tens
 class TinyLlama:
     """Weights drawn from ``torch.Generator().manual_seed(seed)`` on CPU, then moved."""
 
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, tp: TpGroup | None = None):
+        self.cfg, self.tp = cfg, tp
+        if tp is not None and tp.size != cfg.tp:
+            raise ValueError(f"TinyLlama: TP group of {tp.size} ranks, config says tp={cfg.tp}")
         g = torch.Generator().manual_seed(cfg.seed)
         dt, dev = cfg.torch_dtype, torch.device(cfg.device)
 
@@ -95,7 +116,9 @@ class TinyLlama:
 
     def layer(self, i: int, x: torch.Tensor, start: int, kv: KvIO) -> torch.Tensor:
         """Run decoder layer ``i`` on hidden states ``x`` ``[n, hidden]`` at positions
-        ``[start, start+n)``: write this chunk's KV, attend over the window, return ``x``."""
+        ``[start, start+n)``: write this chunk's KV, attend over the window, return ``x``.
+        With a ``tp`` group: attend with this rank's query heads over the KV ``kv`` reads
+        back (this rank's shard), then all-gather the heads (see the module docstring)."""
         cfg, p = self.cfg, self.layers[i]
         n, hd = x.shape[0], cfg.head_dim
         pos = torch.arange(start, start + n)
@@ -108,6 +131,9 @@ class TinyLlama:
         lo = 0 if window is None else max(0, start - window + 1)
         keys, vals = kv.read(i, lo, start + n)
         rep = cfg.num_heads // cfg.num_kv_heads
+        if self.tp is not None:  # this rank's query heads: those of its KV heads
+            per = cfg.num_heads // self.tp.size
+            q = q[:, self.tp.rank * per : (self.tp.rank + 1) * per]
         kf = keys.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
         vf = vals.float().repeat_interleave(rep, dim=1)
         scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) / math.sqrt(hd)
@@ -118,6 +144,8 @@ class TinyLlama:
             mask &= kpos > qpos - window
         scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
         attn = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).reshape(n, -1)
+        if self.tp is not None:
+            attn = self.tp.allgather_heads(attn, f"layer {i} attention heads")
         x = x + attn.to(x.dtype) @ p["wo"]
         hn = _rms_norm(x, p["mlp_norm"])
         mlp = torch.nn.functional.silu(hn @ p["w_gate"]) * (hn @ p["w_up"])
