@@ -16,6 +16,8 @@ from disagg.consumer.service import _services as consumer_services
 from disagg.engine.reference import ConnectorSpec, Engine, EngineConfig
 from disagg.producer.service import _registry as producer_registry
 from disagg.producer.service import _services as producer_services
+from disagg.protocol import messages as m
+from disagg.protocol.errors import ErrorCode, ProtocolError
 
 _ids = itertools.count()
 
@@ -147,3 +149,41 @@ def wait_for(cond: Callable[[], Any], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(cond())
+
+
+def fail_on_rank1(csvc1: Any, target: int, how: str = "transfer") -> list[int]:
+    """Consumer rank 1's load of request ``target`` fails; rank 0's lands. ``transfer``:
+    the data plane fails the transfer before a byte of it arrives (as when producer rank 1
+    dies mid-push: learned by polling the plane); ``push``: producer rank 1 refuses the
+    Push (its lease is gone: learned by ``dispatch`` on the engine thread). Returns the
+    request ids hit."""
+    hit: list[int] = []
+    if how == "transfer":
+        plane = csvc1.data
+        expect = plane.expect
+        loads = csvc1.loads
+
+        def expect_then_fail(tid: int, *a: Any, **kw: Any) -> None:
+            expect(tid, *a, **kw)
+            load = loads.get(target)
+            if load is not None and load.transfer_id == tid:
+                hit.append(target)
+                plane.abort(tid, "injected: producer rank 1 died mid-push")
+
+        plane.expect = expect_then_fail
+    else:
+        call = csvc1._call
+
+        def refuse(link: Any, msg: Any, *a: Any, **kw: Any) -> Any:
+            load = csvc1.loads.get(target)
+            if (
+                isinstance(msg, m.Push)
+                and load is not None
+                and msg.lease_id == load.claimed.lease_id
+            ):
+                hit.append(target)
+                raise ProtocolError(ErrorCode.UNKNOWN_LEASE, "injected: lease lost on rank 1")
+            return call(link, msg, *a, **kw)
+
+        csvc1._call = refuse
+    return hit

@@ -10,7 +10,6 @@ a rank that joins late, and a message without the secret.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 import pytest
@@ -18,6 +17,7 @@ import zmq
 from harness import (
     SHAPE,
     close_all_services,
+    fail_on_rank1,
     make_consumer,
     make_producer,
     prompts,
@@ -29,8 +29,6 @@ from harness import (
 
 from disagg.consumer.rank_bus import RankBus, RankState, decide
 from disagg.engine.reference import Engine, EngineConfig, RankDivergenceError
-from disagg.protocol import messages as m
-from disagg.protocol.errors import ErrorCode, ProtocolError
 
 TP2 = dict(SHAPE, tp=2)
 
@@ -39,44 +37,6 @@ TP2 = dict(SHAPE, tp=2)
 def _close_services():
     yield
     close_all_services()
-
-
-def _fail_on_rank1(csvc1: Any, target: int, how: str = "transfer") -> list[int]:
-    """Consumer rank 1's load of request ``target`` fails; rank 0's lands. ``transfer``:
-    the data plane fails the transfer before a byte of it arrives (as when producer rank 1
-    dies mid-push: learned by polling the plane); ``push``: producer rank 1 refuses the
-    Push (its lease is gone: learned by ``dispatch`` on the engine thread). Returns the
-    request ids hit."""
-    hit: list[int] = []
-    if how == "transfer":
-        plane = csvc1.data
-        expect = plane.expect
-        loads = csvc1.loads
-
-        def expect_then_fail(tid: int, *a: Any, **kw: Any) -> None:
-            expect(tid, *a, **kw)
-            load = loads.get(target)
-            if load is not None and load.transfer_id == tid:
-                hit.append(target)
-                plane.abort(tid, "injected: producer rank 1 died mid-push")
-
-        plane.expect = expect_then_fail
-    else:
-        call = csvc1._call
-
-        def refuse(link: Any, msg: Any, *a: Any, **kw: Any) -> Any:
-            load = csvc1.loads.get(target)
-            if (
-                isinstance(msg, m.Push)
-                and load is not None
-                and msg.lease_id == load.claimed.lease_id
-            ):
-                hit.append(target)
-                raise ProtocolError(ErrorCode.UNKNOWN_LEASE, "injected: lease lost on rank 1")
-            return call(link, msg, *a, **kw)
-
-        csvc1._call = refuse
-    return hit
 
 
 @pytest.mark.parametrize("how", ["transfer", "push"])
@@ -94,7 +54,7 @@ def test_one_rank_failure_fails_the_request_on_every_rank_others_match(load_mode
     # one request at a time: a failed request fails its whole batch (TensorRT-LLM too)
     a = run(cons, [ps[0]], max_tokens=5)[0]
     rid = cons.add_request(ps[1], 5)
-    hit = _fail_on_rank1(c1, rid, how)
+    hit = fail_on_rank1(c1, rid, how)
     t0 = time.monotonic()
     while cons.has_work():
         cons.step()  # a divergence would raise RankDivergenceError here
@@ -130,7 +90,7 @@ def test_one_rank_failure_stops_every_rank_under_stop_instance():
     c0, c1 = rank_services(csvc)
     assert c0.stop_on_failure and c1.stop_on_failure
     rid = cons.add_request(ps[0], 4)
-    _fail_on_rank1(c1, rid)
+    fail_on_rank1(c1, rid)
     with pytest.raises(RuntimeError, match="unrecoverable") as exc:
         while cons.has_work():
             cons.step()

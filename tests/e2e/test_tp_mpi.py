@@ -124,9 +124,9 @@ def _run_phase(i: int, ph: dict[str, Any], role: str, comm: Any, world: Any) -> 
             if ph.get("fail_rank1") is not None and comm.rank == 1:
                 target = ph["fail_rank1"]
                 if target in group:
-                    from test_tp_failure import _fail_on_rank1
+                    from harness import fail_on_rank1
 
-                    hit = _fail_on_rank1(svc, ids[group.index(target)], ph.get("how", "transfer"))
+                    hit = fail_on_rank1(svc, ids[group.index(target)], ph.get("how", "transfer"))
             t0 = time.monotonic()
             while eng.has_work():
                 eng.step()
