@@ -113,7 +113,7 @@ an IOV receive is answered with sysv copy-in copy-out pieces, fast when both cor
 collapsing to 2-3 GB/s when a third thread takes one); an RMA get into an iov of the slots
 is one copy but measured no better than the scratch path at 64-256 KiB.
 
-Sender, store rows on the tag path (a receiver without ``rma=1``, or tcp;
+Sender, store rows on the tag path (a receiver without ``rma=2``, or tcp;
 ``accepts_store_rows``; bench changed at f2b6b52 to draw the N source
 rows at random from a 2N-row store and to time the producer's gather). ``post_push``
 takes ``StoreRows`` of a host slab and plans the same batches and segments as before
@@ -188,30 +188,38 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
   peer that dies mid-transfer is then noticed by the deadline only (or, on the RMA
-  path, by a failed read). ``rma=1`` (query) once the receiver reads StoreRows batches
-  itself ("RMA (one-sided reads)"); older senders ignore it. ``?direct=1``
+  path, by a failed read). ``rma=2`` (query) once the receiver reads StoreRows batches
+  itself, from version-2 headers ("RMA (one-sided reads)"); senders that know only
+  version 1 (``rma=1``) ignore it and send tag messages. ``?direct=1``
   once every registered host region is huge-page memory from ``hostmem.empty`` (see
   "Shared memory"); older senders ignore the query and keep packing.
 
 RMA (one-sided reads; ``ucx_rma.py``, ``_ucxrma.c``). Offered by a ``shm`` receiver whose
 registered regions are all host memory, when ``ucx_rma.available()`` (the C loop is
-built, libucp as mirrored, ``DISAGG_UCX_RMA`` not ``0``): its endpoint carries ``rma=1``
-and its UCX context has the RMA feature. A ``shm`` producer that sees it sends each
-batch of host ``StoreRows`` (``_plan_rma``: the same ``_batches`` of runs, at most
-``_RMA_MAX_PAGES`` pages) as ONE header under ``_HDR_RMA_TAG`` (tag 0, in the header
-mask, so headers and TransferDone keep their order): a length-prefixed ``_RMA_FIXED``
-block, the msgpack ``PageBatch``, the packed rkey of the slab, the producer's own
-worker-address endpoint, the column spans and the slab row of every page. No payload
-message follows. The slab is registered on first use by the progress thread
+built, libucp as mirrored, ``DISAGG_UCX_RMA`` not ``0``): its endpoint carries ``rma=2``
+and its UCX context has the RMA feature. A ``shm`` producer that sees it cuts the host
+``StoreRows`` of a push into batches (``_plan_rma``, "Batches of an RMA push" below)
+and sends each as ONE header under ``_HDR_RMA_TAG`` (tag 0, in the header mask, so
+headers and TransferDone keep their order): version 2 (``_rma_frame``), a
+length-prefixed ``_RMA_FIXED`` block (magic ``RMA2``, transfer, lease, group, page
+size, batch number, page count, the slab's address, rows, stride and width), the token,
+the packed rkey of the slab, the producer's own worker-address endpoint, the column
+spans, and the destination slot and slab row of every page as int64 arrays. No payload
+message follows. A header of another version is refused by name (``_rma_refuse``:
+counted and logged; a version-1 header, which still parses far enough to be
+authenticated, also fails its transfer and its push with "RMA header version 1 is not
+supported (this plane reads version 2)"); peers of different versions never get there,
+as each offers or looks for its own ``rma=`` query and otherwise uses tag messages.
+The slab is registered on first use by the progress thread
 (``_rma_reg``: keyed by address and length, the tensor kept alive while mapped, the
 least recently used of more than ``_RMA_REGS`` unmapped when no active push reads it)
 and unmapped on close.
 
 The receiver (``_rx_rma``) authenticates the header and checks the whole batch before a
-single read is posted: the book's slot checks (``accept_slots``, on the runs converted
-once with ``np.fromiter``), and the source
-description (``_rma_check``: a row per page, rows inside the slab, columns inside a row
-and adding up to the page size, a host group, a worker-address endpoint). It connects
+single read is posted: the book's slot checks (``accept_slots`` on the header's slot
+array: bounds, promised slots, each once), and the source description (``_rma_check``:
+rows inside the slab, columns inside a row and adding up to the page size, a host
+group, a worker-address endpoint). It connects
 back to the producer (cached, error handling off like every shm endpoint), unpacks the
 rkey (cached per endpoint and key, destroyed on close or when the endpoint is
 replaced), builds the read list with numpy (``ucx_rma.op_lists``: a page cut at column
@@ -283,7 +291,8 @@ of reads to claim at +14 ms of a 1 MiB-page transfer while the lane copied its b
 until +25 ms). So the list is shared out as it goes, whatever each reader's speed (a
 core taken by something else just reads less), and ends within one slice on every
 reader. Lanes claim until the list is exhausted; the progress thread at most
-``_RMA_TURN`` bytes per loop turn (it still serves headers and acknowledgements). A
+``_RMA_TURN`` bytes per loop turn (it still serves headers and acknowledgements), and
+only after it has checked and handed out every header that arrived. A
 batch under ``_RMA_SPLIT_MIN`` bytes per reader stays on the progress thread. Each
 reader reports its share once it found nothing to claim and its reads completed
 (``_rma_done``: the first failure kept, a failure moves the cursor to the end so the
@@ -322,6 +331,56 @@ pages at 12.1-14.3 GB/s, 256 KiB at 13-14.6, 16 KiB at 6.0-7.8 (16 pages per cal
 so per-page cma through UCX on both cores is within ~15% of what the medium gives;
 what is left at 64-256 KiB is UCX's request per page, the Python around each batch, and
 the fixed per-transfer round trips.
+
+Batches of an RMA push (session 7). A timeline of both processes (/scratch/shm7/prof.py:
+each stamps CLOCK_MONOTONIC events, 256 MiB of random 64 KiB rows into random slots)
+showed where the fixed part went with version-1 headers (msgpack runs, batches of 2048
+runs): the bench's go reached the producer after 0.4-0.6 ms, planning took 0.9 ms (0.56
+of it building and encoding runs), the consumer started on the first header 1.7-2.2 ms
+after go and spent ~0.9 ms on it (msgpack decode 0.15-0.3, run expansion 0.3, read
+list 0.2-0.35) before the first read, at 2.6-3.6 ms; its second header cost the progress
+thread another ~0.9 ms of not reading. Now (version 2) a header carries the slots and
+rows as int64 arrays, so planning is a slice per batch (~0.2 ms for 4096 pages) and a
+batch is checked from views of the header (~0.1 ms per 1000 pages plus ~0.2 ms fixed);
+the push's first batch is ``_RMA_FIRST_PAGES`` pages, each next one ``_RMA_RAMP`` times
+larger up to ``_RMA_MAX_PAGES`` (64 KiB pages: 64, 1024, 3008); and the progress thread
+checks and hands out every header that has arrived before it takes its own reading
+turn (``_rx_rma`` no longer reads; ``_rma_reap`` does), so a lane ends one batch and
+finds the next one queued. Reads start 1.0-1.9 ms after go (of which ~0.5 ms is the
+bench's pipe). The progress thread reads up to ``_RMA_TURN`` = 16 MiB per loop turn
+(was 8). Measured, each knob against the defaults in one process pair, transfers
+interleaved (prof.py ``CFGS``, 15-20 transfers each): on a loaded box (other helpers'
+work) at 64 KiB 9.00 GB/s against 8.39 without the small first batch, 8.74 with 8 MiB
+turns, 8.84 with a ramp of 4; on a quiet box every variant within 1-2% at 64 KiB-1 MiB
+(a small first batch matters only while checking a header is slow). Three readers
+instead of two (sweep of 3 rounds): 256 KiB 9.5-11.7 against 10.4-13.6, 64 KiB no
+better. Version 1 against version 2 in alternating process pairs (prof.py, 20
+transfers each): 64 KiB 9.32/10.36/9.60/9.60 GB/s against 10.56/10.40/11.81/10.66
+(version 2 ahead in every round, ~+10%); 256 KiB 13.06/13.24/11.68/11.50/9.50 against
+13.25/13.42/10.74/10.47/10.04 (no difference beyond the noise).
+In the bench (``flock /tmp/bench.lock disagg bench transfer --transports ucx-shm
+--page-sizes 64KiB,256KiB,1MiB --total 256MiB --repeats 5``, 8 pairs, A = version 1 in
+a copy of the tree, B = this, alternating order; ratio of the row's memcpy ceiling,
+range and median, GB/s median): 64 KiB A 0.53-0.66 (0.60, 7.7) B 0.54-0.78 (0.61,
+8.2); 256 KiB A 0.49-0.96 (0.80, 10.4) B 0.64-0.84 (0.74, 9.5); 1 MiB A 0.80-1.10
+(0.95, 11.7) B 0.81-1.20 (1.00, 13.3): no difference this box resolves in the bench
+(its rows vary 1.5x between runs; 10 earlier pairs with 8 MiB turns and a 1 MiB first
+batch likewise). One thing the bench adds that prof.py does not (a 64 KiB transfer
+there takes ~32 ms against ~25 here): with ``OMP_NUM_THREADS=1`` in the bench's
+environment, 2 runs each, 64 KiB went 0.59/0.54 -> 0.69/0.71 and 256 KiB 0.83/0.71 ->
+0.83/0.91: torch's intra-op threads (the consumer checks each transfer with a torch
+index of the pool) spin on this 2-core box while the reader threads copy.
+
+What limits it now (``perf record -e cpu-clock -F 4999 -a -g`` over 2.5 s of 64 KiB
+pulls, /scratch/shm7/perf.sh): ``_copy_to_iter`` 51% of both cores, idle 11% (the fixed
+start and end of each transfer, and rb.py's checks between them), the kernel's per-call
+cma work ~8% (``__get_user_pages``, ``unpin_user_pages``, the ptrace check, and BPF
+hooks of this sandbox on every syscall), UCX ~4.5%, Python ~7%. Two threads copying at
+once already share this box's memory bandwidth with each other (raw per-page
+``process_vm_readv`` on 2 threads, 11.7 GB/s in the same session, is about one
+memcpy), so reaching 0.9 of memcpy needs the per-page reads at raw speed with nothing
+fixed around them: fewer calls (several pages per ``process_vm_readv``, which UCX's get
+does not do for scattered remote rows) rather than less Python.
 
 CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
 sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
@@ -449,9 +508,20 @@ _SHM_DIRECT_QUERY = "direct=1"  # on a ucx+shm endpoint: runs may land in the ro
 # header of a batch whose pages the receiver reads itself (one-sided, ``ucp_get_nbx``
 # from the sender's registered store rows: "RMA"); in the header mask, so in order
 _HDR_RMA_TAG = 0
-_RMA_QUERY = "rma=1"  # on an endpoint: the receiver reads StoreRows batches itself
-_RMA_MAGIC = b"RMA1"
-_RMA_MAX_PAGES = 32768  # pages per RMA batch (their rows travel in the header: 256 KiB)
+# on an endpoint: the receiver reads StoreRows batches itself, from headers of this
+# version ("rma=1" was version 1: a producer that knows only one of the two versions
+# sends that receiver tag messages instead, so mismatched peers still work)
+_RMA_QUERY = "rma=2"
+_RMA_VERSION = 2
+_RMA_MAGIC = b"RMA2"  # b"RMA" + the version digit: a header of another version is refused
+# pages per RMA batch (16 bytes each in the header, slot + row: 64 KiB); the first batch
+# of a push is _RMA_FIRST_PAGES pages and each next one _RMA_RAMP times the one before,
+# so the consumer starts reading a small batch while it checks the larger ones (what a
+# batch costs the consumer to check grows with its pages, not its bytes: "Batches of an
+# RMA push" in the module docstring)
+_RMA_MAX_PAGES = 4096
+_RMA_FIRST_PAGES = 64
+_RMA_RAMP = 16
 _RMA_REGS = 8  # producer: store slabs kept registered (least recently used ones unmapped)
 _RMA_RKEYS = 64  # consumer: unpacked remote keys kept
 _RMA_ROUNDS = 64  # worker progress calls per loop turn while reads are in flight
@@ -463,7 +533,7 @@ _RMA_ROUNDS = 64  # worker progress calls per loop turn while reads are in fligh
 # (waking a lane costs more than it saves)
 _RMA_SLICE = 256 << 10
 _RMA_MAX_READ = 2 << 20
-_RMA_TURN = 8 << 20
+_RMA_TURN = 16 << 20
 _RMA_SPLIT_MIN = 256 << 10
 _RMA_READERS_ENV = "DISAGG_UCX_RMA_READERS"
 # acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
@@ -804,52 +874,113 @@ class _ReadLane:
         return pull.posted, _pull_error(read.endpoint, pull)
 
 
-_RMA_FIXED = struct.Struct("<4sIQQQQIHHI")
+# Version 2 (``_RMA_MAGIC``): the batch's identity and source description in a fixed
+# block, then token, packed rkey, producer endpoint, column spans, and the destination
+# slot and slab row of every page as little-endian int64 arrays (no msgpack: its runs
+# cost ~0.5 ms per 2048 pages to build, encode, decode and expand, "Batches of an RMA
+# push"). Version 1 (``b"RMA1"``: a 44-byte block, a msgpack PageBatch, ...) shared only
+# the 4-byte magic's place: ``_rma_refuse`` recognises it by that.
+_RMA_FIXED = struct.Struct("<4sQQIQIIQQQQHHHH")
+_RMA1_FIXED = struct.Struct("<4sIQQQQIHHI")  # version 1's block, to name its batch
+
+
+class RmaVersionError(ValueError):
+    """An RMA header of a version this plane does not read (``version``: the digit
+    after b"RMA", or None when even that is not one)."""
+
+    def __init__(self, version: int | None) -> None:
+        self.version = version
+        super().__init__(
+            f"RMA header version {version if version is not None else '?'} is not "
+            f"supported (this plane reads version {_RMA_VERSION})"
+        )
 
 
 @dataclass(frozen=True)
 class RmaHeader:
-    """Parsed RMA batch header: the ``PageBatch`` (authenticated and checked like any
-    other) and where its pages lie at the producer: rows ``rows`` (one per page, in page
-    order) of a slab of ``nrows`` rows of ``stride`` bytes at ``base`` (``width`` bytes
-    of each readable), each page the column spans ``cols``; ``rkey`` packed by the
-    producer; ``endpoint`` where to reach it (reads and the acknowledgement)."""
+    """Parsed RMA batch header (version 2): the batch's identity (transfer, lease,
+    token, layer group, page size, batch number), authenticated and checked like any
+    other batch, and where its pages go and come from: page ``i`` lands in slot
+    ``slots[i]`` and lies at the producer in row ``rows[i]`` of a slab of ``nrows``
+    rows of ``stride`` bytes at ``base`` (``width`` bytes of each readable), each page
+    the column spans ``cols``; ``rkey`` packed by the producer; ``endpoint`` where to
+    reach it (reads and the acknowledgement)."""
 
-    msg: m.Message
+    transfer_id: int
+    lease_id: int
+    token: bytes
+    group: int
+    page_bytes: int
+    batch: int
     base: int
     nrows: int
     stride: int
     width: int
-    batch: int
     rkey: bytes
     endpoint: str
     cols: tuple[tuple[int, int], ...]
+    slots: np.ndarray
     rows: np.ndarray
+
+    def identity(self) -> m.PageBatch:
+        """The batch as a PageBatch for the book's authentication (transfer, lease,
+        token); its slots travel in ``slots``, not as runs (left empty here)."""
+        return m.PageBatch(
+            transfer_id=self.transfer_id,
+            lease_id=self.lease_id,
+            token=self.token,
+            group=self.group,
+            runs=[],
+            page_bytes=self.page_bytes,
+        )
 
 
 def _rma_frame(
-    header: bytes,
+    transfer_id: int,
+    lease_id: int,
+    token: bytes,
+    group: int,
+    page_bytes: int,
+    batch: int,
     base: int,
     nrows: int,
     stride: int,
     width: int,
-    batch: int,
     rkey: bytes,
     endpoint: str,
     cols: tuple[tuple[int, int], ...],
+    slots: np.ndarray,
     rows: np.ndarray,
 ) -> np.ndarray:
+    """The length-prefixed version-2 header of one RMA batch (``RmaHeader``)."""
     ep = endpoint.encode()
+    if len(slots) != len(rows):
+        raise ValueError(f"{len(slots)} slots for {len(rows)} source rows")
     fixed = _RMA_FIXED.pack(
-        _RMA_MAGIC, len(header), base, nrows, stride, width, batch, len(rkey), len(ep), len(cols)
+        _RMA_MAGIC,
+        transfer_id,
+        lease_id,
+        group,
+        page_bytes,
+        batch,
+        len(slots),
+        base,
+        nrows,
+        stride,
+        width,
+        len(token),
+        len(rkey),
+        len(ep),
+        len(cols),
     )
     body = b"".join(
         (
             fixed,
-            header,
+            token,
             rkey,
             ep,
             np.asarray(cols, dtype="<u8").tobytes(),
+            np.ascontiguousarray(slots, dtype="<i8").tobytes(),
             np.ascontiguousarray(rows, dtype="<i8").tobytes(),
         )
     )
@@ -857,39 +988,80 @@ def _rma_frame(
 
 
 def _rma_parse(body: bytes) -> RmaHeader:
-    """Parse an RMA header (ValueError / ProtocolError when malformed)."""
+    """Parse a version-2 RMA header: ``RmaVersionError`` for another version's,
+    ValueError when malformed. Vectorised: the slots and rows are views of ``body``."""
+    if len(body) < 4 or body[:3] != b"RMA":
+        raise ValueError("not an RMA header")
+    if body[:4] != _RMA_MAGIC:
+        v = body[3:4]
+        raise RmaVersionError(int(v) if v.isdigit() else None)
     if len(body) < _RMA_FIXED.size:
         raise ValueError("short RMA header")
-    magic, hlen, base, nrows, stride, width, batch, klen, elen, ncols = _RMA_FIXED.unpack_from(body)
-    if magic != _RMA_MAGIC:
-        raise ValueError("not an RMA header")
+    (_, tid, lease, group, pb, batch, n, base, nrows, stride, width, tlen, klen, elen, ncols) = (
+        _RMA_FIXED.unpack_from(body)
+    )
     at = _RMA_FIXED.size
-    msg = m.decode(body[at : at + hlen])
-    at += hlen
+    if len(body) != at + tlen + klen + elen + 16 * ncols + 16 * n:
+        raise ValueError("RMA header lengths disagree")
+    token = body[at : at + tlen]
+    at += tlen
     rkey = body[at : at + klen]
     at += klen
     endpoint = body[at : at + elen].decode()
     at += elen
-    cb = 16 * ncols
     colv = np.frombuffer(body, dtype="<u8", count=2 * ncols, offset=at).reshape(-1, 2)
-    at += cb
-    if (len(body) - at) % 8 or len(rkey) != klen:
-        raise ValueError("RMA header lengths disagree")
-    rows = np.frombuffer(body, dtype="<i8", offset=at).astype(np.int64)
-    cols = tuple((int(o), int(n)) for o, n in colv.tolist())
-    return RmaHeader(msg, base, nrows, stride, width, batch, rkey, endpoint, cols, rows)
+    at += 16 * ncols
+    slots = np.frombuffer(body, dtype="<i8", count=n, offset=at).astype(np.int64, copy=False)
+    rows = np.frombuffer(body, dtype="<i8", count=n, offset=at + 8 * n).astype(np.int64, copy=False)
+    cols = tuple((int(o), int(c)) for o, c in colv.tolist())
+    return RmaHeader(
+        tid,
+        lease,
+        token,
+        group,
+        pb,
+        batch,
+        base,
+        nrows,
+        stride,
+        width,
+        rkey,
+        endpoint,
+        cols,
+        slots,
+        rows,
+    )
+
+
+def _rma1_identity(body: bytes) -> tuple[m.Message, int, str] | None:
+    """(PageBatch, batch number, producer endpoint) of a version-1 header, enough to
+    refuse it by name to an authenticated producer; None when it does not parse."""
+    try:
+        _, hlen, _, _, _, _, batch, klen, elen, _ = _RMA1_FIXED.unpack_from(body)
+        at = _RMA1_FIXED.size
+        msg = m.decode(body[at : at + hlen])
+        at += hlen + klen
+        return msg, batch, body[at : at + elen].decode()
+    except Exception:
+        return None
 
 
 @dataclass
 class RmaBatch:
     """A plan entry of the producer: one batch the consumer reads from ``slab`` (a
     host store, registered on first use by the progress thread, which frames the header
-    then: ``_tx_pump``)."""
+    then: ``_tx_pump``): page ``i`` lands in slot ``slots[i]`` from slab row
+    ``rows[i]``."""
 
-    header: bytes  # the encoded PageBatch
+    transfer_id: int
+    lease_id: int
+    token: bytes
+    group: int
+    page_bytes: int
     slab: np.ndarray
     owner: torch.Tensor
-    rows: np.ndarray  # slab row of each page, in page order
+    slots: np.ndarray
+    rows: np.ndarray
     cols: tuple[tuple[int, int], ...]
     batch: int
     ack_tag: int
@@ -1405,38 +1577,28 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         book, the producer's rows and columns against the slab it describes) before any
         read is posted, then post one read per run (``ucx_rma.op_lists``: consecutive
         rows into consecutive slots merged) from the C loop. The pages land, and the
-        producer is acknowledged, once every read completed (``_rma_reap``)."""
+        producer is acknowledged, once every read completed (``_rma_reap``). A header
+        of another version is refused by name (``_rma_refuse``)."""
         try:
             hdr = _rma_parse(body)
-        except ProtocolError as e:
-            self.stats["rejected_" + e.code.name] += 1
+        except RmaVersionError as e:
+            self._rma_refuse(body, e)
             return
         except Exception:  # anything malformed: never let it end this thread
             self.stats["rejected_BAD_FRAME"] += 1
             return
         book = self._book
         with book.cond:
-            rx = book.authenticate(hdr.msg)
+            rx = book.authenticate(hdr.identity())
             if rx is None:
                 return
             assert isinstance(rx, _UcxRx)
-            msg = hdr.msg
-            if not isinstance(msg, m.PageBatch):
-                self.stats["rejected_kind"] += 1
-                return
             ack = _ack_tag(_tag_key(rx.token), rx.transfer_id, hdr.batch)
-            # the book's accept_batch, without its conversion of the runs from a list
-            # of lists (np.asarray: ~0.3 ms per 2048 runs, twice): the runs as one array
-            nr = len(msg.runs)
-            runs = np.fromiter(chain.from_iterable(msg.runs), dtype=np.int64, count=2 * nr)
-            runs = runs.reshape(nr, 2)
-            slots = None
-            if nr and not ((runs[:, 0] < 0).any() or (runs[:, 1] < 1).any()):
-                slots = runs_slots(runs)
-            why = self._rma_check(hdr, msg, -1 if slots is None else int(slots.size))
+            slots = hdr.slots  # int64, page order: checked here before any read
+            why = self._rma_check(hdr)
             if why is None:
-                end = int((runs[:, 0] + runs[:, 1]).max()) if nr else 0
-                why = book.accept_slots(rx, msg.group, msg.page_bytes, slots, end)
+                end = int(slots.max()) + 1
+                why = book.accept_slots(rx, hdr.group, hdr.page_bytes, slots, end)
             elif not rx.state.final:
                 self.stats["rejected_batch"] += 1
                 book.fail(rx, why)
@@ -1444,8 +1606,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 self._rma_ack(hdr.endpoint, ack, f"batch refused: {why}")
                 return
-            grp = book.groups[msg.group]
-            assert slots is not None  # accepted
+            grp = book.groups[hdr.group]
             rx.inflight += 1
         pages = int(slots.size)
         lanes = self._rma_lanes()
@@ -1472,11 +1633,11 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
             self._rma_ack(hdr.endpoint, ack, "reads failed")
             return
-        nbytes = pages * msg.page_bytes
+        nbytes = pages * hdr.page_bytes
         helpers = lanes if nbytes >= _RMA_SPLIT_MIN * (len(lanes) + 1) else []
         read = _RmaRead(
             rx,
-            msg.group,
+            hdr.group,
             pages,
             nbytes,
             ack,
@@ -1489,33 +1650,56 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         )
         self.stats["rma_reads"] += int(local.size)
         self._rma_reads.append(read)
-        for lane in helpers:  # they start on it while this thread posts its first turn
+        # the lanes start on it now; this thread takes its turns from the loop
+        # (``_rma_reap``), after it has checked and handed out every header that has
+        # arrived, so a lane finds the next batch queued when it ends one
+        for lane in helpers:
             lane.submit(read)
-        self._rma_step(read)
 
-    def _rma_check(self, hdr: RmaHeader, msg: m.PageBatch, pages: int) -> str | None:
+    def _rma_check(self, hdr: RmaHeader) -> str | None:
         """What is wrong with an RMA batch's source description, or None: every read
         must lie inside the slab the producer registered, the columns must make a page of
         the batch's size, and the group must be host memory (reads into device memory
-        are not done here: such a receiver does not offer RMA). ``pages``: the batch's
-        page count (-1 when its runs are malformed: the book names that)."""
-        if pages >= 0 and hdr.rows.size != pages:
-            return f"RMA batch names {hdr.rows.size} source rows for {pages} pages"
-        if hdr.rows.size and (int(hdr.rows.min()) < 0 or int(hdr.rows.max()) >= hdr.nrows):
+        are not done here: such a receiver does not offer RMA). The slots are the
+        book's (``accept_slots``)."""
+        if hdr.slots.size == 0:
+            return "RMA batch of no pages"
+        if int(hdr.rows.min()) < 0 or int(hdr.rows.max()) >= hdr.nrows:
             return f"RMA batch names source rows outside the producer's {hdr.nrows}"
         if hdr.width < 1 or hdr.stride < hdr.width:
             return f"RMA batch describes rows of {hdr.width} bytes {hdr.stride} apart"
         if not hdr.cols or any(o < 0 or c < 1 or o + c > hdr.width for o, c in hdr.cols):
             return f"RMA batch columns {hdr.cols} outside rows of {hdr.width} bytes"
-        if sum(c for _, c in hdr.cols) != msg.page_bytes:
+        if sum(c for _, c in hdr.cols) != hdr.page_bytes:
             return f"RMA batch columns make {sum(c for _, c in hdr.cols)}-byte pages"
-        if not 0 <= msg.group < len(self._gdev):
+        if not 0 <= hdr.group < len(self._gdev):
             return None  # the book names this one
-        if self._gdev[msg.group] is not None:
-            return f"RMA batch for group {msg.group}, which lives in device memory"
+        if self._gdev[hdr.group] is not None:
+            return f"RMA batch for group {hdr.group}, which lives in device memory"
         if not hdr.endpoint.startswith(("ucx+shm://", "ucx+addr://")):
             return "RMA batch names no worker-address endpoint to read from"
         return None
+
+    def _rma_refuse(self, body: bytes, e: RmaVersionError) -> None:
+        """An RMA header of another version: counted and logged; a version-1 header
+        from an authenticated producer also fails its transfer, and its push, with the
+        version named (the acknowledgement carries the text)."""
+        self.stats["rejected_rma_version"] += 1
+        log.warning("%s", e)
+        got = _rma1_identity(body) if e.version == 1 else None
+        if got is None:
+            return
+        msg, batch, endpoint = got
+        book = self._book
+        with book.cond:
+            rx = book.authenticate(msg)
+            if rx is None:
+                return
+            if not rx.state.final:
+                book.fail(rx, str(e))
+                book.cond.notify_all()
+        if endpoint.startswith(("ucx+shm://", "ucx+addr://")):
+            self._rma_ack(endpoint, _ack_tag(_tag_key(rx.token), rx.transfer_id, batch), str(e))
 
     def _rkey(self, endpoint: str, ep: Any, packed: bytes) -> int:
         """The unpacked remote key of ``packed`` on ``ep`` (cached; a key unpacked on an
@@ -1998,15 +2182,20 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 if isinstance(buf, RmaBatch):
                     reg = self._rma_reg(buf.slab, buf.owner)
                     frame = _rma_frame(
-                        buf.header,
+                        buf.transfer_id,
+                        buf.lease_id,
+                        buf.token,
+                        buf.group,
+                        buf.page_bytes,
+                        buf.batch,
                         reg.address,
                         int(buf.slab.shape[0]),
                         int(buf.slab.strides[0]),
                         int(buf.slab.shape[1]),
-                        buf.batch,
                         reg.rkey,
                         self._endpoint,
                         buf.cols,
+                        buf.slots,
                         buf.rows,
                     )
                     if frame.size - 4 > _HDR_MAX:
@@ -2365,6 +2554,22 @@ def _plan_store_rows(
     return msgs, pages, seq
 
 
+def _rma_cuts(pages: int, page_bytes: int, first: bool) -> list[int]:
+    """Where a group's ``pages`` pages are cut into RMA batches (the end of each):
+    at most ``_RMA_MAX_PAGES`` pages and ``BATCH_BYTES`` per batch (at least a page);
+    the push's ``first`` batch ``_RMA_FIRST_PAGES`` pages, each next one ``_RMA_RAMP``
+    times the one before ("Batches of an RMA push")."""
+    cap = max(1, min(_RMA_MAX_PAGES, BATCH_BYTES // page_bytes))
+    size = min(cap, _RMA_FIRST_PAGES) if first else cap
+    ends = []
+    at = 0
+    while at < pages:
+        at = min(pages, at + size)
+        ends.append(at)
+        size = min(cap, size * _RMA_RAMP)
+    return ends
+
+
 def _plan_rma(
     transfer_id: int,
     lease_id: int,
@@ -2376,31 +2581,41 @@ def _plan_rma(
     keep: list[object],
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """``_plan_group`` for StoreRows of a host slab sent to a receiver that reads them
-    itself (RMA): the same batches of runs, each an ``RmaBatch`` (framed with the
-    slab's registration when posted) naming the slab row of every page; no payload
-    messages. ``batch`` numbers the push's RMA batches (their acknowledgement tags).
+    itself (RMA): the pages to send (slots >= 0) in page order, cut into batches
+    (``_rma_cuts``), each an ``RmaBatch`` (framed with the slab's registration when
+    posted) naming the destination slot and slab row of every page; no payload
+    messages. ``batch`` numbers the push's RMA batches (their acknowledgement tags;
+    0: this is the push's first, a small one). Vectorised: a Python step per batch.
     Returns (messages, pages, next batch number)."""
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     slab, srows, cols, pb = _store_plan_source(group, src, slots, keep)
-    pages, batches = _headed_batches(transfer_id, lease_id, token, group, slots, pb, _RMA_MAX_PAGES)
-    if not pages:
+    idx = np.flatnonzero(slots >= 0)
+    if idx.size == 0:
         return [], 0, batch
     key = _tag_key(token)
+    dst, rows = slots[idx], srows[idx]
     msgs: list[tuple[Any, int]] = []
-    for header, _runs, page_src in batches:
+    start = 0
+    for end in _rma_cuts(int(idx.size), pb, batch == 0):
         rb = RmaBatch(
-            m.encode(header),
+            transfer_id,
+            lease_id,
+            token,
+            group,
+            pb,
             slab,
             src.slab,
-            srows[page_src],
+            dst[start:end],
+            rows[start:end],
             cols,
             batch,
             _ack_tag(key, transfer_id, batch),
-            int(page_src.size) * pb,
+            (end - start) * pb,
         )
         msgs.append((rb, _HDR_RMA_TAG))
         batch += 1
-    return msgs, pages, batch
+        start = end
+    return msgs, int(idx.size), batch
 
 
 @dataclass(frozen=True)

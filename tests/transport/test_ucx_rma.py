@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -208,7 +209,7 @@ def test_random_rows_into_random_slots_byte_exact(channel, width, cols, sizes):
     pb = sum(c for _, c in cols)
     np.testing.assert_array_equal(pool, _want(_slab(2 * SLOTS, width).numpy(), rows, cols, dst, pb))
     rma = channel == "shm"
-    assert ("rma=1" in ep) is rma
+    assert ("rma=2" in ep) is rma
     assert (rstats.get("rma_reads", 0) > 0) is rma
     if rma:
         assert tstats["rma_mem_map"] == 1 and rstats["rma_rkey_unpack"] == 1
@@ -245,18 +246,25 @@ def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
     assert good >= pages
 
 
-def _frame(tx_endpoint: str, runs, rows, nrows=SLOTS, cols=((0, 4096),), pb=4096):
-    header = m.PageBatch(transfer_id=7, lease_id=3, token=b"tok", group=0, runs=runs, page_bytes=pb)
+def _frame(tx_endpoint: str, runs, rows, nrows=SLOTS, cols=((0, 4096),), pb=4096, token=b"tok"):
+    """A version-2 RMA header body for transfer 7 / lease 3 / ``token``: the slots of
+    ``runs`` ((start, count) pairs), one source row per page."""
+    slots = np.concatenate([np.arange(a, a + n) for a, n in runs]).astype(np.int64)
     frame = ucx_plane._rma_frame(
-        m.encode(header),
+        7,
+        3,
+        token,
+        0,
+        pb,
+        0,
         1 << 40,
         nrows,
         4096,
         4096,
-        0,
         b"k",
         tx_endpoint,
         cols,
+        slots,
         np.asarray(rows, dtype=np.int64),
     )
     return frame[4:].tobytes()
@@ -268,7 +276,8 @@ def _frame(tx_endpoint: str, runs, rows, nrows=SLOTS, cols=((0, 4096),), pb=4096
     [
         ([(90, 10)], list(range(10)), ((0, 4096),), "outside"),  # slots 90..99 of 96
         ([(0, 2)], [5, SLOTS], ((0, 4096),), "source rows outside"),
-        ([(0, 2)], [1], ((0, 4096),), "1 source rows for 2"),
+        ([(0, 1), (0, 1)], [1, 2], ((0, 4096),), "twice"),
+        ([(-1, 2)], [1, 2], ((0, 4096),), "outside"),
         ([(0, 2)], [1, 2], ((100, 4096),), "columns"),
     ],
 )
@@ -280,7 +289,10 @@ def test_bad_rma_batch_refused_before_any_read(runs, rows, cols, why):
     with UcxDataPlane(channel="shm") as rx:
         pool = torch.zeros(SLOTS, 4096, dtype=torch.uint8)
         rx.register_regions([[pool]])
-        rx.expect(7, 3, b"tok", [2 if len(runs[0]) and runs[0][1] == 2 else 10], 10)
+        if why == "twice":  # repeats are refused against the promised slots
+            rx.expect(7, 3, b"tok", [2], 10, [[0, 1]])
+        else:
+            rx.expect(7, 3, b"tok", [2 if len(runs[0]) and runs[0][1] == 2 else 10], 10)
         body = _frame(rx._endpoint, runs, rows, cols=cols)
         done = []
         rx._submit(lambda: done.append(rx._rx_rma(body)))
@@ -291,13 +303,176 @@ def test_bad_rma_batch_refused_before_any_read(runs, rows, cols, why):
         assert not pool.any()
 
 
+def test_rma_header_round_trip():
+    """A version-2 header parses back to what was framed; slots and rows are int64."""
+    slots = np.array([5, 3, 90], dtype=np.int64)
+    rows = np.array([7, 0, 95], dtype=np.int64)
+    body = ucx_plane._rma_frame(
+        7,
+        3,
+        b"tok",
+        1,
+        8192,
+        4,
+        1 << 40,
+        96,
+        16384,
+        12288,
+        b"key",
+        "ucx+shm://ab",
+        ((0, 4096), (8192, 4096)),
+        slots,
+        rows,
+    )[4:].tobytes()
+    h = ucx_plane._rma_parse(body)
+    assert (h.transfer_id, h.lease_id, h.token, h.group, h.page_bytes, h.batch) == (
+        7,
+        3,
+        b"tok",
+        1,
+        8192,
+        4,
+    )
+    assert (h.base, h.nrows, h.stride, h.width, h.rkey, h.endpoint) == (
+        1 << 40,
+        96,
+        16384,
+        12288,
+        b"key",
+        "ucx+shm://ab",
+    )
+    assert h.cols == ((0, 4096), (8192, 4096))
+    np.testing.assert_array_equal(h.slots, slots)
+    np.testing.assert_array_equal(h.rows, rows)
+    assert h.slots.dtype == np.int64 and h.rows.dtype == np.int64
+    with pytest.raises(ValueError, match="lengths disagree"):
+        ucx_plane._rma_parse(body[:-8])
+    with pytest.raises(ValueError, match="not an RMA header"):
+        ucx_plane._rma_parse(b"XYZ2" + body[4:])
+
+
+def _rma1_body(tx_endpoint: str, batch: int = 0) -> bytes:
+    """A version-1 header (``b"RMA1"``: a fixed block, a msgpack PageBatch, the key, the
+    endpoint, the columns and rows), as a producer of the previous version framed it."""
+    header = m.encode(
+        m.PageBatch(
+            transfer_id=7, lease_id=3, token=b"tok", group=0, runs=[(0, 2)], page_bytes=4096
+        )
+    )
+    ep = tx_endpoint.encode()
+    fixed = ucx_plane._RMA1_FIXED.pack(
+        b"RMA1", len(header), 1 << 40, SLOTS, 4096, 4096, batch, 1, len(ep), 1
+    )
+    return b"".join(
+        (
+            fixed,
+            header,
+            b"k",
+            ep,
+            np.array([0, 4096], "<u8").tobytes(),
+            np.array([1, 2], "<i8").tobytes(),
+        )
+    )
+
+
+@needs_c_loop
+@pytest.mark.parametrize("version", [1, 3])
+def test_rma_header_of_another_version_refused_by_name(version):
+    """A header of another version is never read from: it is counted and (version 1,
+    which still parses far enough to be authenticated) fails its transfer with an error
+    naming both versions; the producer is told the same through the acknowledgement."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
+        pool = torch.zeros(SLOTS, 4096, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        rx.expect(7, 3, b"tok", [2], 10)
+        body = _rma1_body(tx._endpoint)
+        if version == 3:
+            body = b"RMA3" + body[4:]
+        key = ucx_plane._tag_key(b"tok")
+        got = []
+        tag = ucx_plane._ack_tag(key, 7, 0)
+        rx._submit(lambda: rx._rx_rma(body))
+        if version == 1:
+            st = rx.wait(7, 5)
+            assert st.failed, st
+            assert "RMA header version 1 is not supported" in st.error
+            assert "reads version 2" in st.error
+
+            def probe() -> None:  # on the producer's thread: its worker got the refusal
+                w = tx._worker
+                w.progress()
+                p = w.tag_probe(ucx_plane.ucx_api.UCXXTag(tag), remove=False)
+                if p.matched:
+                    got.append(int(p.length))
+
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                tx._submit(probe)
+                time.sleep(0.01)
+            assert got and got[0] > 1  # b"\x01" + the error text, not b"\x00"
+        else:
+            deadline = time.monotonic() + 5
+            while rx.stats.get("rejected_rma_version", 0) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert not rx.poll(7).final  # nothing authenticated it: the deadline decides
+        assert rx.stats["rejected_rma_version"] == 1
+        assert rx.stats.get("rma_reads", 0) == 0 and not pool.any()
+    with pytest.raises(ucx_plane.RmaVersionError, match="version 3 is not supported"):
+        ucx_plane._rma_parse(b"RMA3" + body[4:])
+
+
+@needs_c_loop
+def test_producer_of_version_1_endpoint_sends_tag_messages():
+    """A receiver that offers only version 1 (``rma=1`` on its endpoint) gets tag
+    messages from this producer, byte-exact: mismatched versions still transfer."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
+        pool = torch.zeros(SLOTS, 4096, dtype=torch.uint8)
+        rx.register_regions([[pool]])
+        assert "rma=2" in rx.endpoint and "rma=1" not in rx.endpoint
+        slab = _slab(2 * SLOTS, 4096)
+        rows = np.arange(0, 2 * SLOTS, 2)[:40]
+        rx.expect(7, 3, b"tok", [40], 10)
+        ep = rx.endpoint.replace("rma=2", "rma=1")
+        h = tx.post_push(
+            ep, 7, 3, b"tok", [(0, StoreRows(slab, rows, ((0, 4096),)), list(range(40)))]
+        )
+        assert not h.rma
+        assert rx.wait(7, 10).done and tx.wait_push(h, 10).done
+        assert rx.stats.get("rma_reads", 0) == 0
+        np.testing.assert_array_equal(pool.numpy()[:40], slab.numpy()[rows])
+
+
+def test_rma_batches_start_small_and_grow():
+    """The push's first RMA batch is ``_RMA_FIRST_PAGES`` pages, each next one
+    ``_RMA_RAMP`` times bigger up to ``_RMA_MAX_PAGES`` (and ``BATCH_BYTES``); the cuts
+    cover every page; a later group of the push starts at the cap."""
+    cuts, up = ucx_plane._rma_cuts, ucx_plane
+    pb = 64 << 10
+    ends = cuts(4096, pb, True)
+    sizes = np.diff([0, *ends])
+    assert ends[-1] == 4096 and sizes[0] == up._RMA_FIRST_PAGES
+    grow = [min(a * up._RMA_RAMP, up._RMA_MAX_PAGES) for a in sizes[:-2]]
+    assert list(sizes[1:-1]) == grow and sizes[-1] <= grow[-1] * up._RMA_RAMP
+    assert sizes.max() <= up._RMA_MAX_PAGES
+    assert cuts(4096, pb, False)[0] == min(4096, up._RMA_MAX_PAGES)
+    big = up.BATCH_BYTES // 2  # two pages per batch at most
+    assert cuts(5, big, True) == [2, 4, 5]
+    assert cuts(0, pb, True) == []
+    assert cuts(10, pb, True) == [10]
+
+
 @needs_c_loop
 def test_producer_refuses_rows_outside_its_slab():
     from disagg.transport.ucx_plane import UcxDataPlane
 
     with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
         rx.register_regions([[torch.zeros(8, 64, dtype=torch.uint8)]])
-        assert "rma=1" in rx.endpoint
+        assert "rma=2" in rx.endpoint
         bad = StoreRows(_slab(8, 64), np.array([1, 8]), ((0, 64),))
         with pytest.raises(ValueError, match="source rows outside"):
             tx.post_push(rx.endpoint, 1, 1, b"t", [(0, bad, [0, 1])])
@@ -345,7 +520,7 @@ def test_without_the_extension_the_plane_keeps_its_tag_path():
         "print(ucx_rma.available(), ucx_rma.unavailable_reason())\n"
         "p = ucx_plane.UcxDataPlane(channel='shm')\n"
         "import torch; p.register_regions([[torch.zeros(4, 64, dtype=torch.uint8)]])\n"
-        "print('rma=1' in p.endpoint); p.close()\n"
+        "print('rma=2' in p.endpoint); p.close()\n"
     )
     env = dict(os.environ, DISAGG_REQUIRE_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -371,7 +546,7 @@ def test_iov_switch_does_not_turn_off_rma():
         "from disagg.transport import ucx_plane, ucx_iov, ucx_rma\n"
         "p = ucx_plane.UcxDataPlane(channel='shm')\n"
         "import torch; p.register_regions([[torch.zeros(4, 64, dtype=torch.uint8)]])\n"
-        "print(ucx_iov.available(), ucx_rma.available(), 'rma=1' in p.endpoint); p.close()\n"
+        "print(ucx_iov.available(), ucx_rma.available(), 'rma=2' in p.endpoint); p.close()\n"
     )
     for env, want in (
         ({"DISAGG_UCX_IOV": "0"}, "False True True"),
@@ -521,7 +696,7 @@ def test_consumer_killed_mid_pull_fails_the_push_and_the_producer_serves_another
     tx = UcxDataPlane(channel="shm")
     try:
         ep_a = q_a.get(timeout=30)
-        assert "rma=1" in ep_a
+        assert "rma=2" in ep_a
         src = StoreRows(slab, rows, ((0, width),))
         h = tx.post_push(ep_a, 7, 3, b"tok", [(0, src, dst.tolist())], deadline_s=3.0)
         start = time.monotonic()
