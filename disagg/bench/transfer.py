@@ -178,7 +178,14 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                 reply = reply or conn.recv()
                 if not st.done:
                     raise RuntimeError(f"transfer failed: {st.error}; producer: {reply[1]}")
-                got = pool[torch.as_tensor(dst, device=pool.device), :8].cpu().numpy()
+                if pool.device.type == "cpu":
+                    # numpy, not a torch index: torch's intra-op (OpenMP) threads spin for
+                    # a while after a parallel op, on the cores the next timed transfer's
+                    # reader threads need (3 A/B pairs, UCX shm: 256 KiB 0.72-0.78 -> 0.75-
+                    # 1.04 of memcpy; 64 KiB within the noise, 0.56-0.71 -> 0.55-0.65)
+                    got = pool.numpy()[np.asarray(dst), :8]
+                else:
+                    got = pool[torch.as_tensor(dst, device=pool.device), :8].cpu().numpy()
                 got = got.copy().view(np.int64).reshape(-1)
                 if not np.array_equal(got, src):
                     raise RuntimeError("pages landed in the wrong slots or corrupted")
