@@ -307,40 +307,15 @@ def test_rma_header_round_trip():
     """A version-2 header parses back to what was framed; slots and rows are int64."""
     slots = np.array([5, 3, 90], dtype=np.int64)
     rows = np.array([7, 0, 95], dtype=np.int64)
-    body = ucx_plane._rma_frame(
-        7,
-        3,
-        b"tok",
-        1,
-        8192,
-        4,
-        1 << 40,
-        96,
-        16384,
-        12288,
-        b"key",
-        "ucx+shm://ab",
-        ((0, 4096), (8192, 4096)),
-        slots,
-        rows,
-    )[4:].tobytes()
+    ident = (7, 3, b"tok", 1, 8192, 4)  # transfer, lease, token, group, page bytes, batch
+    source = (1 << 40, 96, 16384, 12288)  # slab base, rows, stride, width
+    where = (b"key", "ucx+shm://ab")
+    cols = ((0, 4096), (8192, 4096))
+    body = ucx_plane._rma_frame(*ident, *source, *where, cols, slots, rows)[4:].tobytes()
     h = ucx_plane._rma_parse(body)
-    assert (h.transfer_id, h.lease_id, h.token, h.group, h.page_bytes, h.batch) == (
-        7,
-        3,
-        b"tok",
-        1,
-        8192,
-        4,
-    )
-    assert (h.base, h.nrows, h.stride, h.width, h.rkey, h.endpoint) == (
-        1 << 40,
-        96,
-        16384,
-        12288,
-        b"key",
-        "ucx+shm://ab",
-    )
+    assert (h.transfer_id, h.lease_id, h.token, h.group, h.page_bytes, h.batch) == ident
+    assert (h.base, h.nrows, h.stride, h.width) == source
+    assert (h.rkey, h.endpoint) == where
     assert h.cols == ((0, 4096), (8192, 4096))
     np.testing.assert_array_equal(h.slots, slots)
     np.testing.assert_array_equal(h.rows, rows)
