@@ -165,15 +165,33 @@ def test_tp_cancel_aborts_every_ranks_load(monkeypatch):
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
     started = [threading.Event(), threading.Event()]
+    # both ranks' pushes stall mid-way until rank 1 has abandoned its load (not for a
+    # fixed time: on a loaded box a 1 s pause ran out first, rank 1's pages landed, and
+    # there was nothing left to abandon; seen 1 in 10 with both cores busy)
+    go = threading.Event()
+
+    def stall(tid: int, ev: threading.Event) -> None:
+        ev.set()
+        go.wait(30)
+
     plain = []
     for r, svc in enumerate(rank_services(psvc)):
         plain.append(svc.data._wait_writable)
-        slow_pushes(svc, 1.0, on_start=lambda tid, ev=started[r]: ev.set())
+        slow_pushes(svc, 0.0, on_start=lambda tid, ev=started[r]: stall(tid, ev))
     cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_timeout_s=10.0)
+    c0, c1 = rank_services(csvc)
+    abandon = c1.abandon
+
+    def abandon_then_go(load, why):
+        try:
+            abandon(load, why)
+        finally:
+            go.set()
+
+    c1.abandon = abandon_then_go
     rid = cons.add_request(ps[0], 4)
     cons.step()
     assert all(ev.wait(10) for ev in started), "a rank's push never started"
-    c0, c1 = rank_services(csvc)
     loads = [c0.loads[rid], c1.loads[rid]]
     cons.cancel(rid)
     cons.step()  # rank 0 aborts in request_finished
