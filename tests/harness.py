@@ -187,3 +187,23 @@ def fail_on_rank1(csvc1: Any, target: int, how: str = "transfer") -> list[int]:
 
         csvc1._call = refuse
     return hit
+
+
+def stop_after_first_landing(q_out: Any) -> None:
+    """For a child process of the UCX kill tests: once its first batch of pages has
+    landed, put "stopping" on ``q_out`` (flushed) and stop the whole process (SIGSTOP),
+    so the sender has work in flight when the test kills it."""
+    import signal
+
+    from disagg.transport import receiver
+
+    orig = receiver.ReceiverBook.landed
+
+    def landed(self: Any, *a: Any, **kw: Any) -> None:
+        orig(self, *a, **kw)
+        q_out.put("stopping")
+        q_out.close()
+        q_out.join_thread()  # flushed before the whole process stops
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    receiver.ReceiverBook.landed = landed  # type: ignore[method-assign]

@@ -431,9 +431,21 @@ def _pipe(size: int = 1 << 20) -> tuple[int, int]:
     return got
 
 
+@pytest.fixture
+def piped():
+    """(pipe read end, pipe write end, sender socket, receiver socket), closed after."""
+    r, w = _pipe()
+    a, b = pair()
+    yield r, w, a, b
+    for fd in (r, w):
+        os.close(fd)
+    a.close()
+    b.close()
+
+
 @needs_native
 @pytest.mark.parametrize("width, n, spans", CASES)
-def test_splice_then_readv_between_random_rows_is_byte_exact(width, n, spans):
+def test_splice_then_readv_between_random_rows_is_byte_exact(width, n, spans, piped):
     """vmsplice from random rows into the pipe, readv out of it into random slots (two
     threads: the pipe holds 1 MiB at a time): the slots hold exactly the rows' columns."""
     rng = np.random.default_rng(width * 5 + n)
@@ -441,56 +453,42 @@ def test_splice_then_readv_between_random_rows_is_byte_exact(width, n, spans):
     rows = rng.permutation(2 * n)[:n].astype(np.int64)
     slots = rng.permutation(2 * n)[:n].astype(np.int64)
     dst = np.zeros_like(src)
-    r, w = _pipe()
-    a, b = pair()
+    r, w, a, b = piped
     sent: list[int] = []
-    try:
-        t = threading.Thread(
-            target=lambda: sent.append(
-                zmq_plane.splice_rows(w, a, src, rows, _cols(spans), time.monotonic() + 10)
-            )
+    t = threading.Thread(
+        target=lambda: sent.append(
+            zmq_plane.splice_rows(w, a, src, rows, _cols(spans), time.monotonic() + 10)
         )
-        t.start()
-        got = zmq_plane.recv_pipe_rows(r, b, dst, slots, _cols(spans), time.monotonic() + 10)
-        t.join(10)
-        zmq_plane.drain_pipe(w, a, time.monotonic() + 1)  # empty: returns at once
-        per_row = sum(c for _, c in spans)
-        assert sent == [n * per_row] and got == n * per_row
-        want = np.zeros_like(src)
-        pages = _ref_pages(src, rows, spans)
-        col = 0
-        for o, c in spans:
-            want[slots, o : o + c] = pages[:, col : col + c]
-            col += c
-        assert np.array_equal(dst, want)
-    finally:
-        for fd in (r, w):
-            os.close(fd)
-        a.close()
-        b.close()
+    )
+    t.start()
+    got = zmq_plane.recv_pipe_rows(r, b, dst, slots, _cols(spans), time.monotonic() + 10)
+    t.join(10)
+    zmq_plane.drain_pipe(w, a, time.monotonic() + 1)  # empty: returns at once
+    per_row = sum(c for _, c in spans)
+    assert sent == [n * per_row] and got == n * per_row
+    want = np.zeros_like(src)
+    pages = _ref_pages(src, rows, spans)
+    col = 0
+    for o, c in spans:
+        want[slots, o : o + c] = pages[:, col : col + c]
+        col += c
+    assert np.array_equal(dst, want)
 
 
 @needs_native
-def test_spliced_pages_are_referenced_until_read():
+def test_spliced_pages_are_referenced_until_read(piped):
     """Why the sender drains the pipe before TransferDone: a row changed after vmsplice
     and before the reader's readv reaches the reader changed."""
     src = np.full((4, 4096), 1, dtype=np.uint8)
     dst = np.zeros_like(src)
-    r, w = _pipe()
-    a, b = pair()
-    try:
-        zmq_plane.splice_rows(w, a, src, np.arange(4), _cols([(0, 4096)]), time.monotonic() + 5)
-        with pytest.raises(TimeoutError, match="16384 payload bytes still unread"):
-            zmq_plane.drain_pipe(w, a, time.monotonic() + 0.05)
-        src[2] = 7  # the "reused" row
-        zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), _cols([(0, 4096)]), 0)
-        assert int(dst[2, 0]) == 7 and int(dst[1, 0]) == 1
-        zmq_plane.drain_pipe(w, a, time.monotonic() + 1)
-    finally:
-        for fd in (r, w):
-            os.close(fd)
-        a.close()
-        b.close()
+    r, w, a, b = piped
+    zmq_plane.splice_rows(w, a, src, np.arange(4), _cols([(0, 4096)]), time.monotonic() + 5)
+    with pytest.raises(TimeoutError, match="16384 payload bytes still unread"):
+        zmq_plane.drain_pipe(w, a, time.monotonic() + 0.05)
+    src[2] = 7  # the "reused" row
+    zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), _cols([(0, 4096)]), 0)
+    assert int(dst[2, 0]) == 7 and int(dst[1, 0]) == 1
+    zmq_plane.drain_pipe(w, a, time.monotonic() + 1)
 
 
 @needs_native

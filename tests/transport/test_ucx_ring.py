@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -54,20 +53,12 @@ def _receiver(pb, transfers, stop_after_first_segment, q_out, q_in):
     process stops itself (SIGSTOP) right after its first segment lands, so the sender
     has sends in flight when the test kills it."""
     _small_segments()
-    from disagg.transport import receiver
+    from harness import stop_after_first_landing
+
     from disagg.transport.ucx_plane import UcxDataPlane
 
     if stop_after_first_segment:
-        orig = receiver.ReceiverBook.landed
-
-        def landed(self, *a, **kw):
-            orig(self, *a, **kw)
-            q_out.put("stopping")
-            q_out.close()
-            q_out.join_thread()  # flushed before the whole process stops
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-        receiver.ReceiverBook.landed = landed  # type: ignore[method-assign]
+        stop_after_first_landing(q_out)
     plane = UcxDataPlane(channel="tcp")
     pool = torch.zeros(SLOTS, pb, dtype=torch.uint8)
     plane.register_regions([[pool]])

@@ -625,19 +625,11 @@ def _stopping_receiver(width, n, q_out, q_in):
     """A consumer that stops dead (SIGSTOP) right after its first RMA batch landed, before
     it acknowledges it: the producer then has the batch read and unacknowledged and
     later batches unsent or unread when the test kills this process."""
-    from disagg.transport import receiver
+    from harness import stop_after_first_landing
+
     from disagg.transport.ucx_plane import UcxDataPlane
 
-    orig = receiver.ReceiverBook.landed
-
-    def landed(self, *a, **kw):
-        orig(self, *a, **kw)
-        q_out.put("stopping")
-        q_out.close()
-        q_out.join_thread()  # flushed before the whole process stops
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    receiver.ReceiverBook.landed = landed  # type: ignore[method-assign]
+    stop_after_first_landing(q_out)
     plane = UcxDataPlane(channel="shm")
     plane.register_regions([[torch.zeros(n, width, dtype=torch.uint8)]])
     plane.expect(7, 3, b"tok", [n], 60)
