@@ -1,7 +1,8 @@
 """The compiled pieces: the block-key loops (disagg/protocol/_keyhash.c), the host row
 copy of the same-host plane (disagg/transport/_rowcopy.c), the stream plane's scatter/
 gather socket I/O (disagg/transport/_streamio.c) and the UCX plane's batched RMA posting
-(disagg/transport/_ucxrma.c). ``optional``: without a C compiler the install still
+(disagg/transport/_ucxrma.c) and the receiver's one-pass batch check
+(disagg/transport/_slotcheck.c). ``optional``: without a C compiler the install still
 succeeds and each module falls back to a slower pure-Python path (keys.py, page_copy.py,
 zmq_plane.py; the UCX plane to its tag path). CI sets DISAGG_REQUIRE_NATIVE=1, under which
 a missing extension is an error."""
@@ -20,5 +21,6 @@ setup(
         ),
         Extension("disagg.transport._ucxrma", ["disagg/transport/_ucxrma.c"], optional=True),
         Extension("disagg.transport._streamio", ["disagg/transport/_streamio.c"], optional=True),
+        Extension("disagg.transport._slotcheck", ["disagg/transport/_slotcheck.c"], optional=True),
     ]
 )

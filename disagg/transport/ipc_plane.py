@@ -105,6 +105,28 @@ torch steps on the receiver's path, not less data: the slot checks in one pass o
 state array per transfer (``ReceiverBook``: three fancy-index passes and two counts
 today), and the staging fill, H2D copy, launch and event record in one C call (each of
 those torch calls costs 20-50 us on a just-woken thread of this VM).
+
+Session 8 (base e2b6158; H200, ``disagg bench gpu --ipc-only --page-sizes 64KiB,1MiB
+--total 1GiB --ipc-depths 1,4``, base and this code interleaved, two rounds on each of
+two machines; raw output in the session's notes): the receiver's checks are one C pass
+(``_slotcheck.c`` through ``ReceiverBook.accept_rows``) that also writes both index
+arrays into the pinned staging buffer, and they go up with one ``cuMemcpyHtoDAsync``
+through ctypes (``cuda_driver``). Per-call timings (median of 20 pushes, 16384 x 64 KiB):
+the check and fill 80-125 us on that VM's just-woken thread (23 us warm on the 2-core CI
+box, where the whole plan step fell from 216 to 109 us), the upload 50 -> 27 us, the
+launch 40; the receiver's copy-launch step 233-248 -> 128-190 us. One push: 64 KiB
+0.32-0.36 before, 0.31-0.37 after; 1 MiB 0.33-0.39 / 0.37-0.45; four in flight 0.62-0.70
+both (noise). Tried, measured and dropped: (1) checking and launching a batch in parts
+(first part 256/1024/4096 pages, each next 4x bigger, so the GPU starts on the first):
+one push 0.30-0.38 against 0.34 whole: each part costs two uploads and a launch on a
+cold thread, and the steps before the check do not overlap anything; (2) holding a 0 us
+PM QoS request (/dev/cpu_dma_latency): that VM has no cpuidle driver, no change beyond
+noise. A single 1 GiB push there is ~0.6 ms of GPU copy and ~0.95 ms of CPU in series:
+post_push 130-215 us (numpy conversions of 16384 indices), the sender thread's wake and
+128 KiB send 120-190, the receiver's wake 80-110, decode 20-30, checks 80-125, take +
+upload + launch ~100, then the landing thread, the ack's hop back and the waiter's
+wake-up (~200). The 0.5 target needs about half of that gone; what is left is thread
+hand-offs and cold-thread execution, not any one step.
 """
 
 from __future__ import annotations
@@ -131,7 +153,7 @@ import torch
 from ..protocol import ipc as wire
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from . import framed
+from . import cuda_driver, framed
 from .dataplane import DataPlane, RowsSource, StoreRows, TransferState, TransferStatus
 from .page_copy import DeviceCopy, copy_indexed, launch_device, launch_raw, prepare_device
 from .receiver import BookedReceiver, Group, ReceiverBook, Rx
@@ -774,16 +796,23 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             if rx.state.final:
                 self.stats["rejected_late"] += 1
                 return f"transfer {msg.transfer_id} is already {rx.state.value}"
-            try:
-                plans = self._plan(rx, msg)
+        try:  # outside the lock: staging may wait for a buffer (the book's checks take it)
+            plans = self._plan(rx, msg)
+            with book.lock:
                 if time.monotonic() > msg.not_after - COPY_MARGIN_S:
                     raise _Refused("push arrived after the sender's deadline")
-            except _Refused as e:
-                self.stats["rejected_batch"] += 1
+                if rx.state.final:  # aborted (or expired) while it was checked
+                    raise _Refused(rx.error or f"transfer {rx.transfer_id} is {rx.state.value}")
+                rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
+        except _Refused as e:
+            for ring in self._staging.values():
+                ring.drop_unsealed()  # nothing was uploaded from them
+            with book.lock:
+                if not rx.state.final:
+                    self.stats["rejected_batch"] += 1
                 book.fail(rx, str(e))
                 book.cond.notify_all()
-                return str(e)
-            rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
+            return str(e)
         landing = _Landing(rx, conn, msg.not_after)
         devices: set[torch.device] = set()  # where copies were (or may have been) queued
         try:
@@ -863,8 +892,11 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             self._ack(landing.conn, wire.encode(ack))
 
     def _plan(self, rx: Rx, msg: wire.IpcPush) -> list[_Plan]:
-        """Validate every batch (and open its export) before any byte moves."""
+        """Validate every batch (and open its export) before any byte moves. A batch for
+        device slots has its index arrays copied into a pinned staging buffer by the
+        same pass that checks them (``ReceiverBook.accept_rows``)."""
         exports = {e.export_id: e for e in msg.exports}
+        groups = self._book.groups
         plans = []
         for batch in msg.batches:
             export = exports.get(batch.export_id)
@@ -876,33 +908,53 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 raise _Refused(
                     f"batch for group {batch.group}: spans add up to {sum(n for _, n in batch.spans)} bytes, pages are {batch.page_bytes}"
                 )
-            rows = _indices(batch.rows, batch.index_bytes, "rows", batch.group)
-            slots = _indices(batch.slots, batch.index_bytes, "slots", batch.group)
-            if rows.size != slots.size:
+            width = batch.index_bytes
+            for what, blob in (("rows", batch.rows), ("slots", batch.slots)):
+                if len(blob) % width:
+                    raise _Refused(
+                        f"batch for group {batch.group}: {what} blob of {len(blob)} bytes "
+                        f"is not {width}-byte integers"
+                    )
+            n = len(batch.slots) // width
+            if len(batch.rows) != len(batch.slots):
                 raise _Refused(
-                    f"batch for group {batch.group}: {rows.size} source rows for {slots.size} slots"
+                    f"batch for group {batch.group}: {len(batch.rows) // width} source rows for {n} slots"
                 )
-            if int(rows.min()) < 0:
-                raise _Refused(
-                    f"batch for group {batch.group}: negative source row {int(rows.min())}"
+            # row r is read up to byte base + r * row_stride + end of the export
+            end = max(c + k for c, k in batch.spans)
+            room = export.nbytes - batch.base - end
+            row_limit = room // batch.row_stride + 1 if room >= 0 else 0
+            src = self._open(export)
+            grp = groups[batch.group] if batch.group < len(groups) else None
+            dev = _device_of(grp)
+            staged = None
+            out: Any = None
+            rows_at = 0
+            if dev is not None:  # the check copies the arrays into a pinned buffer
+                staging = self._staging.get(dev)
+                if staging is None:
+                    staging = self._staging[dev] = _Staging(dev)
+                staged = staging.take(n, width)
+                out, rows_at = staging.views[staged.ring_at], staged.rows_at
+
+            def beyond(row: int, b: wire.IpcBatch = batch, e: wire.Export = export) -> str:
+                last = b.base + row * b.row_stride + max(c + k for c, k in b.spans)
+                return (
+                    f"batch for group {b.group} reads up to byte {last} of export "
+                    f"{e.export_id}, which has {e.nbytes}"
                 )
-            n_rows = int(rows.max()) + 1  # the source view covers rows [0, n_rows)
-            end = max(c + n for c, n in batch.spans)
-            last = batch.base + (n_rows - 1) * batch.row_stride + end
-            if last > export.nbytes:
-                raise _Refused(
-                    f"batch for group {batch.group} reads up to byte {last} of export "
-                    f"{export.export_id}, which has {export.nbytes}"
-                )
-            # the book's mask checks index with these: numpy casts a 4-byte index array
-            # on every fancy index (2-3x slower), so cast once; the 4-byte array is staged
-            checked = slots if slots.dtype == np.intp else slots.astype(np.intp)
-            why = self._book.accept_slots(rx, batch.group, batch.page_bytes, checked)
+
+            with self._book.lock:
+                why, high = self._book.accept_rows(
+                    rx, batch.group, batch.page_bytes, batch.slots, batch.rows, width,
+                    row_limit, beyond, out, rows_at,
+                )  # fmt: skip
             if why is not None:
                 raise _Refused(why)
-            src = self._open(export)
-            grp = self._book.groups[batch.group]
-            plans.append(_Plan(grp, batch, slots, rows, n_rows, src, self._prepared, self._staging))
+            assert grp is not None  # accepted: the group exists
+            slots = _indices(batch.slots, width)
+            rows = _indices(batch.rows, width)
+            plans.append(_Plan(grp, batch, slots, rows, high + 1, src, self._prepared, staged, dev))
         return plans
 
     def _open(self, e: wire.Export) -> torch.Tensor:
@@ -1023,25 +1075,42 @@ class _Plan(NamedTuple):
 
     grp: Group
     batch: wire.IpcBatch
-    slots: np.ndarray
+    slots: np.ndarray  # views of the message's arrays (int32 or int64)
     rows: np.ndarray
     n_rows: int  # one past the highest source row (checked inside the export)
     src: torch.Tensor  # the export, uint8 1-D
     cache: Prepared  # the plane's prepared device copies
-    staging: dict[torch.device, _Staging]  # the plane's index staging, per device
+    staged: _Staged | None  # where the check copied both arrays (device slots only)
+    device: torch.device | None  # the one CUDA device of every region of the group
+
+
+class _Staged(NamedTuple):
+    """A batch's index arrays in a pinned staging buffer: slots from byte 0, rows from
+    ``rows_at`` (16-byte aligned, as ``page_copy.launch_raw`` needs)."""
+
+    staging: _Staging
+    ring_at: int  # which buffer of the ring
+    nbytes: int  # bytes used: both arrays
+    rows_at: int
+    pages: int  # indices in each array
+    dtype: torch.dtype
 
 
 class _Staging:
     """The receiver thread's index staging for one device: a ring of pinned host buffers
     and one device buffer, kept from push to push (a fresh pinned tensor, its numpy view
     and a fresh device tensor per push cost ~160 us of a just-woken CPU on the H200's VM;
-    reused buffers ~40). Both index arrays of a batch go up in one host-to-device copy,
-    each starting 16-byte aligned (what ``page_copy.launch_raw`` needs).
+    reused buffers ~40). The batch check writes both index arrays of a batch into a ring
+    buffer as it checks them (``take``); they go up in one host-to-device copy
+    (``upload``, a direct driver call where ``cuda_driver`` has one), each starting
+    16-byte aligned.
 
     Reuse rules: a pinned buffer is rewritten only after the completion event of the
-    push that last staged from it fired (``seal``; waited for, rarely, when more pushes
-    than ``RING`` are in flight); the device buffer is rewritten by copies queued on the
-    same stream as the kernels that read it, so in stream order after them."""
+    push that last uploaded from it fired (``seal``; waited for, rarely, when more pushes
+    than buffers are in flight); a buffer taken by the push being planned is never
+    handed out twice (the ring grows instead: a push has at most a few batches). The
+    device buffer is rewritten by copies queued on the same stream as the kernels that
+    read it, so in stream order after them."""
 
     RING = 8
 
@@ -1052,71 +1121,97 @@ class _Staging:
         self.host: list[torch.Tensor | None] = [None] * self.RING
         self.views: list[np.ndarray] = [np.empty(0, np.uint8)] * self.RING  # numpy of host
         self.busy: list[Any] = [None] * self.RING  # the event that frees each buffer
-        self.unsealed: list[int] = []  # buffers staged from since the last seal()
+        self.unsealed: list[int] = []  # buffers taken since the last seal()
         self.next = 0
         self.dev: torch.Tensor | None = None
 
-    def stage(
-        self, slots: np.ndarray, rows: np.ndarray
-    ) -> tuple[torch.Tensor, int, int, torch.dtype]:
-        """Both arrays (one dtype, int32 or int64) on the device: (buffer, element
-        offset of ``rows``, byte offset of ``rows``, dtype); ``slots`` start at 0."""
-        n, width = slots.size, slots.dtype.itemsize
+    def take(self, n: int, width: int) -> _Staged:
+        """A free pinned buffer for ``n`` indices of ``width`` bytes in each array."""
         off = -(-n // (16 // width)) * (16 // width)  # rows start 16-byte aligned
         nbytes = (off + n) * width
         i = self.next
-        self.next = (i + 1) % self.RING
+        self.next = (i + 1) % len(self.host)
+        if i in self.unsealed:  # this push took every buffer already: one more
+            i = len(self.host)
+            self.host.append(None)
+            self.views.append(np.empty(0, np.uint8))
+            self.busy.append(None)
         ev = self.busy[i]
-        if i in self.unsealed:  # one push staged more batches than buffers (rare)
-            self.stream.synchronize()
-        elif ev is not None and not ev.query():
+        if ev is not None and not ev.query():
             ev.synchronize()  # more pushes in flight than buffers: wait for the oldest
         self.busy[i] = None
         buf = self.host[i]
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
             self.host[i], self.views[i] = buf, buf.numpy()
-        arr = self.views[i].view(slots.dtype)
-        arr[:n] = slots
-        arr[off : off + n] = rows
         self.unsealed.append(i)
+        return _Staged(self, i, nbytes, off * width, n, _TORCH_INT[width])
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """The device buffer, at least ``nbytes`` long (uint8)."""
         dev = self.dev
         if dev is None or dev.numel() < nbytes:
             dev = self.dev = torch.empty(
                 max(nbytes, 1 << 16), dtype=torch.uint8, device=self.device
             )
-        dev[:nbytes].copy_(buf[:nbytes], non_blocking=True)
-        return dev, off, off * width, _TORCH_INT[width]
+        return dev
+
+    def upload(self, staged: _Staged) -> torch.Tensor:
+        """Queue the staged arrays' copy to the device buffer (on ``stream``); returns
+        the device buffer (uint8; slots from byte 0, rows from ``staged.rows_at``)."""
+        dev = self.device_buffer(staged.nbytes)
+        self._h2d(dev, staged.ring_at, 0, staged.nbytes)
+        return dev
+
+    def _h2d(self, dev: torch.Tensor, ring_at: int, at: int, nbytes: int) -> None:
+        host = self.host[ring_at]
+        assert host is not None
+        if not cuda_driver.copy_htod_async(
+            dev.data_ptr() + at, host.data_ptr() + at, nbytes, self.handle
+        ):
+            dev[at : at + nbytes].copy_(host[at : at + nbytes], non_blocking=True)
 
     def seal(self, event: Any) -> None:
-        """The buffers staged from since the last call are free once ``event`` fired."""
+        """The buffers taken since the last call are free once ``event`` fired."""
         for i in self.unsealed:
             self.busy[i] = event
         self.unsealed.clear()
+
+    def drop_unsealed(self) -> None:
+        """A refused push: its buffers were never uploaded from, so they are free."""
+        self.unsealed.clear()
+
+
+def _device_of(grp: Group | None) -> torch.device | None:
+    """The CUDA device every region of ``grp`` lives on, or None (host, mixed, no group)."""
+    if grp is None:
+        return None
+    dev = grp.regions[0].tensor.device
+    if dev.type != "cuda" or any(r.tensor.device != dev for r in grp.regions):
+        return None
+    return dev
 
 
 def _copy(plan: _Plan) -> set[torch.device]:
     """Copy one batch: each piece where a source span meets a destination region is one
     ``copy_indexed`` over all pages of the batch. Host copies are done on return; device
     copies are queued on the current streams of the devices returned."""
-    grp, b, slots, rows, n_rows, src, _, _ = plan
-    dev = grp.regions[0].tensor.device
-    if dev.type == "cuda" and all(r.tensor.device == dev for r in grp.regions):
+    grp, b, slots, rows, n_rows, src, _, staged, dev = plan
+    if staged is not None and dev is not None:
         # Both index arrays in one host-to-device copy, from pinned memory: a copy from
         # pageable memory would block this thread until the GPU finished the copies
         # queued before it, so the next push could not be checked meanwhile.
-        staging = plan.staging.get(dev)
-        if staging is None:
-            staging = plan.staging[dev] = _Staging(dev)
-        both, off, off_bytes, dtype = staging.stage(slots, rows)
-        n = slots.size
+        both = staged.staging.upload(staged)
+        n, dtype, off_bytes = staged.pages, staged.dtype, staged.rows_at
         prepared = _prepared(plan.cache, grp, b, src)
         if prepared is not None:  # the usual case: views worked out by an earlier push
             base = both.data_ptr()
             for c in prepared:  # straight launches once Triton compiled the kernel
-                if not launch_raw(c, n, base, base + off_bytes, dtype, staging.handle):
+                if not launch_raw(c, n, base, base + off_bytes, dtype, staged.staging.handle):
+                    off = off_bytes // dtype.itemsize
                     launch_device(c, both.view(dtype)[:n], both.view(dtype)[off : off + n])
             return {dev}
+        off = off_bytes // dtype.itemsize
         dst_idx, src_idx = both.view(dtype)[:n], both.view(dtype)[off : off + n]
     else:  # host index kernels take int64 (and a copy: the message's view is read-only)
         dst_idx = torch.from_numpy(slots.astype(np.int64))
@@ -1183,14 +1278,9 @@ def _pieces(
     return out
 
 
-def _indices(blob: bytes, width: int, what: str, group: int) -> np.ndarray:
+def _indices(blob: bytes, width: int) -> np.ndarray:
     """The batch's ``width``-byte little-endian index array (a read-only view of the
-    message: staged into pinned memory for a device copy, copied for a host one)."""
-    if len(blob) % width:
-        raise _Refused(
-            f"batch for group {group}: {what} blob of {len(blob)} bytes is not "
-            f"{width}-byte integers"
-        )
+    message, length already checked; copied for a host copy)."""
     return np.frombuffer(blob, dtype=f"<i{width}")
 
 

@@ -527,3 +527,41 @@ def test_many_pushes_in_flight_reuse_the_index_staging(planes):
     for grp, regions in enumerate(groups):  # random rows: a written row is never all zero
         n_sent = sum(len(slots) for g_, _, slots in sent if g_ == grp)
         assert int(torch.cat(regions, dim=1).any(dim=1).sum()) == n_sent, "stray writes"
+
+
+def test_a_push_of_more_batches_than_staging_buffers_lands_exactly(planes):
+    """One push of 11 batches (more than _Staging.RING: on a GPU the check stages every
+    batch before the first upload, so the ring must grow rather than hand a buffer out
+    twice), then a push whose last batch is refused (it writes nothing, and the buffers
+    its good batches took are free for the next push, which lands exactly)."""
+    rx, tx = planes(), planes()
+    slab = tx.register_source(_store(rows=64, width=96))
+    regions = _regions(200, (96,))
+    rx.register_regions([regions])
+    g = np.random.default_rng(12)
+    free = g.permutation(200).tolist()
+    batches, promised = [], []
+    for _ in range(11):
+        rows = g.permutation(64)[: int(g.integers(1, 6))]
+        slots = [free.pop() for _ in rows]
+        batches.append((0, StoreRows(slab, rows, ((0, 96),)), slots))
+        promised += slots
+    rx.expect(1, 1, b"t", [len(promised)], 10.0, [promised])
+    assert tx.wait_push(tx.post_push(rx.endpoint, 1, 1, b"t", batches), 20).done
+    for _, src, slots in batches:
+        want = slab[torch.from_numpy(np.asarray(src.rows)).to(DEVICE)]
+        assert torch.equal(_landed([regions[0]], slots), want)
+    before = regions[0].clone()
+    good = [free.pop() for _ in range(3)]
+    bad = [(0, StoreRows(slab, np.array([1, 2, 3]), ((0, 96),)), good)] * 2  # repeats slots
+    rx.expect(2, 1, b"t", [6], 10.0, [good + [free.pop() for _ in range(3)]])
+    st = tx.wait_push(tx.post_push(rx.endpoint, 2, 1, b"t", bad), 20)
+    assert st.failed and "writes a slot twice" in st.error, st
+    assert torch.equal(regions[0], before), "a refused push wrote bytes"
+    for tid in (3, 4):  # the next pushes reuse the staging buffers
+        rows = g.permutation(64)[:4]
+        slots = [free.pop() for _ in rows]
+        rx.expect(tid, 1, b"t", [4], 10.0, [slots])
+        h = tx.post_push(rx.endpoint, tid, 1, b"t", [(0, StoreRows(slab, rows, ((0, 96),)), slots)])
+        assert tx.wait_push(h, 20).done, h.error
+        assert torch.equal(_landed([regions[0]], slots), slab[torch.from_numpy(rows).to(DEVICE)])
