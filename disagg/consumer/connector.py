@@ -31,6 +31,19 @@ it, its address travels in this metadata) and decide from every rank's outcome:
 
 Every wait is bounded: by the load's deadline (``load_timeout_s``) plus a grace for a peer's
 report to arrive; a peer rank silent past that counts as failed (logged naming the rank).
+
+Prefix reservations (TensorRT-LLM main, opt-in: the V2 manager with prefix-aware
+scheduling; contract §4.3, docs/design/prefix-reservations.md): the scheduler offers
+``reserve_prefix`` (query + claim keyed by the reservation id: the lease protects the
+source, nothing is pushed), ``release_prefix_reservation`` (gives back the lease's blocks
+no protected range still covers: ``ReleaseRange``, or the whole lease once nothing is
+protected), and plans ``SchedulerOutput.prefix_loads`` (each accepted ``[start, end)``
+pushed from the matching blocks of the lease into ``block_ids_by_layer_group``); the
+worker reports ``get_finished_prefix_loads``. There is no API for a failed load: a failed
+one is reported finished (nothing writes into its pages any more, so the runtime may
+retire it) and recorded, so the request's first forward raises in ``wait_for_layer_load``
+as on the legacy path (a synchronous one raises in the forward it loads under). TP > 1:
+not implemented; ``reserve_prefix`` declines (``(0, False)``: the engine computes).
 """
 
 from __future__ import annotations
@@ -69,6 +82,17 @@ class LoadPlan:
 
 
 @dataclass
+class _Reservation:
+    """Scheduler: one reservation's lease (``load.first_block``: the request's block
+    ordinal of the lease's first block) and the token ranges still protected."""
+
+    request_id: int
+    load: Load
+    protected: list[tuple[int, int]]
+    released: set[int] = field(default_factory=set)  # lease-relative blocks given back
+
+
+@dataclass
 class ConsumerMeta:
     loads: list[int] = field(default_factory=list)  # request ids whose load starts now
     scheduled: list[int] = field(default_factory=list)  # every request computed this pass
@@ -77,6 +101,10 @@ class ConsumerMeta:
     # loads that failed before dispatch (request id, why): every rank fails the request
     failed: list[tuple[int, str]] = field(default_factory=list)
     bus: tuple[str, bytes] | None = None  # TP > 1: the outcome bus (address, secret)
+    # prefix reservations: (reservation id, is_async) whose loads start now, and
+    # (reservation id, request id, why) refused before dispatch (reported failed)
+    prefix_loads: list[tuple[int, bool]] = field(default_factory=list)
+    prefix_failed: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 class ConsumerScheduler(KvCacheConnectorScheduler):
@@ -127,6 +155,151 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         svc.loads[rid] = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
         return claimed.num_blocks * tpb, self.is_async
 
+    def _prefix_keys(self, request: Any, num_computed_tokens: int) -> tuple[int, Any] | None:
+        """The first offerable block and this rank's packed keys of the blocks a claim may
+        lease (block-aligned past the device match, never the last prompt token)."""
+        svc = self.service
+        assert svc.pool is not None
+        tpb = svc.pool.tokens_per_block
+        if num_computed_tokens % tpb:
+            svc.metrics["declined_unaligned"] += 1
+            return None
+        prompt = request_tokens(request)
+        offerable = (len(prompt) - 1) // tpb  # the last prompt token is always computed here
+        first = num_computed_tokens // tpb
+        if offerable <= first:
+            return None
+        ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
+        return first, block_key_blob(svc.namespace_seed(ident, tp_rank=0), prompt, tpb)[
+            first:offerable
+        ]
+
+    def reserve_prefix(
+        self, request: Any, num_computed_tokens: int, reservation_id: int
+    ) -> tuple[int, bool]:
+        """Prefix-aware admission (rank 0, once per attempt, each with a fresh
+        ``reservation_id``): claim the longest run a producer holds past
+        ``num_computed_tokens`` and keep its lease under ``reservation_id``: the lease is
+        the protection; no push starts and no destination page is written until the
+        runtime authorises a range in ``SchedulerOutput.prefix_loads``. Answers
+        ``(tokens, is_async)`` (``is_async`` from ``load_mode``), or ``(0, False)`` on a miss
+        or any failure (never ``(0, True)``, never an exception into the engine). The
+        runtime may accept less: it releases the rest (``release_prefix_reservation``)."""
+        svc = self.service
+        if svc.pool is None:
+            return 0, False
+        if svc.tp_size > 1:  # not implemented under TP: computing is always right
+            svc.metrics["prefix_declined_tp"] += 1
+            return 0, False
+        if reservation_id in svc.reservations:  # the runtime promises a fresh id
+            log.warning("reservation id %d reused: declining", reservation_id)
+            return 0, False
+        rid = request.request_id
+        try:
+            got = self._prefix_keys(request, num_computed_tokens)
+            if got is None:
+                return 0, False
+            first, keys = got
+            claimed = svc.claim(rid, keys)
+        except Exception:  # a miss, never an engine failure
+            log.exception("claim for request %d (reservation %d) failed", rid, reservation_id)
+            return 0, False
+        if claimed is None:
+            return 0, False
+        tpb = svc.pool.tokens_per_block
+        load = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
+        span = (first * tpb, (first + claimed.num_blocks) * tpb)
+        svc.reservations[reservation_id] = _Reservation(rid, load, [span])
+        svc.metrics["prefix_reserved"] += 1
+        return claimed.num_blocks * tpb, self.is_async
+
+    def release_prefix_reservation(
+        self, request: Any, reservation_id: int, start: int, end: int
+    ) -> None:
+        """Rank 0: the runtime no longer needs ``[start, end)`` (absolute prompt positions,
+        half-open) of the reservation: the clipped or rejected part before any transfer,
+        the accepted part once every worker reported its load. Gives back the lease's
+        blocks no still-protected range overlaps (``ReleaseRange``, sent by the keepalive
+        thread: this never waits on the network), and the whole lease once nothing is
+        protected. Idempotent; an unknown id is ignored. Other reservations (even of the
+        same blocks) hold leases of their own and keep them."""
+        svc = self.service
+        res = svc.reservations.get(reservation_id)
+        if res is None or end <= start or svc.pool is None:
+            return
+        left: list[tuple[int, int]] = []
+        for a, b in res.protected:
+            if b <= start or a >= end:
+                left.append((a, b))
+                continue
+            if a < start:
+                left.append((a, start))
+            if end < b:
+                left.append((end, b))
+        res.protected = left
+        load = res.load
+        if not left:
+            svc.reservations.pop(reservation_id, None)
+            if load.dispatched and not load.done:  # the runtime drains first; if not, stop it
+                svc.abandon(load, f"reservation {reservation_id} released while loading")
+            svc.release(load.claimed)
+            return
+        tpb = svc.pool.tokens_per_block
+        base = load.first_block * tpb
+        free = [
+            b
+            for b in range(load.claimed.num_blocks)
+            if b not in res.released
+            and not any(a < base + (b + 1) * tpb and base + b * tpb < z for a, z in res.protected)
+        ]
+        run_start = None
+        for i, b in enumerate(free):
+            if run_start is None:
+                run_start = b
+            if i + 1 == len(free) or free[i + 1] != b + 1:
+                svc.release_blocks(load.claimed, run_start, b - run_start + 1)
+                run_start = None
+        res.released.update(free)
+
+    def _plan_prefix_load(self, pl: Any) -> str | None:
+        """Turn one authorised ``PrefixLoad`` into its reservation's push (lease-relative
+        first block, block count, destination slots); an error naming why it cannot be."""
+        svc = self.service
+        res = svc.reservations.get(pl.reservation_id)
+        if res is None:
+            return (
+                f"prefix load of reservation {pl.reservation_id} (request {pl.request_id}): "
+                "this scheduler holds no such reservation (never reserved here, or released)"
+            )
+        if res.request_id != pl.request_id:
+            return (
+                f"reservation {pl.reservation_id} belongs to request {res.request_id}, not "
+                f"{pl.request_id}"
+            )
+        assert svc.pool is not None
+        tpb = svc.pool.tokens_per_block
+        load = res.load
+        lo, hi = load.first_block * tpb, (load.first_block + load.claimed.num_blocks) * tpb
+        if pl.start % tpb or pl.end % tpb or not lo <= pl.start < pl.end <= hi:
+            return (
+                f"prefix load [{pl.start}, {pl.end}) of reservation {pl.reservation_id} is "
+                f"not whole blocks of its lease [{lo}, {hi})"
+            )
+        off, nb = pl.start // tpb - load.first_block, (pl.end - pl.start) // tpb
+        if any(off + i in res.released for i in range(nb)):
+            return f"prefix load of reservation {pl.reservation_id} covers released blocks"
+        if load.dispatched:
+            return f"reservation {pl.reservation_id} was authorised twice"
+        dst = []
+        b0 = pl.start // tpb
+        for ids in pl.block_ids_by_layer_group:
+            part = [int(x) for x in ids[b0 : b0 + nb]]
+            dst.append(part + [-1] * (nb - len(part)))
+        if all(x < 0 for g in dst for x in g):
+            return "the engine allocated no page for the reserved blocks"
+        load.push_first, load.push_blocks, load.dst_slots = off, nb, dst
+        return None
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Right after allocation: remember where the claimed blocks must land."""
         self.update_state_after_alloc_by_layer_group(request, [list(block_ids)])
@@ -163,6 +336,14 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             bus = self.service.bus
             if bus is not None and bus.address is not None:
                 meta.bus = (bus.address, bus.secret)
+        for pl in getattr(scheduler_output, "prefix_loads", None) or []:
+            why = self._plan_prefix_load(pl)
+            if why is None:
+                meta.prefix_loads.append((pl.reservation_id, bool(pl.is_async)))
+            else:
+                self.service.metrics["prefix_loads_refused"] += 1
+                log.warning("%s: the request fails rather than read those pages", why)
+                meta.prefix_failed.append((pl.reservation_id, pl.request_id, why))
         for rid, load in self.service.loads.items():
             if load.done and load.error and not load.dispatched and not load.announced:
                 load.announced = True  # failed before dispatch: every rank must know
@@ -239,6 +420,10 @@ class ConsumerWorker(KvCacheConnectorWorker):
         self._holding: set[int] = set()  # finished requests whose pages await their load
         self._tp = self.service.tp_size > 1
         self._failed_early: set[int] = set()  # the leader failed these before dispatch
+        # prefix reservations: reservation id -> (load, is_async) dispatched, not reported;
+        # ids to report at the next get_finished_prefix_loads (refused before dispatch)
+        self._prefix: dict[int, tuple[Load, bool]] = {}
+        self._prefix_over: list[int] = []
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -306,6 +491,18 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 raise self._load_failed(
                     "; ".join(f"request {rid}: {self._failed[rid]}" for rid in bad)
                 )
+        for res_id, rid, why in meta.prefix_failed:
+            self._failed[rid] = why  # its first forward raises, naming it
+            self._prefix_over.append(res_id)
+        for res_id, is_async in meta.prefix_loads:
+            res = self.service.reservations.get(res_id)
+            if res is None or res.load.dispatched:
+                continue
+            if not res.load.done:  # else it failed while planned: reported as is
+                self.service.dispatch(res.load, layerwise=not is_async)
+                if not is_async:
+                    self._sync_pending.append(res.load)
+            self._prefix[res_id] = (res.load, is_async)
         for rid in meta.loads:
             load = self.service.loads.get(rid)
             if load is None or load.dispatched:
@@ -424,6 +621,23 @@ class ConsumerWorker(KvCacheConnectorWorker):
                     self._failed[rid] = load.error
         self._loading.difference_update(done)
         return self._released(), done
+
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Every iteration (prefix-aware scheduling), on every rank: reservation ids whose
+        loads are over here (landed, or failed: nothing of them writes any more), each
+        once; never waits. A failed async load is recorded against its request, whose
+        first forward then raises in ``wait_for_layer_load`` (a synchronous one raised in
+        the forward it loaded under), so no token is computed on its pages. The runtime
+        releases the accepted range once every worker reported it."""
+        out, self._prefix_over = self._prefix_over, []
+        for res_id, (load, is_async) in list(self._prefix.items()):
+            if not self.service.poll(load):
+                continue
+            del self._prefix[res_id]
+            out.append(res_id)
+            if load.error and is_async:
+                self._failed[load.request_id] = load.error
+        return out
 
     def _released(self) -> list[int]:
         """Finished requests whose pages were kept for a load still landing (see

@@ -137,6 +137,9 @@ class ProducerLink:
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
+        # the optional requests the producer announced (HelloOk.features); None until the
+        # first Hello answered
+        self.features: frozenset[str] | None = None
 
     def usable(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -146,7 +149,7 @@ class ProducerLink:
     ) -> Any:
         try:
             if not ch.ready:  # first use, or after any failure (the socket may be new)
-                ch.client.call(
+                ok = ch.client.call(
                     m.Hello(
                         v=V,
                         instance_id=self.owner,
@@ -157,6 +160,7 @@ class ProducerLink:
                     ),
                     timeout_s=timeout_s,
                 )
+                self.features = frozenset(getattr(ok, "features", ()) or ())
                 ch.ready = True
             return ch.client.call(msg, timeout_s=timeout_s)
         except ProtocolError as exc:
@@ -204,6 +208,9 @@ class Load:
     error: str | None = None
     done: bool = False
     deadline: float = 0.0
+    # which blocks of the lease to push (prefix reservations push the accepted part)
+    push_first: int = 0
+    push_blocks: int | None = None  # None: the whole lease
     # layer-wise loads: pages landed once each layer is complete (layer id -> count)
     layer_marks: dict[int, int] | None = None
     # TP > 1: the load's id on every rank (the leader's choice, in the plan), the leading
@@ -246,8 +253,12 @@ class ConsumerService(ConnectorService):
         self.links = [rl[self.tp_rank] for rl in self.rank_links]
         self.data: DataPlane | None = None
         self.loads: dict[int, Load] = {}
+        # prefix reservations (reservation id -> the connector's record, with ``.load``):
+        # their leases are renewed like the loads' until released
+        self.reservations: dict[int, Any] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
-        self._releases: list[tuple[ProducerLink, int]] = []
+        # (link, lease id, None: the whole lease | (first block, count): part of it)
+        self._releases: list[tuple[ProducerLink, int, tuple[int, int] | None]] = []
         self._lock = threading.Lock()
         self._lookups = ThreadPoolExecutor(
             max(1, len(self.links) * len(ranks)), thread_name_prefix="disagg-lookup"
@@ -484,7 +495,19 @@ class ConsumerService(ConnectorService):
         with self._lock:
             for c in claimed.all_ranks():
                 if c.lease_id:
-                    self._releases.append((c.link, c.lease_id))
+                    self._releases.append((c.link, c.lease_id, None))
+        self._wake.set()
+
+    def release_blocks(self, claimed: Claimed, first: int, n: int) -> None:
+        """Queue the release of blocks ``[first, first + n)`` of the lease (every rank's);
+        the keepalive thread sends it as ``ReleaseRange``. A producer that does not serve
+        it (an older one: no ``release_range`` in its HelloOk, or it refused the kind)
+        keeps the blocks until the whole lease is released: protected longer, never
+        less."""
+        with self._lock:
+            for c in claimed.all_ranks():
+                if c.lease_id:
+                    self._releases.append((c.link, c.lease_id, (first, n)))
         self._wake.set()
 
     # -- loads (engine thread; never waits past a deadline) ------------------------------
@@ -537,8 +560,10 @@ class ConsumerService(ConnectorService):
                     transfer_id=load.transfer_id,
                     token=load.token,
                     data_endpoint=self.data.endpoint,
-                    first_block=0,
-                    num_blocks=load.claimed.num_blocks,
+                    first_block=load.push_first,
+                    num_blocks=(
+                        load.claimed.num_blocks if load.push_blocks is None else load.push_blocks
+                    ),
                     dst_slots=load.dst_slots,
                     layerwise=layerwise,
                 ),
@@ -741,7 +766,8 @@ class ConsumerService(ConnectorService):
         if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
             return
         held: dict[ProducerLink, list[int]] = {}
-        for load in list(self.loads.values()):
+        loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
+        for load in loads:
             for c in load.claimed.all_ranks():
                 held.setdefault(c.link, []).append(c.lease_id)
         for link, ids in held.items():
@@ -759,7 +785,10 @@ class ConsumerService(ConnectorService):
     def _send_releases(self) -> None:
         with self._lock:
             todo, self._releases = self._releases, []
-        for link, lease_id in todo:
+        for link, lease_id, part in todo:
+            if part is not None:
+                self._send_release_range(link, lease_id, *part)
+                continue
             try:
                 self._call(
                     link, m.Release(v=V, owner=self.owner, lease_id=lease_id), background=True
@@ -768,6 +797,33 @@ class ConsumerService(ConnectorService):
             except Exception as exc:  # the producer's TTL frees it anyway
                 self.metrics["release_failed"] += 1
                 log.info("release of lease %d failed: %s", lease_id, exc)
+
+    def _send_release_range(self, link: ProducerLink, lease_id: int, first: int, n: int) -> None:
+        if link.features is not None and m.FEATURE_RELEASE_RANGE not in link.features:
+            self.metrics["release_range_unsupported"] += 1  # kept until the whole release
+            return
+        try:
+            self._call(
+                link,
+                m.ReleaseRange(
+                    v=V, owner=self.owner, lease_id=lease_id, first_block=first, num_blocks=n
+                ),
+                background=True,
+            )
+            self.metrics["blocks_released_in_part"] += n
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.UNKNOWN_KIND:  # an older producer: by name, not misread
+                link.features = (link.features or frozenset()) - {m.FEATURE_RELEASE_RANGE}
+                self.metrics["release_range_unsupported"] += 1
+                log.warning(
+                    "producer %s does not serve release_range (%s): its blocks stay leased "
+                    "until the whole reservation is released",
+                    link.endpoint,
+                    exc.message,
+                )
+            else:  # released with the whole lease, or by the producer's TTL
+                self.metrics["release_failed"] += 1
+                log.info("release of blocks of lease %d failed: %s", lease_id, exc)
 
     def health(self) -> tuple[bool, str]:
         """``(healthy, why not)``: unhealthy when leases can no longer be renewed or released,

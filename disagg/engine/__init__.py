@@ -34,12 +34,14 @@ if _conn is not None:
     KvCacheConnectorWorker: Any = _conn.KvCacheConnectorWorker
     RequestData: Any = _conn.RequestData
     SchedulerOutput: Any = _conn.SchedulerOutput
+    PrefixLoad: Any = getattr(_conn, "PrefixLoad", _contract.PrefixLoad)
 else:
     TRTLLM_SOURCE = "disagg.engine._contract"
     KvCacheConnectorScheduler = _contract.KvCacheConnectorScheduler
     KvCacheConnectorWorker = _contract.KvCacheConnectorWorker
     RequestData = _contract.RequestData
     SchedulerOutput = _contract.SchedulerOutput
+    PrefixLoad = _contract.PrefixLoad
 
 # 1.2.x has no layout module: our layout types then describe our own caches only.
 _L: Any = _lay if _lay is not None and hasattr(_lay, "valid_page_slots") else layout
@@ -61,6 +63,7 @@ __all__ = [
     "KvCacheLayerGroupLayout",
     "KvCacheLayout",
     "KvCacheRegion",
+    "PrefixLoad",
     "RequestData",
     "SchedulerOutput",
     "valid_page_slots",

@@ -76,13 +76,33 @@ class RequestData:
 
 
 @dataclass
+class PrefixLoad:
+    """One load a reservation was accepted for (contract §4.3; TensorRT-LLM main, #17974):
+    the exact interval ``[start, end)`` (absolute prompt positions, block-aligned) of the
+    reservation ``reservation_id`` to load for request ``request_id``, into the complete
+    destination page lists ``block_ids_by_layer_group[g][ordinal]`` (``-1``: no page)."""
+
+    reservation_id: int
+    request_id: int
+    start: int
+    end: int
+    is_async: bool
+    block_ids_by_layer_group: list[list[int]]
+    tokens: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
 class SchedulerOutput:
     """What one iteration scheduled: first reports in ``new_requests``, every later report
-    (later chunks, generation steps) in ``cached_requests``."""
+    (later chunks, generation steps) in ``cached_requests``. ``prefix_loads`` (prefix-aware
+    scheduling only): the reservation loads authorised this iteration, present even for
+    requests absent from both lists (parked async loads) and when nothing computes."""
 
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
     attention_dp_rank: int | None = None
+    prefix_loads: list[PrefixLoad] = field(default_factory=list)
 
 
 class KvCacheConnectorWorker(ABC):
@@ -152,6 +172,12 @@ class KvCacheConnectorWorker(ABC):
         """Every iteration: returns ``(finished_saving_ids, finished_loading_ids)``. An id
         may be returned only after it was handed in, and only once."""
 
+    # Opt-in prefix reservations (contract §4.3): all three hooks or none.
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Every iteration (prefix-aware scheduling): reservation ids whose loads finished
+        on this worker (reads and writes over); must not wait for other workers."""
+        raise NotImplementedError(f"{type(self).__name__} does not take prefix reservations")
+
 
 class KvCacheConnectorScheduler(ABC):
     """The leader: decides what to load and save. Rank 0 only under TP."""
@@ -207,12 +233,60 @@ class KvCacheConnectorScheduler(ABC):
     def wait_for_initialization(self) -> None:
         """Once at the end of bring-up, after KV registration and hook installation."""
 
+    # Opt-in prefix reservations (contract §4.3): all three hooks or none.
+    def reserve_prefix(
+        self, request: Any, num_computed_tokens: int, reservation_id: int
+    ) -> tuple[int, bool]:
+        """Admission: protect the source from ``num_computed_tokens`` on, start no transfer;
+        ``(tokens, is_async)``, ``(0, True)`` is refused."""
+        raise NotImplementedError(f"{type(self).__name__} does not take prefix reservations")
+
+    def release_prefix_reservation(
+        self, request: Any, reservation_id: int, start: int, end: int
+    ) -> None:
+        """Release ``[start, end)`` of a reservation's protection."""
+        raise NotImplementedError(f"{type(self).__name__} does not take prefix reservations")
+
     # Optional V2 hooks (documented in newer TensorRT-LLM docs; no-op defaults).
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """The runtime will not consume ``[start, end)`` of an offer. Best effort."""
 
     def request_reset(self, request: Any) -> None:
         """The allocation was released; the request will replay from scratch."""
+
+
+PREFIX_HOOKS = (
+    ("scheduler", "reserve_prefix"),
+    ("scheduler", "release_prefix_reservation"),
+    ("worker", "get_finished_prefix_loads"),
+)
+
+
+def prefix_reservation_capability(
+    scheduler: Any,
+    worker: Any,
+    scheduler_base: type = KvCacheConnectorScheduler,
+    worker_base: type = KvCacheConnectorWorker,
+) -> bool:
+    """Bring-up check of TensorRT-LLM's ``configure_prefix_reservations`` (UT-RES): True if
+    the connector implements all three reservation hooks, False if none (the legacy query
+    path), ``ValueError("prefix reservations require ...")`` naming what is missing if only
+    some. ``scheduler`` may be None (a rank without one): only the worker is checked."""
+    have = {}
+    for side, name in PREFIX_HOOKS:
+        obj, base = (scheduler, scheduler_base) if side == "scheduler" else (worker, worker_base)
+        if obj is not None:
+            have[name] = overrides(obj, base, name)
+    if all(have.values()):
+        return True
+    if not any(have.values()):
+        return False
+    missing = [n for n, ok in have.items() if not ok]
+    raise ValueError(
+        "prefix reservations require reserve_prefix and release_prefix_reservation on the "
+        "scheduler and get_finished_prefix_loads on the worker, all three or none; "
+        f"{type(scheduler).__name__}/{type(worker).__name__} lack {', '.join(missing)}"
+    )
 
 
 def reject_flat_only_scheduler(

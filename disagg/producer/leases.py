@@ -9,7 +9,11 @@ A lease pins its blocks in the store (no eviction, no reuse of their rows) until
 LEASE_MAX_HOLD bounds the one zombie the other two miss: a consumer that is alive and
 renewing, but never releases (a request its engine leaked, a bug): without it those
 blocks would stay pinned for the life of that consumer. Renewals never move a deadline
-past it. A push in flight holds pins of its own, so freeing its lease cannot pull the
+past it. A lease may also be released in part (``release_range``: a block range, for TensorRT-LLM's
+prefix reservations, which release a clipped tail before the load and the loaded part
+after it): those blocks are unpinned at once, the rest stay leased, and the lease ends
+once no block is left; a push of a released block is refused (OUT_OF_RANGE).
+A push in flight holds pins of its own, so freeing its lease cannot pull the
 rows from under it; the consumer learns the lease is gone at its next renewal (reported
 unknown) or push (UNKNOWN_LEASE), and its failure rule applies.
 Deadlines are not ordered (renewals move them), so ``sweep`` looks at every lease.
@@ -47,6 +51,18 @@ class Lease:
     pushes: int = 0
     rows: np.ndarray | None = None  # entries[i].row (from the claim's pin)
     unique_rows: bool = False  # no entry listed twice (a vectorised unpin is exact)
+    released: np.ndarray | None = None  # per block: given back by release_range (None: none)
+
+    def held_runs(self, first: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+        """``[a, b)`` runs of blocks in ``[first, end)`` still leased (not released)."""
+        end = len(self.entries) if end is None else end
+        if self.released is None:
+            return [(first, end)] if end > first else []
+        held = ~self.released[first:end]
+        if not held.any():
+            return []
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], held.view(np.int8), [0]))))
+        return [(first + int(a), first + int(b)) for a, b in zip(edges[0::2], edges[1::2])]
 
 
 @dataclass
@@ -136,6 +152,15 @@ class LeaseTable:
                 )
             return lease
 
+    def _unpin_held(self, lease: Lease, first: int = 0, end: int | None = None) -> int:
+        """Unpin ``lease``'s blocks in ``[first, end)`` not released yet; returns how many."""
+        count = 0
+        for a, b in lease.held_runs(first, end):
+            rows = None if lease.rows is None else lease.rows[a:b]
+            self.store.unpin(lease.keys[a:b], lease.entries[a:b], rows, lease.unique_rows)
+            count += b - a
+        return count
+
     def pin_for_push(self, owner: str, lease_id: int, first: int, n: int) -> Lease:
         """The caller's lease, with blocks ``[first, first + n)`` pinned once more for a
         push; the pusher must ``store.unpin`` them when its transfer is final. Atomic with
@@ -145,6 +170,12 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.owner == owner:
                 end = first + n
+                if lease.released is not None and lease.released[first:end].any():
+                    raise ProtocolError(
+                        ErrorCode.OUT_OF_RANGE,
+                        f"push of blocks [{first}, {end}) of lease {lease_id}: some were "
+                        "released (release_range)",
+                    )
                 self.store.pin_entries(
                     lease.keys[first:end],
                     lease.entries[first:end],
@@ -176,7 +207,36 @@ class LeaseTable:
             if self._leases.pop(lease_id, None) is None:
                 return
             self.stats.released += 1
-        self.store.unpin(lease.keys, lease.entries, lease.rows, lease.unique_rows)
+        # out of the table: release_range no longer touches it, so unpin without the lock
+        self._unpin_held(lease)
+
+    def release_range(self, owner: str, lease_id: int, first: int, n: int) -> int:
+        """Release blocks ``[first, first + n)`` of the caller's lease (relative to the
+        lease); blocks released before are skipped. The lease ends once every block is
+        released. Returns how many blocks this call unpinned. ``OUT_OF_RANGE`` if the range
+        is not inside the lease."""
+        lease = self.get(owner, lease_id)
+        end = first + n
+        if n < 1 or end > len(lease.entries):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_RANGE,
+                f"release of blocks [{first}, {end}) is outside lease {lease_id}, which "
+                f"holds {len(lease.entries)} block(s)",
+            )
+        with self._lock:
+            if self._leases.get(lease_id) is not lease:
+                return 0  # freed concurrently (sweep, release): its blocks are unpinned
+            count = self._unpin_held(lease, first, end)
+            if lease.released is None:
+                lease.released = np.zeros(len(lease.entries), dtype=bool)
+            lease.released[first:end] = True
+            self.stats.extra["blocks_released_in_part"] = (
+                self.stats.extra.get("blocks_released_in_part", 0) + count
+            )
+            if lease.released.all():
+                del self._leases[lease_id]
+                self.stats.released += 1
+        return count
 
     def sweep(self, now: float | None = None) -> int:
         """Free expired leases (LEASE_TTL unrenewed, or LEASE_MAX_HOLD reached) and every
@@ -201,7 +261,7 @@ class LeaseTable:
                     continue
                 freed.append(self._leases.pop(lid))
         for lease in freed:
-            self.store.unpin(lease.keys, lease.entries, lease.rows, lease.unique_rows)
+            self._unpin_held(lease)
         return len(freed)
 
     def active(self) -> int:

@@ -121,6 +121,9 @@ class ProducerService(ConnectorService):
         super().__init__(config, llm_args)
         assert config.producer is not None  # validated: role producer has the section
         self.pcfg = config.producer
+        # optional requests served, announced by name in HelloOk (tests of an older
+        # producer empty it)
+        self.features: tuple[str, ...] = m.FEATURES
         self.store: BlockStore = None  # type: ignore[assignment]  # set by attach()
         self.leases: LeaseTable = None  # type: ignore[assignment]
         self._in_flight: Counter[int] = Counter()
@@ -320,6 +323,9 @@ class ProducerService(ConnectorService):
         if isinstance(msg, m.Release):
             self.leases.release(owner, msg.lease_id)
             return m.Ok(v=PROTOCOL_VERSION)
+        if isinstance(msg, m.ReleaseRange):
+            self.leases.release_range(owner, msg.lease_id, msg.first_block, msg.num_blocks)
+            return m.Ok(v=PROTOCOL_VERSION)
         if isinstance(msg, m.Push):
             return self._push(owner, msg)
         if isinstance(msg, m.SnapshotRequest):
@@ -362,6 +368,7 @@ class ProducerService(ConnectorService):
             fingerprint=self.fingerprint,
             data_endpoint="",
             transport=self.config.transport,
+            features=list(self.features),
         )
 
     def _caller_key(self) -> bytes:

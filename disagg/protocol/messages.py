@@ -59,10 +59,15 @@ class Hello(Message, frozen=True, tag="hello"):
 
 
 class HelloOk(Message, frozen=True, tag="hello_ok"):
+    """``features``: the optional requests this producer serves, by name (``FEATURES``).
+    An older producer sends none (the field is new; unknown fields are ignored both
+    ways), so a consumer never sends it a request it would misread or refuse."""
+
     instance_id: Str
     fingerprint: Fingerprint
     data_endpoint: Str = ""
     transport: Str = "zmq"
+    features: Annotated[list[Str], msgspec.Meta(max_length=64)] = []
 
 
 # --- generic replies -------------------------------------------------------------------
@@ -141,6 +146,25 @@ class RenewOk(Message, frozen=True, tag="renew_ok"):
 class Release(Message, frozen=True, tag="release"):
     owner: Str
     lease_id: U64
+
+
+class ReleaseRange(Message, frozen=True, tag="release_range"):
+    """Release blocks ``[first_block, first_block + num_blocks)`` of a lease (relative to
+    the lease), keeping the rest leased; the lease ends once none is left. Feature
+    ``release_range`` (``HelloOk.features``). A new *kind*, not new fields on ``Release``:
+    an older producer ignores unknown fields and would free the whole lease, where an
+    unknown kind is refused by name (``UNKNOWN_KIND``: "unknown message kind
+    'release_range'")."""
+
+    owner: Str
+    lease_id: U64
+    first_block: NonNeg
+    num_blocks: Pos
+
+
+# Optional requests a producer may serve, by name (HelloOk.features).
+FEATURE_RELEASE_RANGE = "release_range"
+FEATURES = (FEATURE_RELEASE_RANGE,)
 
 
 class Push(Message, frozen=True, tag="push"):
@@ -248,6 +272,7 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
     Renew,
     RenewOk,
     Release,
+    ReleaseRange,
     Push,
     PushOk,
     Heartbeat,

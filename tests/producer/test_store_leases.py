@@ -140,3 +140,38 @@ def test_lease_max_hold_shorter_than_ttl_is_refused():
     s = BlockStore(8, 8 * 8)
     with pytest.raises(ValueError, match="max hold"):
         LeaseTable(s, max_ttl_s=30, max_hold_s=10)
+
+
+def test_release_range_frees_exactly_that_range_and_keeps_the_rest_leased():
+    """Prefix reservations release a lease in parts: a block range is unpinned at once
+    (evictable), the rest stays pinned and pushable, a push of a released block is refused,
+    overlapping releases count a block once, and the lease ends with its last block."""
+    s = BlockStore(64, 64 * 16)
+    keys = [key(i) for i in range(8)]
+    fill(s, keys, 1)
+    t = LeaseTable(s)
+    lease = t.grant("c", "r", keys, 30.0)
+    assert lease is not None and s.pinned_blocks() == 8
+    pins = lambda: [int(s._pins[e.row]) for e in lease.entries]  # noqa: E731
+    assert t.release_range("c", lease.lease_id, 2, 3) == 3
+    assert pins() == [1, 1, 0, 0, 0, 1, 1, 1] and t.active() == 1
+    assert t.release_range("c", lease.lease_id, 4, 2) == 1  # block 4 was released already
+    assert pins() == [1, 1, 0, 0, 0, 0, 1, 1]
+    with pytest.raises(ProtocolError) as ei:
+        t.pin_for_push("c", lease.lease_id, 1, 2)  # block 2 is gone
+    assert ei.value.code is ErrorCode.OUT_OF_RANGE
+    t.pin_for_push("c", lease.lease_id, 6, 2)  # the rest is still pushable
+    s.unpin(keys[6:8], lease.entries[6:8])
+    with pytest.raises(ProtocolError) as ei:
+        t.release_range("c", lease.lease_id, 7, 2)  # past the lease
+    assert ei.value.code is ErrorCode.OUT_OF_RANGE
+    with pytest.raises(ProtocolError) as ei:
+        t.release_range("other", lease.lease_id, 0, 1)
+    assert ei.value.code is ErrorCode.FOREIGN_LEASE
+    t.release("c", lease.lease_id)  # the whole release unpins only what is still held
+    assert pins() == [0] * 8 and s.pinned_blocks() == 0 and t.active() == 0
+    again = t.grant("c", "r", keys[:4], 30.0)
+    assert again is not None
+    t.release_range("c", again.lease_id, 0, 2)
+    t.release_range("c", again.lease_id, 2, 2)  # the last blocks: the lease ends
+    assert t.active() == 0 and s.pinned_blocks() == 0 and t.stats.released == 2

@@ -24,6 +24,7 @@ from disagg.protocol import (
     Push,
     PushOk,
     Release,
+    ReleaseRange,
     Removed,
     Renew,
     RenewOk,
@@ -48,6 +49,7 @@ FP = Fingerprint(
 SAMPLES = [
     Hello(instance_id="c1", role="consumer", fingerprint=FP, data_endpoint="tcp://x:1"),
     HelloOk(instance_id="p1", fingerprint=FP, data_endpoint="tcp://y:2", transport="ucx"),
+    HelloOk(instance_id="p1", fingerprint=FP, features=["release_range"]),
     Ok(),
     Error(code=int(ErrorCode.BUSY), message="later"),
     Lookup(owner="c1", keys=K),
@@ -57,6 +59,7 @@ SAMPLES = [
     Renew(owner="c1", lease_ids=[1, 2]),
     RenewOk(unknown=[2]),
     Release(owner="c1", lease_id=1),
+    ReleaseRange(owner="c1", lease_id=1, first_block=2, num_blocks=3),
     Push(
         owner="c1",
         lease_id=1,
@@ -85,6 +88,28 @@ def test_every_message_has_a_sample():
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
 def test_round_trip(msg):
     assert decode(encode(msg)) == msg
+
+
+def test_release_range_is_refused_by_name_by_an_older_peer():
+    """A peer built before ``release_range`` refuses the kind by name (never misreads it as
+    something else), and its HelloOk (no ``features``) announces nothing, so a consumer
+    does not send it one."""
+    from disagg.protocol.messages import decode_with
+
+    old = [c for c in ALL_MESSAGES if c is not ReleaseRange]
+    old_union = msgspec.msgpack.Decoder(__import__("typing").Union[tuple(old)])
+    old_kinds = {c.__struct_config__.tag for c in old}
+    frame = encode(ReleaseRange(owner="c1", lease_id=1, first_block=0, num_blocks=1))
+    with pytest.raises(ProtocolError) as ei:
+        decode_with(old_union, old_kinds, frame, MAX_CONTROL_FRAME)
+    assert ei.value.code is ErrorCode.UNKNOWN_KIND and "'release_range'" in ei.value.message
+    older_ok = msgspec.msgpack.encode(
+        {"kind": "hello_ok", "v": V, "instance_id": "p", "fingerprint": FP}
+    )
+    assert decode(older_ok).features == []
+    # a release of nothing is refused, naming the field
+    bad = raw(kind="release_range", v=V, owner="c", lease_id=1, first_block=0, num_blocks=0)
+    assert code_of(bad) is ErrorCode.BAD_FIELD
 
 
 def raw(**fields):

@@ -58,6 +58,13 @@ class EngineConfig:
     # are stored for reuse whatever it computed, as TensorRT-LLM's releaseBlocks does,
     # so a request that failed mid-prefill publishes pages it never filled.
     store_blocks_on_release: bool = True
+    # TensorRT-LLM main's SchedulerConfig.enable_prefix_aware_scheduling (V2 only): a
+    # connector offering the three reservation hooks is asked ``reserve_prefix`` at
+    # admission and loads through ``SchedulerOutput.prefix_loads`` (contract §4.3).
+    prefix_aware_scheduling: bool = False
+    # Caps an accepted reservation at this many tokens (block-aligned down): stands for the
+    # token-budget / KV-capacity limits that make TensorRT-LLM accept a shorter range.
+    prefix_load_cap_tokens: int | None = None
     # Snapshot page bytes as they are loaded by a connector and as blocks complete, for
     # byte comparisons in tests (costs memory; off by default).
     capture_pages: bool = False
@@ -96,6 +103,15 @@ class EngineConfig:
             f"kv_manager must be 'v1' or 'v2', not {self.kv_manager!r}",
         )
         need(self.chunk_size is None or self.chunk_size > 0, "chunk_size must be > 0 or None")
+        need(
+            not self.prefix_aware_scheduling or self.kv_manager == "v2",
+            "prefix_aware_scheduling needs kv_manager='v2' (TensorRT-LLM enables prefix "
+            "reservations on KVCacheManagerV2 only)",
+        )
+        need(
+            self.prefix_load_cap_tokens is None or self.prefix_load_cap_tokens >= 0,
+            "prefix_load_cap_tokens must be >= 0 or None",
+        )
         need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
         need(len(self.windows) > 0, "windows must not be empty")
         for w in self.windows:

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import KvCacheConnectorScheduler
-from .._contract import reject_flat_only_scheduler
+from .. import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from .._contract import prefix_reservation_capability, reject_flat_only_scheduler
 from .config import ConnectorSpec, EngineConfig, LlmArgs, llm_args_for_rank
 from .kv_cache import KvCacheManager
 
@@ -324,6 +324,42 @@ class Driver:
             raise fatal[0]
         clean = [r for r in self.ranks if r not in raised]
         raise RankDivergenceError(where, raised, clean)
+
+    def prefix_capability(self) -> bool:
+        """Bring-up, prefix-aware scheduling on: does the connector take reservations (all
+        three hooks: True; none: False, the legacy query path)? A partial implementation
+        raises ``ValueError`` on every rank, as ``configure_prefix_reservations`` does."""
+        caps: set[bool] = set()
+        err: BaseException | None = None
+        try:
+            for r, w in zip(self.ranks, self.workers, strict=True):
+                sched = self.scheduler if r == 0 else None
+                caps.add(
+                    prefix_reservation_capability(
+                        sched, w, KvCacheConnectorScheduler, KvCacheConnectorWorker
+                    )
+                )
+        except ValueError as exc:
+            err = exc
+        self._everywhere(err, "the prefix-reservation probe")
+        cap = caps == {True}
+        if self.comm is not None:
+            cap = all(self.comm.allgather(cap, "the prefix-reservation probe"))
+        return cap
+
+    def get_finished_prefix_loads(self) -> list[set[int]]:
+        """Every iteration (reservations on): each rank's newly reported reservation ids,
+        rank order. TensorRT-LLM sends them to rank 0 without a collective
+        (``PrefixLoadCompletionTracker``: isend/improbe) and publishes rank 0's decision
+        through the ordered request queue; the MPI mode all-gathers them instead (same
+        decision, applied by every rank before the next scheduling pass)."""
+        mine: list[set[int]] = []
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count("get_finished_prefix_loads", rank0=r == self.ranks[0])
+            mine.append({int(i) for i in w.get_finished_prefix_loads()})
+        if self.comm is not None:
+            return [set(s) for s in self.comm.allgather(mine[0], "get_finished_prefix_loads")]
+        return mine
 
     def get_finished(self, saving: list[int], loading: list[int]) -> tuple[set[int], set[int]]:
         """Hand each id in once per rank; return the ids every rank has reported

@@ -27,6 +27,26 @@ One ``Engine.step()`` is one executor iteration:
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
 7. ``get_finished`` every iteration, forward or not.
+
+Prefix-aware scheduling (``EngineConfig.prefix_aware_scheduling``, V2, a connector with
+all three reservation hooks; contract §4.3 and TensorRT-LLM main's UT-RES / UT-EXEC, cited
+in docs/design/prefix-reservations.md), instead of ``get_num_new_matched_tokens``:
+
+- admission: ``reserve_prefix(req, P, reservation_id)`` (a fresh id per attempt), the
+  answer validated (a non-bool int >= 0 and a bool, never ``(0, True)``: else the request
+  fails naming it); the accepted range ``[P, end)`` is block-aligned, never reaches the
+  last prompt token's block, and is capped by ``prefix_load_cap_tokens``; what is not
+  accepted is released (``release_prefix_reservation``) before any transmission;
+- the accepted load is in that iteration's ``SchedulerOutput.prefix_loads`` (built and
+  handed to ``build_connector_meta`` even when nothing computes), then marked dispatched,
+  then ``start_load_kv`` (TensorRT-LLM's order: park, metadata, own, start);
+- ``get_finished_prefix_loads`` on every rank every iteration; ids not dispatched and
+  outstanding (stale, duplicate, unknown) are ignored; a load every rank reported is
+  retired at the start of the next iteration, before scheduling (after cancels): its
+  accepted range is released, then an ``is_async`` request rejoins the compute batch, or
+  a request that ended meanwhile (cancelled, failed, finished) is handed back
+  (``request_finished``) and its pages freed: no allocation is freed, and no request is
+  answered ``request_finished``, while its load may still write. There is no timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +56,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .. import RequestData, SchedulerOutput
+from .. import PrefixLoad, RequestData, SchedulerOutput
 from .config import ConnectorSpec, EngineConfig, build_llm_args
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
@@ -74,6 +94,16 @@ class EngineStats:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["calls"] = dict(self.calls)
         return d
+
+
+@dataclass
+class _PrefixState:
+    """An accepted reservation load until every rank reported it (then it is retired)."""
+
+    load: Any  # PrefixLoad
+    req: Request
+    dispatched: bool = False
+    reported: set[int] = field(default_factory=set)  # rank indices
 
 
 class Request:
@@ -121,6 +151,8 @@ class Request:
         self.sampled_iter = -1
         self.finished_iter = -1
         self.generated: list[int] = []
+        self.prefix_load: int | None = None  # its reservation load, until retired
+        self.end_after_load = False  # ended while its load was outstanding: handed back later
 
     @property
     def adapter(self) -> str | None:
@@ -143,6 +175,21 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request(id={self.request_id}, state={self.state}, prompt_len={self.prompt_len})"
+
+
+def _check_reservation(answer: Any) -> tuple[int, bool]:
+    """``reserve_prefix``'s answer as TensorRT-LLM validates it (UT-RES): a non-bool int
+    >= 0 and a bool, never ``(0, True)``; else ``ValueError`` naming what is wrong."""
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        raise ValueError(f"reserve_prefix must return (tokens, is_async), not {answer!r}")
+    n, is_async = answer
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"reserve_prefix returned token count {n!r}: not an int >= 0")
+    if not isinstance(is_async, bool):
+        raise ValueError(f"reserve_prefix returned is_async {is_async!r}: not a bool")
+    if n == 0 and is_async:
+        raise ValueError("reserve_prefix returned (0, True): an async load of no tokens")
+    return n, is_async
 
 
 def _request_data(**kw: Any) -> Any:
@@ -190,6 +237,16 @@ class Engine:
         self._hidden: dict[int, Any] = {}
         self._spans: dict[int, tuple[int, int]] = {}
         self._cancels: list[int] = []
+        # prefix reservations (opt-in): the connector's capability decides, as in
+        # TensorRT-LLM's configure_prefix_reservations (partial implementation: ValueError)
+        self.prefix_reservations = bool(
+            self.driver is not None
+            and cfg.prefix_aware_scheduling
+            and self.driver.prefix_capability()
+        )
+        self._reservation_ids = itertools.count(1)
+        self._prefix_accepted: list[Any] = []  # authorised this iteration, not dispatched
+        self._prefix_loads: dict[int, _PrefixState] = {}  # reservation id -> until retired
 
     # ----- public API -----------------------------------------------------------------
     @property
@@ -255,7 +312,7 @@ class Engine:
         cancels, self._cancels = self._cancels, []
         for rid in cancels:
             req = self.requests[rid]
-            if req.state in ("done", "saving") or self.results[rid].finished:
+            if req.state in ("done", "saving", "draining") or self.results[rid].finished:
                 continue
             if req in self._waiting:
                 self._waiting.remove(req)
@@ -305,6 +362,7 @@ class Engine:
         self._new_saving = []
         new_loading: list[int] = []
         self._apply_cancels()
+        self._retire_prefix_loads()
 
         # 1. schedule
         ctx = [r for r in self._active if r.state == "context"]
@@ -339,13 +397,18 @@ class Engine:
         # 3. scheduler output, park async loads, metadata, start_load_kv
         scheduled = sched_ctx + gen
         batch = [r for r in sched_ctx if r.state == "context"] + gen
-        if drv is not None and scheduled:
+        accepted, self._prefix_accepted = self._prefix_accepted, []
+        if drv is not None and (scheduled or accepted):
             out = SchedulerOutput()
             for req in batch:
                 (out.cached_requests if req.reported else out.new_requests).append(
                     self._report(req, it)
                 )
+            if self.prefix_reservations:
+                out.prefix_loads = accepted
             meta = drv.sched("build_connector_meta", out)
+            for load in accepted:  # owned from here: the allocation outlives any cancel
+                self._prefix_loads[load.reservation_id].dispatched = True
             drv.bind_and_start(meta)
         for req in sched_ctx:
             req.external_load = None
@@ -375,6 +438,12 @@ class Engine:
         # 7. get_finished, every iteration
         if drv is not None:
             fin_save, fin_load = drv.get_finished(self._new_saving, new_loading)
+            if self.prefix_reservations:
+                for rank_i, ids in enumerate(drv.get_finished_prefix_loads()):
+                    for res_id in ids:  # stale, duplicate and unknown ids are ignored
+                        st = self._prefix_loads.get(res_id)
+                        if st is not None and st.dispatched:
+                            st.reported.add(rank_i)
             for rid in sorted(fin_load):
                 req = self.requests[rid]
                 if req.state == "loading":  # not if it ended while parked (cancelled)
@@ -422,7 +491,13 @@ class Engine:
         hashes = self._extend_hashes(req, req.prompt_len)
         P = self.kv.match_prefix(hashes, req.prompt_len)
         N, is_async = 0, False
-        if drv is not None:
+        reservation: int | None = None
+        if drv is not None and self.prefix_reservations:
+            got = self._reserve(req, P)
+            if got is None:
+                return False
+            N, is_async, reservation = got
+        elif drv is not None:
             N, is_async = drv.sched("get_num_new_matched_tokens", req, P)
             N, is_async = int(N), bool(is_async)
             if N == 0 and is_async:
@@ -457,9 +532,107 @@ class Engine:
                     [list(p) for p in req.pages],
                     broadcast=False,
                 )
-            if is_async:
+            if reservation is not None:
+                load = PrefixLoad(
+                    reservation_id=reservation,
+                    request_id=req.request_id,
+                    start=P,
+                    end=P + N,
+                    is_async=is_async,
+                    block_ids_by_layer_group=[list(p) for p in req.pages],
+                    tokens=list(req.tokens),
+                    cache_salt=req.cache_salt,
+                )
+                self._prefix_accepted.append(load)
+                self._prefix_loads[reservation] = _PrefixState(load, req)
+                req.prefix_load = reservation
+                if is_async:  # parked until every rank reported the reservation
+                    req.state = "loading"
+                    req.external_load = None
+            elif is_async:
                 req.state = "loading"
                 new_loading.append(req.request_id)
+        return True
+
+    def _reserve(self, req: Request, P: int) -> tuple[int, bool, int | None] | None:
+        """Admission with reservations: ``(accepted tokens, is_async, reservation id)``
+        (``(0, False, None)``: nothing accepted, the prefix is computed here), or None when
+        the answer was invalid (the request failed, naming it). What is not accepted is
+        released now, before any transmission."""
+        cfg, drv, tpb = self.config, self.driver, self.config.tokens_per_block
+        assert drv is not None
+        rid = next(self._reservation_ids)  # a fresh identity per attempt
+        answer = drv.sched("reserve_prefix", req, P, rid)
+        try:
+            n, is_async = _check_reservation(answer)
+        except ValueError as exc:
+            promised = answer[0] if isinstance(answer, (tuple, list)) and answer else 0
+            if isinstance(promised, int) and not isinstance(promised, bool) and promised > 0:
+                drv.sched("release_prefix_reservation", req, rid, P, P + promised, broadcast=False)
+            self._fail(req, f"reserve_prefix for request {req.request_id}: {exc}")
+            return None
+        if n == 0:
+            return 0, False, None
+        # block-aligned, never the last prompt token's block (computed here), capped
+        end = min(P + n, (req.prompt_len - 1) // tpb * tpb)
+        if cfg.prefix_load_cap_tokens is not None:
+            end = min(end, P + cfg.prefix_load_cap_tokens)
+        end = end // tpb * tpb
+        if P % tpb or end <= P:  # rejected: the whole promise goes back
+            drv.sched("release_prefix_reservation", req, rid, P, P + n, broadcast=False)
+            return 0, False, None
+        if end < P + n:  # clipped: the tail goes back before transmission
+            drv.sched("release_prefix_reservation", req, rid, end, P + n, broadcast=False)
+        return end - P, is_async, rid
+
+    def _retire_prefix_loads(self) -> None:
+        """Start of an iteration (after cancels, before scheduling): every load all ranks
+        reported is retired: its accepted range released, then its request resumes (an
+        ``is_async`` one rejoins the compute batch) or, if it ended meanwhile, is handed
+        back and its pages freed."""
+        n_ranks = self.config.tp
+        done = sorted(r for r, st in self._prefix_loads.items() if len(st.reported) >= n_ranks)
+        for res_id in done:
+            st = self._prefix_loads.pop(res_id)
+            req, load = st.req, st.load
+            assert self.driver is not None
+            self.driver.sched(
+                "release_prefix_reservation",
+                req,
+                res_id,
+                load.start,
+                load.end,
+                broadcast=False,
+            )
+            req.prefix_load = None
+            if req.end_after_load:
+                self._hand_back(req)
+            elif req.state == "loading":
+                req.state = "context"
+
+    def _defer_end(self, req: Request) -> bool:
+        """A request ending while its reservation load is outstanding keeps its pages until
+        the load drains (TensorRT-LLM's ``defer_load_termination``); one not dispatched yet
+        is released now (``release_unstarted_prefix_loads``)."""
+        if req.prefix_load is None:
+            return False
+        st = self._prefix_loads.get(req.prefix_load)
+        if st is not None and not st.dispatched:
+            self._prefix_loads.pop(req.prefix_load)
+            self._prefix_accepted = [x for x in self._prefix_accepted if x is not st.load]
+            assert self.driver is not None
+            self.driver.sched(
+                "release_prefix_reservation",
+                req,
+                req.prefix_load,
+                st.load.start,
+                st.load.end,
+                broadcast=False,
+            )
+            req.prefix_load = None
+            return False
+        req.state = "draining"
+        req.end_after_load = True
         return True
 
     def _report(self, req: Request, it: int) -> Any:
@@ -583,6 +756,20 @@ class Engine:
                     into[(gid, b)] = self.kv.page_bytes(gid, pages[b])
 
     def _terminate(self, req: Request) -> None:
+        self.stats.requests_finished += 1
+        if self._defer_end(req):
+            return
+        self._hand_back(req, tolerant=False)
+
+    def _hand_back(self, req: Request, tolerant: bool | None = None) -> None:
+        """``request_finished`` (a failed request's errors there are swallowed:
+        ``tolerant``, by default whether it failed), then free its pages unless the
+        connector keeps them for a save."""
+        if tolerant is None:
+            tolerant = self.results[req.request_id].error is not None
+        if tolerant:
+            self._finish_failed(req)
+            return
         keep = False
         drv = self.driver
         if drv is not None:
@@ -592,7 +779,6 @@ class Engine:
                 keep = bool(
                     drv.sched("request_finished_by_layer_group", req, [list(p) for p in req.pages])
                 )
-        self.stats.requests_finished += 1
         if keep:
             req.state = "saving"
             self._new_saving.append(req.request_id)
@@ -604,6 +790,11 @@ class Engine:
         res = self.results[req.request_id]
         res.error, res.finished = msg, True
         self.stats.requests_failed += 1
+        if self._defer_end(req):
+            return
+        self._finish_failed(req)
+
+    def _finish_failed(self, req: Request) -> None:
         keep = False
         if self.driver is not None and req.queried:
             try:
