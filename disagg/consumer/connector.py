@@ -275,7 +275,9 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         blocks no still-protected range overlaps (``ReleaseRange``, sent by the keepalive
         thread: this never waits on the network), and the whole lease once nothing is
         protected. Idempotent; an unknown id is ignored. Other reservations (even of the
-        same blocks) hold leases of their own and keep them."""
+        same blocks) hold leases of their own and keep them. TP > 1: the same blocks of
+        every rank's lease (per producer rank: ``ReleaseRange`` if it announced the
+        feature, else kept until the whole release); no collective."""
         svc = self.service
         res = svc.reservations.get(reservation_id)
         if res is None or end <= start or svc.pool is None:
@@ -394,8 +396,12 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         load.dst_slots = dst
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConsumerMeta:
-        """Once per iteration: loads whose slots are known start now (async requests are
-        parked, so they are absent from the output: the loads travel here anyway)."""
+        """Rank 0, once per iteration (the result is pickled and broadcast to every rank):
+        loads whose slots are known start now (async requests are parked, so they are
+        absent from the output: the loads travel here anyway), and the authorised prefix
+        loads (``scheduler_output.prefix_loads``), each planned or refused by name (the
+        request then fails at its first forward); never raises for one bad load. TP > 1:
+        each planned prefix load also travels as a ``PrefixPlan`` for ranks > 0."""
         meta = ConsumerMeta(
             scheduled=[
                 rd.request_id

@@ -42,6 +42,23 @@ def _close_services():
     close_all_services()
 
 
+def _drain(eng, limit_s: float = 20.0) -> float:
+    """Step until idle; fail (rather than hang) if the engine is still busy after
+    ``limit_s`` (a reservation no rank reports is never retired). Returns seconds taken."""
+    t0 = time.monotonic()
+    while eng.has_work():
+        assert time.monotonic() - t0 < limit_s, "the engine never went idle (a load unretired)"
+        eng.step()
+    return time.monotonic() - t0
+
+
+def _run(eng, ps, max_tokens: int) -> list:
+    """``harness.run`` with ``_drain``'s bound."""
+    ids = [eng.add_request(p, max_tokens) for p in ps]
+    _drain(eng)
+    return [eng.results[i] for i in ids]
+
+
 def _all_returned(psvc) -> None:
     for svc in rank_services(psvc):
         assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank} leases"
@@ -57,7 +74,7 @@ def test_tp2_reservations_tokens_and_each_ranks_pages_match(load_mode):
     produced = run(prod, ps, max_tokens=1)
     cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_mode=load_mode)
     assert cons.prefix_reservations
-    consumed = run(cons, ps, max_tokens=6)
+    consumed = _run(cons, ps, max_tokens=6)
 
     check_against_monolithic(produced, consumed, mono)  # every rank's shard, byte for byte
     page = next(iter(consumed[0].loaded_pages.values()))
@@ -96,8 +113,7 @@ def test_tp2_clipped_range_is_released_on_every_ranks_lease():
         (lease,) = svc.leases._leases.values()  # still leased: the accepted part
         assert lease.released is not None
         assert lease.released.tolist() == [False] * 2 + [True] * 10, svc.tp_rank
-    while cons.has_work():
-        cons.step()
+    _drain(cons)
     res = cons.results[rid]
     assert res.connector_matched_tokens == 2 * TPB
     check_against_monolithic(produced, [res], mono)
@@ -123,15 +139,12 @@ def test_tp2_one_rank_failure_fails_the_request_on_both_ranks(load_mode, how):
     cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_mode=load_mode)
     c0, c1 = rank_services(csvc)
 
-    a = run(cons, [ps[0]], max_tokens=5)[0]  # one at a time: a failure fails its batch
+    a = _run(cons, [ps[0]], max_tokens=5)[0]  # one at a time: a failure fails its batch
     rid = cons.add_request(ps[1], 5)
     hit = fail_on_rank1(c1, rid, how)
-    t0 = time.monotonic()
-    while cons.has_work():
-        cons.step()  # a divergence would raise RankDivergenceError here
-    took = time.monotonic() - t0
+    took = _drain(cons)  # a divergence would raise RankDivergenceError here
     b = cons.results[rid]
-    c = run(cons, [ps[2]], max_tokens=5)[0]
+    c = _run(cons, [ps[2]], max_tokens=5)[0]
 
     assert hit, "the failure was not injected"
     assert b.error is not None and f"request {rid}" in b.error, b.error
@@ -163,10 +176,7 @@ def test_tp2_producer_rank_plane_closed_fails_the_request_on_both_ranks():
     )
     c0, c1 = rank_services(csvc)
     rid = cons.add_request(ps[0], 4)
-    t0 = time.monotonic()
-    while cons.has_work():
-        cons.step()
-    took = time.monotonic() - t0
+    took = _drain(cons)
     res = cons.results[rid]
     assert res.error is not None and f"request {rid}" in res.error, res.error
     assert "TP rank 1" in res.error
@@ -176,5 +186,28 @@ def test_tp2_producer_rank_plane_closed_fails_the_request_on_both_ranks():
     assert cons.stats.calls["release_prefix_reservation"] == 1
     for svc in rank_services(psvc):
         svc.close()
-    (again,) = run(cons, ps, 4)
+    (again,) = _run(cons, ps, 4)
     assert again.error is None and again.tokens == mono
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_tp2_a_load_the_leader_refuses_fails_on_every_rank(load_mode):
+    """Rank 0's scheduler refuses an authorised load (e.g. a reservation it never made):
+    no rank pushes it, every rank records the refusal from the metadata and raises at the
+    request's first forward (no divergence), and every rank's lease goes back."""
+    cfg = EngineConfig(**TP2_PREFIX)
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_mode=load_mode)
+    sched = cons.driver.scheduler
+    sched._plan_prefix_load = lambda pl: f"injected: reservation {pl.reservation_id} refused"
+    rid = cons.add_request(ps[0], 4)
+    _drain(cons)
+    res = cons.results[rid]
+    assert res.error is not None and "injected: reservation 1 refused" in res.error, res.error
+    assert f"request {rid}" in res.error and res.tokens == []
+    c0, c1 = rank_services(csvc)
+    assert c0.metrics["loads_started"] == c1.metrics["loads_started"] == 0
+    assert cons.stats.calls["release_prefix_reservation"] == 1
+    _all_returned(psvc)
