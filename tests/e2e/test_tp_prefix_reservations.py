@@ -211,3 +211,37 @@ def test_tp2_a_load_the_leader_refuses_fails_on_every_rank(load_mode):
     assert c0.metrics["loads_started"] == c1.metrics["loads_started"] == 0
     assert cons.stats.calls["release_prefix_reservation"] == 1
     _all_returned(psvc)
+
+
+def test_tp2_cancel_while_loading_keeps_pages_until_both_ranks_reported():
+    """A client cancels while the async load is in flight: the request ends "cancelled"
+    at once, but its pages and ``request_finished`` wait until both ranks reported the
+    load; then every rank's lease goes back and nothing is left loading."""
+    cfg = EngineConfig(**TP2_PREFIX)
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_mode="async")
+    w1 = cons.driver.workers[1]
+    report, held = w1.get_finished_prefix_loads, [True]
+    w1.get_finished_prefix_loads = lambda: [] if held[0] else report()  # rank 1 is late
+    free0 = cons.kv.groups[0].available()
+    rid = cons.add_request(ps[0], 4)
+    cons.step()  # reserved on both ranks, dispatched on both
+    cons.cancel(rid)
+    for _ in range(5):
+        cons.step()
+    assert cons.results[rid].error == "cancelled"  # answered at once
+    assert cons.kv.groups[0].available() < free0  # the pages wait for rank 1's report
+    assert cons.stats.calls["request_finished_by_layer_group"] == 0
+    assert cons.stats.calls["release_prefix_reservation"] == 0
+    held[0] = False
+    _drain(cons)
+    res = cons.results[rid]
+    assert res.error == "cancelled" and res.tokens == []
+    assert cons.stats.calls["release_prefix_reservation"] == 1
+    assert cons.stats.calls["request_finished_by_layer_group"] == 1
+    assert cons.kv.groups[0].available() == free0
+    c0, c1 = rank_services(csvc)
+    assert not c0.prefix_loads and not c1.prefix_loads and not c0.reservations
+    _all_returned(psvc)
