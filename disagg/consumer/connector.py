@@ -679,6 +679,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
         for load in self._sync_pending:
             if load.reservation_id is None and svc.loads.get(load.request_id) is not load:
                 continue  # dropped (its request ended; a reservation's load drains first)
+            if load.reservation_id is not None and load.reservation_id not in self._prefix:
+                continue  # reported: decided on every rank already (a forward cut short)
             need = svc.layers_needed(load, layer_idx)
             if need == -1:  # this layer loads nothing
                 keep.append(load)
