@@ -152,20 +152,27 @@ def wait_for(cond: Callable[[], Any], timeout: float = 5.0) -> bool:
 
 
 def fail_on_rank1(csvc1: Any, target: int, how: str = "transfer") -> list[int]:
-    """Consumer rank 1's load of request ``target`` fails; rank 0's lands. ``transfer``:
+    """Consumer rank 1's load of request ``target`` (legacy or a prefix reservation's)
+    fails; rank 0's lands. ``transfer``:
     the data plane fails the transfer before a byte of it arrives (as when producer rank 1
     dies mid-push: learned by polling the plane); ``push``: producer rank 1 refuses the
     Push (its lease is gone: learned by ``dispatch`` on the engine thread). Returns the
     request ids hit."""
     hit: list[int] = []
+
+    def load_of(rid: int) -> Any:  # a legacy load, or a prefix reservation's
+        load = csvc1.loads.get(rid)
+        if load is None:
+            load = next((x for x in csvc1.prefix_loads.values() if x.request_id == rid), None)
+        return load
+
     if how == "transfer":
         plane = csvc1.data
         expect = plane.expect
-        loads = csvc1.loads
 
         def expect_then_fail(tid: int, *a: Any, **kw: Any) -> None:
             expect(tid, *a, **kw)
-            load = loads.get(target)
+            load = load_of(target)
             if load is not None and load.transfer_id == tid:
                 hit.append(target)
                 plane.abort(tid, "injected: producer rank 1 died mid-push")
@@ -175,7 +182,7 @@ def fail_on_rank1(csvc1: Any, target: int, how: str = "transfer") -> list[int]:
         call = csvc1._call
 
         def refuse(link: Any, msg: Any, *a: Any, **kw: Any) -> Any:
-            load = csvc1.loads.get(target)
+            load = load_of(target)
             if (
                 isinstance(msg, m.Push)
                 and load is not None

@@ -42,8 +42,26 @@ pushed from the matching blocks of the lease into ``block_ids_by_layer_group``);
 worker reports ``get_finished_prefix_loads``. There is no API for a failed load: a failed
 one is reported finished (nothing writes into its pages any more, so the runtime may
 retire it) and recorded, so the request's first forward raises in ``wait_for_layer_load``
-as on the legacy path (a synchronous one raises in the forward it loads under). TP > 1:
-not implemented; ``reserve_prefix`` declines (``(0, False)``: the engine computes).
+as on the legacy path (a synchronous one raises in the forward it loads under).
+
+Prefix reservations under TP > 1, as legacy loads: ``reserve_prefix`` (rank 0) claims on
+every rank of the producer (each rank's keys; the run every rank holds) and keeps every
+rank's lease under the reservation id; ``release_prefix_reservation`` releases the same
+blocks of every rank's lease (``ReleaseRange`` per rank where that rank announced it, else
+kept until the whole release). ``build_connector_meta`` sends each authorised load to the
+other ranks as a ``PrefixPlan`` (producer, each rank's lease id, lease-relative first
+block, block count, destination slots, the load's bus uid, ``is_async``); rank r's worker
+builds its own ``Load`` and asks producer rank r to push into its shard. Completion is
+per rank (TensorRT-LLM's ``PrefixLoadCompletionTracker`` retires a load once every rank
+reported it), but a rank reports a reservation only once the ranks' common decision on
+its load is known (``rank_decision``: landed on every rank, or failed on one, which
+aborts this rank's part first): so a failure is recorded on every rank before any rank
+reports, hence before the runtime resumes the request, and its first forward raises on
+every rank alike (async); a synchronous load is decided layer by layer as legacy ones
+(every rank raises at the same layer). A rank never reports a load that could still
+write into its pages. A reservation released while its load was still landing (the
+runtime drains first; defensive) is stopped on rank 0 at once and on the other ranks at
+the next metadata (``prefix_dropped``).
 """
 
 from __future__ import annotations
@@ -83,6 +101,26 @@ class LoadPlan:
 
 
 @dataclass
+class PrefixPlan:
+    """TP > 1: one authorised prefix load, for ranks other than 0 (keyed by reservation id):
+    rank r pushes blocks ``[push_first, push_first + push_blocks)`` of its own lease
+    ``lease_ids[r]`` (``lease_blocks`` long; the same blocks under rank r's keys) into the
+    same destination slots of its own shard."""
+
+    reservation_id: int
+    request_id: int
+    producer: int  # index into consumer.producers
+    lease_ids: list[int]  # per producer rank, rank order
+    lease_blocks: int
+    first_block: int  # the request's block ordinal of the lease's first block
+    push_first: int  # lease-relative
+    push_blocks: int
+    dst_slots: list[list[int]]
+    is_async: bool
+    uid: int  # the load's id on the ranks' outcome bus
+
+
+@dataclass
 class _Reservation:
     """Scheduler: one reservation's lease (``load.first_block``: the request's block
     ordinal of the lease's first block) and the token ranges still protected."""
@@ -106,6 +144,10 @@ class ConsumerMeta:
     # (reservation id, request id, why) refused before dispatch (reported failed)
     prefix_loads: list[tuple[int, bool]] = field(default_factory=list)
     prefix_failed: list[tuple[int, int, str]] = field(default_factory=list)
+    # TP > 1: the prefix loads starting now, for ranks > 0; reservations released while
+    # their load was still landing (a runtime that did not drain it: every rank stops it)
+    prefix_plans: list[PrefixPlan] = field(default_factory=list)
+    prefix_dropped: list[int] = field(default_factory=list)
 
 
 class ConsumerScheduler(KvCacheConnectorScheduler):
@@ -117,6 +159,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         self.service: ConsumerService = service_for(self.config, llm_args)
         self.is_async = self.service.ccfg.load_mode == "async"
         self._dropped: list[int] = []  # TP > 1: told to the other ranks in the next metadata
+        self._prefix_dropped: list[int] = []  # TP > 1: reservations abandoned while loading
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -156,9 +199,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         svc.loads[rid] = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
         return claimed.num_blocks * tpb, self.is_async
 
-    def _prefix_keys(self, request: Any, num_computed_tokens: int) -> tuple[int, Any] | None:
-        """The first offerable block and this rank's packed keys of the blocks a claim may
-        lease (block-aligned past the device match, never the last prompt token)."""
+    def _prefix_keys(self, request: Any, num_computed_tokens: int) -> tuple[int, list[Any]] | None:
+        """The first offerable block and every rank's packed keys (rank order; TP=1: one)
+        of the blocks a claim may lease (block-aligned past the device match, never the
+        last prompt token)."""
         svc = self.service
         assert svc.pool is not None
         tpb = svc.pool.tokens_per_block
@@ -171,8 +215,11 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         if offerable <= first:
             return None
         ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
-        return first, block_key_blob(svc.namespace_seed(ident, tp_rank=0), prompt, tpb)[
-            first:offerable
+        # every rank's keys (its namespace carries its tp_rank); the prompt converted once
+        tokens = tokens_array(prompt) if svc.tp_size > 1 else prompt
+        return first, [
+            block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
+            for r in range(svc.tp_size)
         ]
 
     def reserve_prefix(
@@ -185,12 +232,13 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         runtime authorises a range in ``SchedulerOutput.prefix_loads``. Answers
         ``(tokens, is_async)`` (``is_async`` from ``load_mode``), or ``(0, False)`` on a miss
         or any failure (never ``(0, True)``, never an exception into the engine). The
-        runtime may accept less: it releases the rest (``release_prefix_reservation``)."""
+        runtime may accept less: it releases the rest (``release_prefix_reservation``).
+        TP > 1: claims on every rank of the producer (each rank's keys; a block is offered
+        only if every rank holds it, as ``get_num_new_matched_tokens``) and keeps every
+        rank's lease under ``reservation_id``. Makes no collective call: the ranks > 0 learn
+        of the reservation only if the runtime authorises a load of it (the plan)."""
         svc = self.service
         if svc.pool is None:
-            return 0, False
-        if svc.tp_size > 1:  # not implemented under TP: computing is always right
-            svc.metrics["prefix_declined_tp"] += 1
             return 0, False
         if reservation_id in svc.reservations:  # the runtime promises a fresh id
             log.warning("reservation id %d reused: declining", reservation_id)
@@ -201,14 +249,16 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             if got is None:
                 return 0, False
             first, keys = got
-            claimed = svc.claim(rid, keys)
+            claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d (reservation %d) failed", rid, reservation_id)
             return 0, False
         if claimed is None:
             return 0, False
         tpb = svc.pool.tokens_per_block
-        load = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
+        load = Load(
+            rid, claimed, first_block=first, uid=svc.new_load_uid(), reservation_id=reservation_id
+        )
         span = (first * tpb, (first + claimed.num_blocks) * tpb)
         svc.reservations[reservation_id] = _Reservation(
             rid, load, [span], np.zeros(claimed.num_blocks, dtype=bool)
@@ -225,7 +275,9 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         blocks no still-protected range overlaps (``ReleaseRange``, sent by the keepalive
         thread: this never waits on the network), and the whole lease once nothing is
         protected. Idempotent; an unknown id is ignored. Other reservations (even of the
-        same blocks) hold leases of their own and keep them."""
+        same blocks) hold leases of their own and keep them. TP > 1: the same blocks of
+        every rank's lease (per producer rank: ``ReleaseRange`` if it announced the
+        feature, else kept until the whole release); no collective."""
         svc = self.service
         res = svc.reservations.get(reservation_id)
         if res is None or end <= start or svc.pool is None:
@@ -245,7 +297,9 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             svc.reservations.pop(reservation_id, None)
             if load.dispatched and not load.done:  # the runtime drains first; if not, stop it
                 svc.abandon(load, f"reservation {reservation_id} released while loading")
-            svc.release(load.claimed)
+                if svc.tp_size > 1:  # the other ranks stop theirs at the next metadata
+                    self._prefix_dropped.append(reservation_id)
+            svc.release(load.claimed)  # every rank's lease
             return
         # blocks no protected range overlaps and not given back yet: released in runs
         # (vectorised: a 128k-token prompt leases thousands of blocks)
@@ -289,15 +343,36 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return f"prefix load of reservation {pl.reservation_id} covers released blocks"
         if load.dispatched:
             return f"reservation {pl.reservation_id} was authorised twice"
-        dst = []
         b0 = pl.start // tpb
-        for ids in pl.block_ids_by_layer_group:
-            part = [int(x) for x in ids[b0 : b0 + nb]]
-            dst.append(part + [-1] * (nb - len(part)))
-        if all(x < 0 for g in dst for x in g):
+        # per group, numpy (a long prompt is thousands of blocks); -1 past a short list
+        dst = np.full((len(pl.block_ids_by_layer_group), nb), -1, dtype=np.int64)
+        for g, ids in enumerate(pl.block_ids_by_layer_group):  # a few groups
+            part = np.asarray(ids[b0 : b0 + nb], dtype=np.int64)
+            dst[g, : part.size] = part
+        if not (dst >= 0).any():
             return "the engine allocated no page for the reserved blocks"
-        load.push_first, load.push_blocks, load.dst_slots = off, nb, dst
+        load.push_first, load.push_blocks, load.dst_slots = off, nb, dst.tolist()
         return None
+
+    def _prefix_plan(self, reservation_id: int, is_async: bool) -> PrefixPlan:
+        """TP > 1: a planned reservation load as ranks > 0 need it (``_plan_prefix_load``
+        filled the push fields)."""
+        load = self.service.reservations[reservation_id].load
+        c = load.claimed
+        assert load.dst_slots is not None and load.push_blocks is not None
+        return PrefixPlan(
+            reservation_id,
+            load.request_id,
+            c.link.index,
+            [r.lease_id for r in c.all_ranks()],
+            c.num_blocks,
+            load.first_block,
+            load.push_first,
+            load.push_blocks,
+            load.dst_slots,
+            bool(is_async),
+            load.uid,
+        )
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Right after allocation: remember where the claimed blocks must land."""
@@ -321,8 +396,12 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         load.dst_slots = dst
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConsumerMeta:
-        """Once per iteration: loads whose slots are known start now (async requests are
-        parked, so they are absent from the output: the loads travel here anyway)."""
+        """Rank 0, once per iteration (the result is pickled and broadcast to every rank):
+        loads whose slots are known start now (async requests are parked, so they are
+        absent from the output: the loads travel here anyway), and the authorised prefix
+        loads (``scheduler_output.prefix_loads``), each planned or refused by name (the
+        request then fails at its first forward); never raises for one bad load. TP > 1:
+        each planned prefix load also travels as a ``PrefixPlan`` for ranks > 0."""
         meta = ConsumerMeta(
             scheduled=[
                 rd.request_id
@@ -335,10 +414,14 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             bus = self.service.bus
             if bus is not None and bus.address is not None:
                 meta.bus = (bus.address, bus.secret)
+        if tp:
+            meta.prefix_dropped, self._prefix_dropped = self._prefix_dropped, []
         for pl in getattr(scheduler_output, "prefix_loads", None) or []:
             why = self._plan_prefix_load(pl)
             if why is None:
                 meta.prefix_loads.append((pl.reservation_id, bool(pl.is_async)))
+                if tp:
+                    meta.prefix_plans.append(self._prefix_plan(pl.reservation_id, pl.is_async))
             else:
                 self.service.metrics["prefix_loads_refused"] += 1
                 log.warning("%s: the request fails rather than read those pages", why)
@@ -493,15 +576,13 @@ class ConsumerWorker(KvCacheConnectorWorker):
         for res_id, rid, why in meta.prefix_failed:
             self._failed[rid] = why  # its first forward raises, naming it
             self._prefix_over.append(res_id)
-        for res_id, is_async in meta.prefix_loads:
-            res = self.service.reservations.get(res_id)
-            if res is None or res.load.dispatched:
-                continue
-            if not res.load.done:  # else it failed while planned: reported as is
-                self.service.dispatch(res.load, layerwise=not is_async)
+        for res_id, pload, is_async in self._prefix_starting(meta):
+            self.service.prefix_loads[res_id] = pload  # the bus thread (TP) polls it from here
+            if not pload.done:  # else it failed while planned: reported as is
+                self.service.dispatch(pload, layerwise=not is_async)
                 if not is_async:
-                    self._sync_pending.append(res.load)
-            self._prefix[res_id] = (res.load, is_async)
+                    self._sync_pending.append(pload)
+            self._prefix[res_id] = (pload, is_async)
         for rid in meta.loads:
             load = self.service.loads.get(rid)
             if load is None or load.dispatched:
@@ -511,6 +592,40 @@ class ConsumerWorker(KvCacheConnectorWorker):
             self.service.dispatch(load, layerwise=not self.is_async)
             if not self.is_async:
                 self._sync_pending.append(load)
+
+    def _prefix_starting(self, meta: ConsumerMeta) -> list[tuple[int, Load, bool]]:
+        """This pass's reservation loads on this rank, not started yet: rank 0's are the
+        scheduler's (its reservations, same process); rank r > 0 first stops the ones the
+        leader dropped, then builds its own from each plan (its lease on producer rank r,
+        the same destination slots, the load's bus uid)."""
+        svc, rank = self.service, self.service.tp_rank
+        out: list[tuple[int, Load, bool]] = []
+        if rank == 0:
+            for res_id, is_async in meta.prefix_loads:
+                res = svc.reservations.get(res_id)
+                if res is not None and not res.load.dispatched and res_id not in self._prefix:
+                    out.append((res_id, res.load, is_async))
+            return out
+        for res_id in meta.prefix_dropped:
+            load = svc.prefix_loads.get(res_id)
+            if load is not None:
+                svc.abandon(load, f"reservation {res_id} released while loading (leader)")
+        for plan in meta.prefix_plans:
+            if plan.reservation_id in self._prefix or plan.reservation_id in svc.prefix_loads:
+                continue  # seen already
+            claimed = Claimed(svc.links[plan.producer], plan.lease_ids[rank], plan.lease_blocks)
+            load = Load(
+                plan.request_id,
+                claimed,
+                plan.first_block,
+                [list(g) for g in plan.dst_slots],
+                uid=plan.uid,
+                push_first=plan.push_first,
+                push_blocks=plan.push_blocks,
+                reservation_id=plan.reservation_id,
+            )
+            out.append((plan.reservation_id, load, plan.is_async))
+        return out
 
     def _adopt_plans(self, meta: ConsumerMeta) -> None:
         """Ranks > 0: forget loads the leader dropped, and build this rank's ``Load`` of each
@@ -562,8 +677,10 @@ class ConsumerWorker(KvCacheConnectorWorker):
     def _wait_layer_all_ranks(self, layer_idx: int) -> None:
         svc, keep = self.service, []
         for load in self._sync_pending:
-            if svc.loads.get(load.request_id) is not load:
-                continue  # dropped (its request ended)
+            if load.reservation_id is None and svc.loads.get(load.request_id) is not load:
+                continue  # dropped (its request ended; a reservation's load drains first)
+            if load.reservation_id is not None and load.reservation_id not in self._prefix:
+                continue  # reported: decided on every rank already (a forward cut short)
             need = svc.layers_needed(load, layer_idx)
             if need == -1:  # this layer loads nothing
                 keep.append(load)
@@ -622,20 +739,38 @@ class ConsumerWorker(KvCacheConnectorWorker):
         return self._released(), done
 
     def get_finished_prefix_loads(self) -> list[int]:
-        """Every iteration (prefix-aware scheduling), on every rank: reservation ids whose
-        loads are over here (landed, or failed: nothing of them writes any more), each
-        once; never waits. A failed async load is recorded against its request, whose
-        first forward then raises in ``wait_for_layer_load`` (a synchronous one raised in
-        the forward it loaded under), so no token is computed on its pages. The runtime
-        releases the accepted range once every worker reported it."""
+        """Every iteration (prefix-aware scheduling), on every rank, from the executor's
+        thread: reservation ids whose loads are over here (landed, or failed: nothing of
+        them writes any more), each once; never waits (no collective, no blocking wait).
+        A failed async load is recorded against its request, whose first forward then
+        raises in ``wait_for_layer_load`` (a synchronous one raised in the forward it
+        loaded under), so no token is computed on its pages. The runtime retires the load
+        (and releases the accepted range) once every worker reported it.
+
+        TP > 1: a load is reported once the ranks' common decision on it is known
+        (``rank_decision``: landed on every rank, or failed on one, which aborts ours
+        first), not merely once ours is over: so before any rank reports it, every rank
+        has recorded a failure, and the request's first forward (after the runtime saw
+        every rank's report) raises on every rank alike. A peer rank silent past the
+        load's deadline plus ``PEER_GRACE_S`` counts as failed."""
+        svc = self.service
         out, self._prefix_over = self._prefix_over, []
         for res_id, (load, is_async) in list(self._prefix.items()):
-            if not self.service.poll(load):
-                continue
+            if self._tp:
+                svc.poll(load)  # our own news first (the bus thread polls too)
+                decided = svc.rank_decision(load, None, wait=False)
+                if decided is None:
+                    continue
+                err: str | None = decided or None
+            else:
+                if not svc.poll(load):
+                    continue
+                err = load.error
             del self._prefix[res_id]
+            svc.prefix_loads.pop(res_id, None)
             out.append(res_id)
-            if load.error and is_async:
-                self._failed[load.request_id] = load.error
+            if err and is_async:
+                self._failed[load.request_id] = err
         return out
 
     def _released(self) -> list[int]:

@@ -219,6 +219,11 @@ class Load:
     progress: int = 0
     published_final: bool = False
     announced: bool = False  # leader: a failure before dispatch was told to every rank
+    # TP > 1: the ranks' final decision once known (``rank_decision``: "" every rank landed
+    # it whole, else the error); a failure decided for some layers is final for all
+    decided: str | None = None
+    # a prefix reservation's load (TensorRT-LLM main): its reservation id, else None
+    reservation_id: int | None = None
 
 
 class ConsumerService(ConnectorService):
@@ -256,6 +261,9 @@ class ConsumerService(ConnectorService):
         # prefix reservations (reservation id -> the connector's record, with ``.load``):
         # their leases are renewed like the loads' until released
         self.reservations: dict[int, Any] = {}
+        # every rank: reservation id -> this rank's load of it, from dispatch until the
+        # worker reported it (polled by the bus thread's ``tick`` like ``loads``)
+        self.prefix_loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
         # (link, lease id, None: the whole lease | (first block, count): part of it)
         self._releases: list[tuple[ProducerLink, int, tuple[int, int] | None]] = []
@@ -656,7 +664,7 @@ class ConsumerService(ConnectorService):
         """Bus thread, every pass: poll this rank's loads in flight (publishing what they
         do). True while any is in flight."""
         busy = False
-        for load in list(self.loads.values()):
+        for load in [*self.loads.values(), *self.prefix_loads.values()]:
             if load.dispatched and not load.done:
                 busy = not self.poll(load) or busy
         return busy
@@ -681,6 +689,8 @@ class ConsumerService(ConnectorService):
         counts as failed here (logged naming it). A decision to fail aborts our own
         transfer before returning."""
         assert self.bus is not None
+        if load.decided is not None and (load.decided or need is None):
+            return load.decided  # decided before (and counted once)
         if not load.dispatched and not load.done:
             return None  # not started here yet: no deadline runs
         deadline = load.deadline + PEER_GRACE_S
@@ -704,11 +714,14 @@ class ConsumerService(ConnectorService):
         else:
             err, rank = got
             if not err:
+                if need is None:
+                    load.decided = ""
                 return ""
             if rank != self.tp_rank:
                 err = f"the load failed on TP rank {rank}: {err}"
                 self.metrics["loads_failed_on_other_rank"] += 1
         self.fail(load, err)  # stop our own part (no-op if it is over)
+        load.decided = err
         return err
 
     def wait_layer(self, load: Load, layer: int) -> None:

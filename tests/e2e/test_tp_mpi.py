@@ -73,6 +73,7 @@ def _run_phase(i: int, ph: dict[str, Any], role: str, comm: Any, world: Any) -> 
         tp=comm.size,
         kv_manager=ph["kv_manager"],
         capture_pages=True,
+        prefix_aware_scheduling=ph.get("prefix", False),
     )
     ps = prompts(n=ph.get("n", 3))
     name = f"{role[0]}mpi{i}"
@@ -480,6 +481,51 @@ def test_tp2_processes_one_rank_failure_fails_the_request_on_both(tmp_path, load
         assert c["matched"][0] > 0, r  # it was offered
     assert c1["metrics"]["loads_failed"] == 1 and c0["metrics"].get("loads_failed", 0) == 0
     assert res["producer0"]["phases"][1]["leases_back"]
+
+
+@needs_mpi
+def test_tp2_processes_prefix_reservations(tmp_path):
+    """Prefix reservations (TensorRT-LLM main) across real rank processes: rank 0's
+    scheduler reserves on both producer ranks, each rank process loads its own shard from
+    its plan and reports it in its own ``get_finished_prefix_loads``; the engine retires a
+    load once both ranks reported it. Tokens and each rank's pages match (async, sync);
+    then a load failing on rank 1 alone fails its request on both processes (async,
+    sync), bounded, with no token."""
+    base = {"kv_manager": "v2", "prefix": True}
+    fail = {"batches": [[0], [1], [2]], "fail_rank1": 1, "max_tokens": 5}
+    combos = [("async", {}), ("sync", {}), ("async", fail), ("sync", fail)]
+    case = {"phases": [{**base, "load_mode": lm, **extra} for lm, extra in combos]}
+    res = _ok(*_mpirun(case, tmp_path))
+    mono = {6: _mono("v2"), 5: _mono("v2", max_tokens=5)}
+    for i, (lm, extra) in enumerate(combos):
+        prod = [res[f"producer{r}"]["phases"][i] for r in (0, 1)]
+        cons = [res[f"consumer{r}"]["phases"][i] for r in (0, 1)]
+        want = mono[extra.get("max_tokens", 6)]
+        bad = {1} if extra else set()
+        for r in (0, 1):
+            c, p = cons[r], prod[r]
+            for k in range(3):
+                if k in bad:  # failed on both ranks, by name, from rank 1's report
+                    err = c["errors"][k]
+                    assert err is not None and f"request {k + 1}" in err, (lm, r, err)
+                    assert "injected" in err and c["tokens"][k] == [], (lm, r, err)
+                    assert c["took"][k] < 5.0, (lm, r)
+                    continue
+                assert c["errors"][k] is None and c["tokens"][k] == want[k], (lm, r, k)
+                assert c["matched"][k] > 0 and c["loaded"][k], (lm, r, k)
+                for where, data in c["loaded"][k].items():  # this rank's shard
+                    assert data == p["computed"][k][where], f"{lm} rank {r} req {k} {where}"
+            assert c["calls"]["get_finished_prefix_loads"] > 0
+            assert p["leases_back"] and p["pins_back"], f"{lm}: producer rank {r}"
+        if extra:
+            assert cons[1]["hit"], "the failure was not injected"
+            assert "TP rank 1" in cons[0]["errors"][1]
+            assert cons[0]["metrics"]["loads_failed_on_other_rank"] == 1
+        # rank 0 alone reserved, and released each accepted range once retired
+        assert cons[0]["calls"]["reserve_prefix"] == 3
+        assert cons[0]["calls"]["release_prefix_reservation"] == 3
+        assert "reserve_prefix" not in cons[1]["calls"]
+        assert cons[0]["calls"].get("get_num_new_matched_tokens", 0) == 0
 
 
 @needs_mpi

@@ -1,7 +1,8 @@
 """A scripted connector taking prefix reservations, for the reference-engine tests
 (imported by name). ``CONTROL``: ``answer`` (what ``reserve_prefix`` returns, or a
 callable ``(req, P) -> answer``), ``hold`` (the worker withholds completions while true),
-``extra_ids`` (returned besides real completions: stale/unknown/duplicate)."""
+``hold_ranks`` (those TP ranks' workers withhold theirs), ``extra_ids`` (returned
+besides real completions: stale/unknown/duplicate)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ class PrefixWorker(KvCacheConnectorWorker):
         return list(saving), list(loading)
 
     def get_finished_prefix_loads(self) -> list[int]:
-        if CONTROL.get("hold"):
+        if CONTROL.get("hold") or getattr(self._llm_args, "rank", 0) in CONTROL.get(
+            "hold_ranks", ()
+        ):
             return list(CONTROL.get("extra_ids", []))
         out, self.started = self.started, []
         return out + list(CONTROL.get("extra_ids", []))

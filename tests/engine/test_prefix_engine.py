@@ -85,3 +85,24 @@ def test_cancel_keeps_the_allocation_until_the_load_drains_and_stale_ids_are_ign
     assert kinds("finished") == [("finished", rid)]
     assert eng.kv.groups[0].available() == free0 and not eng.has_work()
     assert eng.results[rid].error == "cancelled" and eng.results[rid].tokens == []
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_tp2_a_load_retires_only_once_every_rank_reported(is_async):
+    """TP=2 (thread ranks): rank 0 reports the load, rank 1 withholds it: the load is not
+    retired (no release; an async request stays parked) until rank 1 reports too, as
+    TensorRT-LLM's PrefixLoadCompletionTracker completes an id at ``len(workers) == size``."""
+    pc.reset(answer=(64, is_async), hold_ranks={1})
+    eng = engine(tp=2)
+    rid = eng.add_request(PROMPT, 2)
+    for _ in range(4):
+        eng.step()
+    assert kinds("start") == [("start", 1), ("start", 1)]  # each rank started it
+    assert kinds("release") == []
+    if is_async:
+        assert eng.stats.forward_passes == 0 and eng.results[rid].tokens == []
+    pc.CONTROL["hold_ranks"] = set()
+    while eng.has_work():
+        eng.step()
+    assert kinds("release") == [("release", 1, 0, 64)]
+    assert eng.results[rid].error is None and len(eng.results[rid].tokens) == 2
