@@ -8,7 +8,10 @@ Design choice, by channel (measured, below):
   packed rkey; the consumer checks the batch like any other, then pulls every run of
   rows straight into its slots with ``ucp_get_nbx`` (cma: one ``process_vm_readv`` per
   run, one copy) posted from a C loop (``_ucxrma.c`` via ``ucx_rma.py``), and
-  acknowledges the batch once every read completed.
+  acknowledges the batch once every read completed. A store the producer placed with
+  ``register_source`` lives in memory UCX allocated (shared memory): the consumer maps
+  it (``ucp_rkey_ptr``) and copies the pages with the C row copy instead, one memcpy
+  per row ("Mapped stores"); the gets remain for every other store.
 - ``tcp`` (and rows that are not StoreRows, CUDA rows, a receiver that does not offer
   RMA, or ``_ucxrma`` not built): tagged messages received *straight into the
   destination rows* or into scratch (below). UCX's tcp transport has no get (``ucx_info
@@ -382,6 +385,76 @@ memcpy), so reaching 0.9 of memcpy needs the per-page reads at raw speed with no
 fixed around them: fewer calls (several pages per ``process_vm_readv``, which UCX's get
 does not do for scattered remote rows) rather than less Python.
 
+The three "What limits it now" notes above describe the get path, which since session 8
+moves only stores that are not mapped (below).
+
+Mapped stores (session 8; ``register_source``, ``ucx_rma.allocate``/``rkey_ptr``,
+``_rma_mapped``/``_rma_copy``; ``DISAGG_UCX_MAPPED=0`` turns it off on both sides).
+UCX maps a peer's memory into this process where its memory domain can (``sysv`` /
+``posix``: ``ucp_rkey_ptr``, what UCX's own "rndv rkey_ptr" protocol uses), but only
+for memory UCX allocated itself. So ``register_source`` (called by ``ProducerService``
+and the bench for any plane that has it) copies a host store slab into memory from
+``ucp_mem_map(ALLOCATE)`` (here sysv, 4 KiB pages: no hugetlb on this box) and returns a
+tensor of the same shape and dtype over it; that registration is found by ``_rma_reg``
+for every push from the slab (its rkey packed once, never evicted) and is freed only
+once the plane closed and no tensor over it is left (``ucx_rma.release_when_unused``:
+a finalizer holding the UCX context; nothing at interpreter exit, where UCX then warns
+"destroying inuse region"). A consumer, after the batch's usual checks (the book's
+slots, ``_rma_check``), asks ``ucp_rkey_ptr`` for the slab's local address (per key:
+a failure, e.g. a store that is not UCX-allocated, is remembered and the batch read
+with gets as before). UCX only adds an offset, it checks no bounds: the shared mapping
+that holds the address is found once per key in /proc/self/maps, and every batch's
+whole slab ``[base, base + (nrows - 1) * stride + width)`` must lie inside it, else
+the transfer fails naming the range and nothing is read (nor fetched with gets). The
+pages are then copied on the progress thread by ``_rowcopy`` (one memcpy per row and
+column piece, non-temporal stores from 16 MiB, ``page_copy.HOST_THREADS`` threads from
+``_MAPPED_THREADS_MIN`` bytes, GIL released), and the batch lands and is acknowledged
+right after, exactly as a finished read (``_rma_finish``): the producer reuses no row
+before the copy is complete, and ``abort`` waits for it (``Rx.inflight``). Nothing
+goes to the reader lanes: the copy already uses every core (2 here; a lane would add
+a wake-up, not a core), and the timeline below shows no gap worth filling. UCX
+attaches the segment read-write: a consumer holding the key could write the producer's
+store (this code only reads it), the same trust as cma, whose reads reach any of the
+producer's memory.
+
+First touches: a fresh mapping of the producer's store costs the consumer a page fault
+per 4 KiB page, ~1.7 us each in this VM (/scratch/mapped/t3.py, 512 MiB: a copy
+through a cold mapping 2.3 GB/s, through a populated one 13.0-14.1), which the bench's
+random rows kept paying (each repeat draws half its rows from pages no earlier repeat
+touched: timeline of 64 KiB transfers, ms per 256 MiB, repeat 0-7: 68, 42, 27, 21, 20,
+21, 17, 17). So when a key is first mapped, a background thread (``_Populator``) maps
+the segment's pages with ``madvise(MADV_POPULATE_READ)``, 32 MiB a call (~0.7 us a
+page: 94 ms for 512 MiB), while the copies go on (a page they reach first just faults);
+it stops when the key is destroyed. After: 89 (the first, populating), 21, 22, 22, 23,
+22, 34, 22 ms in the same timeline on a busier box. What remains of a 64 KiB transfer
+(/scratch/mapped/prof.py: go to DONE ~20-22 ms): the copies themselves (~19-20 ms at
+13-14 GB/s, 3 batches of 64, 1024 and 3008 pages back to back, <1 ms between them),
+~1 ms from go to the first header (the bench's pipe, planning), ~0.2 ms from the last
+copy to DONE.
+
+Measured (``flock /tmp/bench.lock disagg bench transfer --transports ucx-shm,ipc-shm
+--page-sizes 64KiB,256KiB,1MiB --total 256MiB --repeats 5``, A/B back to back, B with
+``DISAGG_UCX_MAPPED=0``, ratio of the row's memcpy ceiling, GB/s in brackets):
+
+- mapped (A), 5 pairs (3 with A first, 2 with B first): 64 KiB 0.81-1.12 (median 0.98;
+  10.9-15.6 GB/s, median 13.2), 256 KiB 1.16-1.33 (1.30; 13.3-18.0, 15.5), 1 MiB
+  1.04-1.29 (1.18; 13.1-17.3, 14.5); ipc-shm in the same runs 1.10-1.23, 1.24-1.42,
+  1.23-1.72.
+- gets (B): 64 KiB 0.67-0.76 (median 0.73; 8.1-11.0 GB/s, median 9.5; one 1.31 against
+  a 8.4 GB/s ceiling left out), 256 KiB 0.82-0.94 (0.89; 10.4-13.2, 11.9), 1 MiB
+  0.73-0.97 (0.95; 9.9-13.7, 12.8).
+- the populator's share (a copy of the tree with ``_Populator.start`` a no-op against
+  this, ``--transports ucx-shm``, 2 pairs): 64 KiB 0.82/0.95 -> 1.18/0.91, 256 KiB
+  0.93/0.93 -> 1.15/1.19, 1 MiB 1.10/1.17 -> 1.20/1.09.
+
+What limits it now: the copy itself, at about what ``_rowcopy`` gives the ipc plane from
+its /dev/shm store (both a memcpy per row on 2 threads with non-temporal stores; the
+ratios above 1 are the ceiling's single plain memcpy); the low 64 KiB runs are those where
+the box was busy (the same run's ipc row dropped too, or the populator still ran into
+the timed repeats). Left: ~1 ms per transfer before the first copy (a 64 KiB transfer is
+~20 ms), and 4 KiB source pages (no hugetlb here: ``UCX_SYSV_HUGETLB_MODE`` could give 2
+MiB pages where the kernel has them, untried).
+
 CUDA memory (``cuda=True``): regions may be CUDA tensors and source rows CUDA rows. A
 sender with CUDA rows uses *whole* batches: the header goes under ``_HDR_WHOLE_TAG``
 (the header tags are taken with one masked probe, so headers and TransferDone keep
@@ -431,6 +504,7 @@ waits for the receives already matched to finish, so no byte of it is written af
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -438,6 +512,7 @@ import select
 import struct
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -452,7 +527,7 @@ from .. import hostmem
 from ..pages import gather_rows, scatter_rows
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
-from . import ucx_iov, ucx_rma
+from . import page_copy, ucx_iov, ucx_rma
 from .dataplane import (
     DataPlane,
     RegionSpec,
@@ -536,6 +611,11 @@ _RMA_MAX_READ = 2 << 20
 _RMA_TURN = 16 << 20
 _RMA_SPLIT_MIN = 256 << 10
 _RMA_READERS_ENV = "DISAGG_UCX_RMA_READERS"
+# The mapped path ("Mapped stores"): ``0`` turns it off on both sides (register_source
+# keeps the store where it is; a consumer never maps a producer's memory)
+_MAPPED_ENV = "DISAGG_UCX_MAPPED"
+_MAPPED_THREADS_MIN = 8 << 20  # a mapped copy this big uses HOST_THREADS threads
+_POPULATE_CHUNK = 32 << 20  # a mapped segment's pages are mapped ahead this much a call
 # acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
 # data tag, not a header tag), 62 bits of a keyed hash like the data tags
 _ACK_BIT = 1 << 62
@@ -874,6 +954,91 @@ class _ReadLane:
         return pull.posted, _pull_error(read.endpoint, pull)
 
 
+class _Populator:
+    """Maps the pages of producers' mapped segments into this process ahead of the
+    copies, on a background thread, ``_POPULATE_CHUNK`` bytes per ``madvise`` call
+    (``ucx_rma.populate``; "Mapped stores": a first touch of each 4 KiB page of a fresh
+    mapping costs ~1.7 us here, a populate ~0.7 us, and without it the copies ran at
+    2.3 GB/s through a fresh 512 MiB mapping). Copies do not wait for it: a page they
+    reach first simply faults. ``cancel`` (before the key that holds the mapping is
+    destroyed) returns only once no call on that range is under way."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held during each madvise call
+        self._jobs: dict[Any, list[int]] = {}  # key -> [next address, end]
+        self._thread: threading.Thread | None = None
+        self.populated = 0  # bytes
+
+    def start(self, key: Any, start: int, end: int) -> None:
+        with self._lock:
+            self._jobs[key] = [start, end]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="disagg-ucx-populate", daemon=True
+                )
+                self._thread.start()
+
+    def cancel(self, key: Any) -> None:
+        with self._lock:
+            self._jobs.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                key, job = next(iter(self._jobs.items()))
+                at, end = job
+                stop = min(end, at + _POPULATE_CHUNK)
+                err = ucx_rma.populate(at, stop)
+                if err or stop >= end:
+                    del self._jobs[key]
+                    if err:
+                        log.debug("populating a mapped store: errno %d (left to faults)", err)
+                else:
+                    job[0] = stop
+                self.populated += stop - at
+            time.sleep(0)  # let the copies' thread take the GIL between chunks
+
+
+class _MappedRangeError(ValueError):
+    """An RMA batch whose slab lies (partly) outside the producer's mapped segment."""
+
+
+def _mapped_copy(
+    grp: Group, hdr: RmaHeader, ptr: int, pieces: list[tuple[int, int, int, int]]
+) -> None:
+    """Copy a batch's pages from the producer's slab mapped at ``ptr`` (rows and
+    columns checked against the slab, the slab against the mapping) into its slots of
+    ``grp`` (checked by the book): per piece (a column span of the row into one region,
+    ``ucx_rma.page_pieces``) one C row copy (``_rowcopy``, which checks every index
+    against its side's rows again), else ``page_copy.copy_indexed`` on views."""
+    rows, slots = hdr.rows, hdr.slots
+    nbytes = int(slots.size) * hdr.page_bytes
+    rc = page_copy._rowcopy
+    threads = 1
+    if nbytes >= _MAPPED_THREADS_MIN:
+        threads = min(page_copy.HOST_THREADS, len(os.sched_getaffinity(0)))
+    for soff, reg, doff, plen in pieces:
+        dst = grp.regions[reg].tensor
+        if rc is not None:
+            rc.copy_rows(
+                dst.data_ptr() + doff, dst.shape[0], dst.stride(0),
+                ptr + soff, hdr.nrows, hdr.stride, plen, rows, slots, threads,
+            )  # fmt: skip
+            continue
+        span = (hdr.nrows - 1) * hdr.stride + plen
+        flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(ptr + soff))
+        src = np.lib.stride_tricks.as_strided(flat, (hdr.nrows, plen), (hdr.stride, 1))
+        page_copy.copy_indexed(
+            dst[:, doff : doff + plen],
+            torch.from_numpy(slots.copy()),
+            torch.from_numpy(src),
+            torch.from_numpy(rows.copy()),
+        )
+
+
 # Version 2 (``_RMA_MAGIC``): the batch's identity and source description in a fixed
 # block, then token, packed rkey, producer endpoint, column spans, and the destination
 # slot and slab row of every page as little-endian int64 arrays (no msgpack: its runs
@@ -1138,6 +1303,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         elif isinstance(rma_readers, bool) or not isinstance(rma_readers, int) or rma_readers < 1:
             raise ValueError(f"rma_readers must be an integer >= 1, not {rma_readers!r}")
         self.rma_readers = rma_readers
+        self._mapped_on = os.environ.get(_MAPPED_ENV, "1") != "0"
         if cuda is None:
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda and not torch.cuda.is_available():
@@ -1309,6 +1475,70 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     def poll_push(self, handle: PushHandle) -> TransferStatus:
         return handle.status()
 
+    def register_source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Producer: put a host store slab where consumers on this host can map it
+        ("Mapped stores" in the module docstring); returns the tensor to use from now
+        on. On ``shm`` with RMA, a contiguous, unpinned host tensor is copied into
+        memory UCX allocates (``ucp_mem_map`` with ALLOCATE: shared memory) and a tensor
+        of the same shape and dtype over it is returned; that memory stays registered
+        (rkey packed once, never evicted) and is freed only once this plane closed AND
+        the returned tensor (every view of it) is gone, so the tensor never dangles.
+        Anything else (tcp/auto, RMA unavailable, ``DISAGG_UCX_MAPPED=0``, CUDA, pinned
+        or non-contiguous tensors, a failed allocation) returns ``tensor`` unchanged
+        (logged at info): consumers then read it with gets as before. Call once per
+        slab, at start-up (it copies the whole slab)."""
+        why = None
+        if not self._mapped_on:
+            why = f"turned off by {_MAPPED_ENV}=0"
+        elif self.channel != "shm":
+            why = f"channel {self.channel} (mapped stores need shm)"
+        elif not self._rma:
+            why = f"UCX RMA unavailable ({ucx_rma.unavailable_reason()})"
+        elif tensor.device.type != "cpu":
+            why = f"a {tensor.device.type} tensor"
+        elif tensor.dim() == 0 or tensor.numel() == 0 or not tensor.is_contiguous():
+            why = "not a contiguous, non-empty tensor"
+        elif tensor.is_pinned():
+            why = "a pinned tensor (the copy would lose the pinning)"
+        if why is None:
+            try:
+                return self._map_source(tensor)
+            except Exception as exc:
+                why = f"allocation failed: {type(exc).__name__}: {exc}"
+        log.info("UCX register_source: store kept where it is: %s", why)
+        return tensor
+
+    def _map_source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``register_source``'s allocation (on the progress thread) and copy."""
+        nbytes = tensor.numel() * tensor.element_size()
+        done = threading.Event()
+        got: dict[str, Any] = {}
+
+        def job() -> None:
+            try:
+                reg, buf = ucx_rma.allocate(self._ctx.handle, nbytes)
+                # kept from here on: freed at close once the array is gone
+                self._rma_alloc.append((reg, weakref.ref(buf)))
+                self.stats["rma_mem_alloc"] += 1
+                got["buf"] = buf
+            except BaseException as exc:
+                got["error"] = exc
+            finally:
+                done.set()
+
+        if self._stop.is_set():
+            raise RuntimeError("data plane closed")
+        self._submit(job)
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                raise RuntimeError("data plane closed")
+        if "error" in got:
+            raise got["error"]
+        flat = torch.from_numpy(np.ctypeslib.as_array(got.pop("buf")))
+        out = flat.view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        return out
+
     # ================================= common ===========================================
     def close(self) -> None:
         if self._stop.is_set():
@@ -1382,6 +1612,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._ack_wait: dict[int, PushHandle] = {}
         self._rma_reads: list[_RmaRead] = []
         self._rkeys: dict[tuple[str, bytes], tuple[Any, int]] = {}
+        # Mapped stores: the producer's UCX-allocated store slabs (register_source), with
+        # a weak reference to the byte array the returned tensor lives on; the consumer's
+        # local mapping of each unpacked key (shared mapping [start, end), None where
+        # ``rkey_ptr`` failed: read with gets), dropped with the key
+        self._rma_alloc: list[tuple[ucx_rma.Registration, Any]] = []
+        self._rkey_maps: dict[tuple[str, bytes], tuple[int, int] | None] = {}
+        self._populator = _Populator()
         self._ack_sends: list[tuple[Any, np.ndarray]] = []
         # Reader lanes (made on the first RMA batch); _rma_lock guards each read's
         # ``left``, ``error`` and ``posted`` (changed by every reader)
@@ -1609,9 +1846,23 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             grp = book.groups[hdr.group]
             rx.inflight += 1
         pages = int(slots.size)
-        lanes = self._rma_lanes()
         try:
             pieces = ucx_rma.page_pieces(hdr.cols, [r.size for r in grp.regions])
+            ep = self._connect(hdr.endpoint)
+            rkey = self._rkey(hdr.endpoint, ep, hdr.rkey)
+            ptr = self._rma_mapped(hdr, rkey) if self._mapped_on else None
+        except _MappedRangeError as exc:  # a header past the producer's segment: no read
+            self._rma_finish(rx, hdr.group, 0, 0, hdr.endpoint, ack, str(exc), refused=True)
+            return
+        except Exception as exc:
+            why = f"RMA reads from {hdr.endpoint} failed: {type(exc).__name__}: {exc}"
+            self._rma_finish(rx, hdr.group, 0, 0, hdr.endpoint, ack, why)
+            return
+        if ptr is not None:  # the producer's store is mapped here: copy, land, acknowledge
+            self._rma_copy(rx, grp, hdr, ptr, pieces, ack)
+            return
+        lanes = self._rma_lanes()
+        try:
             local, remote, length = ucx_rma.op_lists(
                 hdr.base,
                 hdr.stride,
@@ -1622,8 +1873,6 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 pieces,
                 _RMA_MAX_READ if lanes else None,
             )
-            ep = self._connect(hdr.endpoint)
-            rkey = self._rkey(hdr.endpoint, ep, hdr.rkey)
             shared = ucx_rma.RmaShared(local, remote, length, _RMA_SLICE, grp.regions)
             mine = ucx_rma.RmaPull(shared, ep.handle, rkey)
         except Exception as exc:
@@ -1655,6 +1904,94 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # arrived, so a lane finds the next batch queued when it ends one
         for lane in helpers:
             lane.submit(read)
+
+    def _rma_mapped(self, hdr: RmaHeader, rkey: int) -> int | None:
+        """The local address of the producer's slab (``hdr.base``) where its memory is
+        mapped here through the key (``ucp_rkey_ptr``: a store from the producer's
+        ``register_source``, over shared memory), else None (read with gets). The
+        mapping is looked up once per key (``ucx_rma.shared_mapping``) and every batch's
+        slab, ``[base, base + (nrows - 1) * stride + width)``, must lie inside it:
+        ``_MappedRangeError`` otherwise (UCX only adds an offset)."""
+        key = (hdr.endpoint, hdr.rkey)
+        span = self._rkey_maps.get(key)
+        if span is None and key in self._rkey_maps:
+            return None
+        st, ptr = ucx_rma.rkey_ptr(rkey, hdr.base)
+        if st != 0 or not ptr:
+            self._rkey_maps[key] = None
+            self.stats["rma_unmapped_keys"] += 1
+            log.info("UCX: %s's store is not mapped here (ucs_status %d): gets", hdr.endpoint, st)
+            return None
+        end = ptr + (hdr.nrows - 1) * hdr.stride + hdr.width
+        found = span if span is not None else ucx_rma.shared_mapping(ptr)
+        if found is None or not (found[0] <= ptr and end <= found[1]):
+            where = "no shared mapping" if found is None else f"[{found[0]:#x}, {found[1]:#x})"
+            raise _MappedRangeError(
+                f"RMA batch describes {hdr.nrows} rows of {hdr.width} bytes {hdr.stride} "
+                f"apart at {hdr.base:#x} (here [{ptr:#x}, {end:#x})), outside the "
+                f"producer's mapped segment ({where})"
+            )
+        if span is None:
+            self._rkey_maps[key] = found
+            self._populator.start(key, *found)  # only from a batch that fit it
+        return ptr
+
+    def _rma_copy(
+        self,
+        rx: _UcxRx,
+        grp: Group,
+        hdr: RmaHeader,
+        ptr: int,
+        pieces: list[tuple[int, int, int, int]],
+        ack: int,
+    ) -> None:
+        """Copy a checked batch from the producer's mapped slab (``ptr``: its base
+        here, bounds checked by ``_rma_mapped``) into its slots, then land it and
+        acknowledge it: the copy is complete before the producer may reuse the rows.
+        One C row copy per piece (``_rowcopy``: a memcpy per row, GIL released, threads
+        for big batches), on this thread: ``abort`` waits for it (``rx.inflight``)."""
+        pages = int(hdr.slots.size)
+        nbytes = pages * hdr.page_bytes
+        error = None
+        if not rx.state.final:  # aborted or expired meanwhile: nothing would count it
+            try:
+                _mapped_copy(grp, hdr, ptr, pieces)
+                self.stats["rma_mapped_batches"] += 1
+                self.stats["rma_mapped_bytes"] += nbytes
+            except Exception as exc:
+                error = f"copy from {hdr.endpoint}'s mapped store failed: {exc}"
+        self._rma_finish(rx, hdr.group, pages, nbytes, hdr.endpoint, ack, error)
+
+    def _rma_finish(
+        self,
+        rx: _UcxRx,
+        group: int,
+        pages: int,
+        nbytes: int,
+        endpoint: str,
+        ack: int,
+        error: str | None,
+        refused: bool = False,
+    ) -> None:
+        """A batch this thread took (``rx.inflight`` counts it) is over: its pages land
+        when ``error`` is None and the transfer is still live, else the transfer fails
+        with ``error`` (``refused``: counted as a rejected batch); the producer is told
+        either way (``_rma_ack``)."""
+        book = self._book
+        with book.cond:
+            if error is not None:
+                if not rx.state.final:
+                    if refused:
+                        self.stats["rejected_batch"] += 1
+                    book.fail(rx, error)
+            elif rx.state.final:
+                error = f"transfer {rx.transfer_id} ended: {rx.error}"
+            else:
+                book.landed(rx, group, pages, nbytes)
+            rx.inflight -= 1
+            book.maybe_finish(rx, rx.queued)
+            book.cond.notify_all()
+        self._rma_ack(endpoint, ack, error if not refused else f"batch refused: {error}")
 
     def _rma_check(self, hdr: RmaHeader) -> str | None:
         """What is wrong with an RMA batch's source description, or None: every read
@@ -1720,6 +2057,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         return handle
 
     def _rkey_destroy(self, key: tuple[str, bytes]) -> None:
+        if self._rkey_maps.pop(key, None) is not None:  # its local mapping goes with it
+            self._populator.cancel(key)
         _, handle = self._rkeys.pop(key)
         ucx_rma.destroy(handle)
         self.stats["rma_rkey_destroy"] += 1
@@ -1851,6 +2190,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         reads is unmapped)."""
         rows, stride = int(slab.shape[0]), int(slab.strides[0])
         base, length = int(slab.ctypes.data), (rows - 1) * stride + int(slab.shape[1])
+        for got, _ in self._rma_alloc:  # a mapped store (register_source): kept, not LRU
+            if got.address <= base and base + length <= got.address + got.length:
+                return got
         key = (base, length)
         reg = self._rma_regs.pop(key, None)
         if reg is None:
@@ -1893,6 +2235,17 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             reg.close()
             self.stats["rma_mem_unmap"] += 1
         self._rma_regs.clear()
+        # mapped stores: freed now where no tensor over them is left, else once the
+        # last one is collected (the UCX context is kept alive for that unmap)
+        kept = 0
+        for reg, ref in self._rma_alloc:
+            if ucx_rma.release_when_unused(reg, ref, self._ctx):
+                self.stats["rma_mem_free"] += 1
+            else:
+                kept += 1
+        if kept:
+            log.info("UCX plane closed: %d mapped store(s) freed once their tensors go", kept)
+        self._rma_alloc.clear()
         self._ack_wait.clear()
 
     def _rx_segments(self) -> None:
@@ -2188,7 +2541,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                         buf.group,
                         buf.page_bytes,
                         buf.batch,
-                        reg.address,
+                        int(buf.slab.ctypes.data),  # inside reg (a mapped store may hold it)
                         int(buf.slab.shape[0]),
                         int(buf.slab.strides[0]),
                         int(buf.slab.shape[1]),

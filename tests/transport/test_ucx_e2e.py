@@ -55,8 +55,9 @@ def test_ucx_tokens_and_pages_match_monolithic(kv_manager):
 
 def test_ucx_shm_channel_from_config():
     """``ucx_channel: shm`` + ``ucx_rma_readers`` in the config reach both services' UCX
-    planes: the consumer reads the producer's store one-sided (where the C loop is built)
-    on two lanes, and tokens still equal the monolithic run."""
+    planes: the consumer reads the producer's store one-sided (where the C loop is built),
+    from its mapping (the store comes from ``register_source``), and tokens still equal
+    the monolithic run."""
     from disagg.transport import ucx_rma
 
     cfg = EngineConfig(**SHAPE, capture_pages=True)
@@ -73,7 +74,11 @@ def test_ucx_shm_channel_from_config():
     check_against_monolithic(produced, consumed, mono)
     assert csvc.metrics["pages_loaded"] > 0
     if ucx_rma.available():
-        assert csvc.data.stats["rma_reads"] > 0
+        # the producer's store came from register_source: the consumer maps it and copies
+        # (ucx_plane.py, "Mapped stores"); no get is posted
+        assert psvc.data.stats["rma_mem_alloc"] == 1
+        assert csvc.data.stats["rma_mapped_batches"] > 0
+        assert csvc.data.stats.get("rma_reads", 0) == 0
     assert wait_for(lambda: psvc.leases.active() == 0)
 
 

@@ -5,6 +5,7 @@ registration / remote-key teardown on close. Skipped without ucxx."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import shutil
@@ -59,6 +60,7 @@ def test_mem_map_params_layout_matches_ucp_h(tmp_path):
     if cc is None or inc is None:
         pytest.skip("no C compiler or ucp.h")
     fields = list(ucx_rma.MAP_LAYOUT)
+    attrs = list(ucx_rma.MEM_ATTR_LAYOUT)
     src = tmp_path / "probe.c"
     src.write_text(
         "#include <stdio.h>\n#include <stddef.h>\n#include <ucp/api/ucp.h>\nint main(void){\n"
@@ -68,6 +70,9 @@ def test_mem_map_params_layout_matches_ucp_h(tmp_path):
         "UCP_MEM_MAP_PROT_LOCAL_WRITE, UCP_MEM_MAP_PROT_REMOTE_READ, "
         "UCP_OP_ATTR_FIELD_MEMORY_TYPE, (int)sizeof(ucs_status_t));\n"
         + "".join(f'printf("%zu\\n", offsetof(ucp_mem_map_params_t, {f}));\n' for f in fields)
+        + 'printf("%zu %d %d %d %d\\n", sizeof(ucp_mem_attr_t), UCP_MEM_MAP_PARAM_FIELD_FLAGS, '
+        "UCP_MEM_MAP_ALLOCATE, UCP_MEM_ATTR_FIELD_ADDRESS, UCP_MEM_ATTR_FIELD_LENGTH);\n"
+        + "".join(f'printf("%zu\\n", offsetof(ucp_mem_attr_t, {f}));\n' for f in attrs)
         + "return 0;}\n"
     )
     exe = tmp_path / "probe"
@@ -86,7 +91,17 @@ def test_mem_map_params_layout_matches_ucp_h(tmp_path):
         ucx_rma.PROT_REMOTE_READ,
     )
     assert f_mt == 1 << 6 and status == 1
-    assert dict(zip(fields, map(int, out[9:]))) == ucx_rma.MAP_LAYOUT
+    at = 9 + len(fields)
+    assert dict(zip(fields, map(int, out[9:at]))) == ucx_rma.MAP_LAYOUT
+    # register_source's allocation (ucp_mem_map ALLOCATE) and ucp_mem_query
+    assert [int(x) for x in out[at : at + 5]] == [
+        ctypes.sizeof(ucx_rma.MemAttr),
+        ucx_rma.MAP_FIELD_FLAGS,
+        ucx_rma.MAP_ALLOCATE,
+        ucx_rma.MEM_ATTR_ADDRESS,
+        ucx_rma.MEM_ATTR_LENGTH,
+    ]
+    assert dict(zip(attrs, map(int, out[at + 5 :]))) == ucx_rma.MEM_ATTR_LAYOUT
 
 
 def test_page_pieces_cut_at_columns_and_regions():
@@ -724,28 +739,23 @@ def _receiver_n(width, n, deadline_s, q_out, q_in):
     plane.close()
 
 
-@needs_c_loop
-def test_abort_while_lanes_read_writes_nothing_after():
-    """``abort`` mid-pull with two readers: it returns once no read of the transfer is
-    under way on any worker (0 left), the transfer ends FAILED, no byte lands in the pool
-    afterwards, and the next transfer from the same producer lands byte-exactly."""
+def abort_mid_pull_then_carry_on(rx, tx, store: torch.Tensor) -> None:
+    """``abort`` mid-pull (512 pages of 64 KiB in 32 batches of 1 MiB): it returns once
+    nothing of the transfer is under way (0 left), the transfer ends FAILED, no byte
+    lands in the pool afterwards, and the next transfer from the same producer lands
+    byte-exactly. ``store``: the producer's slab (rows drawn from 1024)."""
     import time
-
-    from disagg.transport.ucx_plane import UcxDataPlane
 
     pb, n = 65536, 512
     rng = np.random.default_rng(21)
-    slab = _slab(2 * n, pb)
     saved = ucx_plane._RMA_MAX_PAGES
-    ucx_plane._RMA_MAX_PAGES = 16  # 32 batches of 1 MiB, each split between the readers
-    rx = UcxDataPlane(channel="shm", rma_readers=2)
-    tx = UcxDataPlane(channel="shm")
+    ucx_plane._RMA_MAX_PAGES = 16  # 32 batches of 1 MiB
     try:
         pool = torch.zeros(n, pb, dtype=torch.uint8)
         rx.register_regions([[pool]])
         rows, dst = rng.permutation(2 * n)[:n], rng.permutation(n)
         rx.expect(7, 3, b"tok", [n], 20)
-        h = tx.post_push(rx.endpoint, 7, 3, b"tok", [(0, StoreRows(slab, rows, ((0, pb),)), dst)])
+        h = tx.post_push(rx.endpoint, 7, 3, b"tok", [(0, StoreRows(store, rows, ((0, pb),)), dst)])
         end = time.monotonic() + 10
         while rx.poll(7).pages == 0 and time.monotonic() < end:
             time.sleep(0.0002)
@@ -763,11 +773,25 @@ def test_abort_while_lanes_read_writes_nothing_after():
         pool.zero_()
         rows2 = rng.permutation(2 * n)[:n]
         rx.expect(8, 3, b"tok", [n], 20)
-        h = tx.post_push(rx.endpoint, 8, 3, b"tok", [(0, StoreRows(slab, rows2, ((0, pb),)), dst)])
+        h = tx.post_push(rx.endpoint, 8, 3, b"tok", [(0, StoreRows(store, rows2, ((0, pb),)), dst)])
         assert rx.wait(8, 20).done and tx.wait_push(h, 20).done
-        np.testing.assert_array_equal(pool.numpy()[dst], slab.numpy()[rows2])
+        np.testing.assert_array_equal(pool.numpy()[dst], store.numpy()[rows2])
     finally:
         ucx_plane._RMA_MAX_PAGES = saved
+
+
+@needs_c_loop
+def test_abort_while_lanes_read_writes_nothing_after(monkeypatch):
+    """``abort`` mid-pull with two readers (the get path: a store not from
+    ``register_source``)."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    rx = UcxDataPlane(channel="shm", rma_readers=2)
+    tx = UcxDataPlane(channel="shm")
+    try:
+        abort_mid_pull_then_carry_on(rx, tx, _slab(1024, 65536))
+        assert rx.stats["rma_reads"] > 0
+    finally:
         rx.close()
         tx.close()
 
