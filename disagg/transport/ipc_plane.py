@@ -108,7 +108,7 @@ those torch calls costs 20-50 us on a just-woken thread of this VM).
 
 Session 8 (base e2b6158; H200, ``disagg bench gpu --ipc-only --page-sizes 64KiB,1MiB
 --total 1GiB --ipc-depths 1,4``, base and this code interleaved, two rounds on each of
-two machines; raw output in the session's notes): the receiver's checks are one C pass
+two machines; raw output in docs/perf/h200-ipc-session8/): the receiver's checks are one C pass
 (``_slotcheck.c`` through ``ReceiverBook.accept_rows``) that also writes both index
 arrays into the pinned staging buffer, and they go up with one ``cuMemcpyHtoDAsync``
 through ctypes (``cuda_driver``). Per-call timings (median of 20 pushes, 16384 x 64 KiB):
