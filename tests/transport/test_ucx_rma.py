@@ -161,11 +161,13 @@ def _receiver(channel, sizes, expected, deadline_s, q_out, q_in):
     plane.close()
 
 
-def _sender(endpoint, width, rows, cols, dst, q_out, hold):
+def _sender(endpoint, width, rows, cols, dst, q_out, hold, mapped=False):
     from disagg.transport.ucx_plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm" if endpoint.startswith("ucx+shm") else "tcp")
     slab = _slab(2 * SLOTS if hold is None else len(rows), width)
+    if mapped:  # the store as ProducerService has it: allocated by UCX, mapped by readers
+        slab = plane.register_source(slab)
     src = StoreRows(slab, np.asarray(rows, dtype=np.int64), cols)
     h = plane.post_push(endpoint, 7, 3, b"tok", [(0, src, dst)], deadline_s=20)
     if hold is not None:  # the test kills this process now
@@ -235,8 +237,13 @@ def test_random_rows_into_random_slots_byte_exact(channel, width, cols, sizes):
 @needs_c_loop
 def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
     """The producer posts a 48 MiB push and is killed: the receiver's transfer ends
-    FAILED with a reason (a failed read, or its deadline: no TransferDone can come), and
-    every page it counted as landed holds the right bytes."""
+    FAILED with a reason (its deadline: no TransferDone can come), and every page it
+    counted as landed holds the right bytes. The store is the producer's as
+    ``ProducerService`` makes it (``register_source``: the consumer copies from its
+    mapping). On the get path (a store not from ``register_source``) a producer killed
+    while a cma read of it is under way makes UCX abort the *consumer* process (shm
+    endpoints run without error handling; seen 1 in 16 kills timed into the reads, and
+    once in a fresh-clone CI): README, known limits."""
     width, n = 1 << 20, 48
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -247,11 +254,15 @@ def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
     r = ctx.Process(target=_receiver, args=("shm", [width], n, 3.0, q_r, q_in))
     r.start()
     ep = q_r.get(timeout=30)
-    s = ctx.Process(target=_sender, args=(ep, width, rows, ((0, width),), dst, q_s, hold))
+    s = ctx.Process(target=_sender, args=(ep, width, rows, ((0, width),), dst, q_s, hold, True))
     s.start()
     assert q_s.get(timeout=60) == "posted"
     os.kill(s.pid, signal.SIGKILL)
-    state, err, pages, pool, _ = q_r.get(timeout=60)
+    try:
+        state, err, pages, pool, _ = q_r.get(timeout=60)
+    except Exception:
+        r.join(5)
+        raise AssertionError(f"the receiver never answered (exit code {r.exitcode})") from None
     q_in.put(None)
     r.join(15)
     s.join(5)
