@@ -1147,29 +1147,20 @@ class _Staging:
         self.unsealed.append(i)
         return _Staged(self, i, nbytes, off * width, n, _TORCH_INT[width])
 
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        """The device buffer, at least ``nbytes`` long (uint8)."""
+    def upload(self, staged: _Staged) -> torch.Tensor:
+        """Queue the staged arrays' copy to the device buffer (on ``stream``); returns
+        the device buffer (uint8; slots from byte 0, rows from ``staged.rows_at``)."""
+        nbytes = staged.nbytes
         dev = self.dev
         if dev is None or dev.numel() < nbytes:
             dev = self.dev = torch.empty(
                 max(nbytes, 1 << 16), dtype=torch.uint8, device=self.device
             )
-        return dev
-
-    def upload(self, staged: _Staged) -> torch.Tensor:
-        """Queue the staged arrays' copy to the device buffer (on ``stream``); returns
-        the device buffer (uint8; slots from byte 0, rows from ``staged.rows_at``)."""
-        dev = self.device_buffer(staged.nbytes)
-        self._h2d(dev, staged.ring_at, 0, staged.nbytes)
-        return dev
-
-    def _h2d(self, dev: torch.Tensor, ring_at: int, at: int, nbytes: int) -> None:
-        host = self.host[ring_at]
+        host = self.host[staged.ring_at]
         assert host is not None
-        if not cuda_driver.copy_htod_async(
-            dev.data_ptr() + at, host.data_ptr() + at, nbytes, self.handle
-        ):
-            dev[at : at + nbytes].copy_(host[at : at + nbytes], non_blocking=True)
+        if not cuda_driver.copy_htod_async(dev.data_ptr(), host.data_ptr(), nbytes, self.handle):
+            dev[:nbytes].copy_(host[:nbytes], non_blocking=True)
+        return dev
 
     def seal(self, event: Any) -> None:
         """The buffers taken since the last call are free once ``event`` fired."""

@@ -39,6 +39,17 @@ except ImportError:
     if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
         raise
 
+# what a batch check found wrong: _slotcheck's codes, which the numpy fallback uses too
+SLOT_OUTSIDE, SLOT_NOT_GIVEN, SLOT_TWICE, ROW_NEGATIVE, ROW_BEYOND = 1, 2, 3, 4, 5
+if _slotcheck is not None:
+    assert (SLOT_OUTSIDE, SLOT_NOT_GIVEN, SLOT_TWICE, ROW_NEGATIVE, ROW_BEYOND) == (
+        _slotcheck.SLOT_OUTSIDE,
+        _slotcheck.SLOT_NOT_GIVEN,
+        _slotcheck.SLOT_TWICE,
+        _slotcheck.ROW_NEGATIVE,
+        _slotcheck.ROW_BEYOND,
+    )
+
 log = logging.getLogger(__name__)
 
 KEEP_FINISHED = 4096  # final receiver states kept for poll()
@@ -383,9 +394,9 @@ class ReceiverBook:
                 raise ValueError(f"{s.size} slots for {r.size} source rows")
             low, high = (int(r.min()), int(r.max())) if r.size else (0, -1)
             if low < 0:
-                error = self._row_or_slot_error(group, 4, low, row_limit, beyond)
+                error = self._row_or_slot_error(group, ROW_NEGATIVE, low, row_limit, beyond)
             elif high >= row_limit:
-                error = self._row_or_slot_error(group, 5, high, row_limit, beyond)
+                error = self._row_or_slot_error(group, ROW_BEYOND, high, row_limit, beyond)
             else:
                 error = self._check_slots(rx, group, s.astype(np.intp))
             if error is None:
@@ -403,13 +414,13 @@ class ReceiverBook:
         self, group: int, code: int, value: int, row_limit: int, beyond: Callable[[int], str]
     ) -> str:
         """The message for a ``_slotcheck`` code (the same words as ``_check``'s)."""
-        if code == 1:
+        if code == SLOT_OUTSIDE:
             return f"batch for group {group} addresses slots outside [0, {self.groups[group].num_slots})"
-        if code == 2:
+        if code == SLOT_NOT_GIVEN:
             return f"batch for group {group} addresses slots this transfer was not given"
-        if code == 3:
+        if code == SLOT_TWICE:
             return f"batch for group {group} writes a slot twice"
-        if code == 4:
+        if code == ROW_NEGATIVE:
             return f"batch for group {group}: negative source row {value}"
         return beyond(value)
 
