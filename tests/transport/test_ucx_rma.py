@@ -640,8 +640,11 @@ def test_reader_lanes_share_a_batch_byte_exact(readers):
     if readers == 1:
         assert "rma_lane_reads" not in stats
     else:
-        # every lane that took part unpacked the key once, on its own endpoint
-        assert 0 < stats["rma_lane_reads"] < stats["rma_reads"]
+        # the lanes took part (they may take every read: the progress thread takes its
+        # turn only after it has handed the batch out, and a loaded box can let the
+        # lanes claim it all first); every lane that took part unpacked the key once,
+        # on its own endpoint
+        assert 0 < stats["rma_lane_reads"] <= stats["rma_reads"]
         assert 1 <= rx.stats["rma_lane_rkey_unpack"] <= readers - 1
     assert rx.stats.get("rma_lane_rkey_unpack", 0) == rx.stats.get("rma_lane_rkey_destroy", 0)
     assert rx.stats["rma_rkey_unpack"] == rx.stats["rma_rkey_destroy"] == 1
