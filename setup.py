@@ -22,5 +22,6 @@ setup(
         Extension("disagg.transport._ucxrma", ["disagg/transport/_ucxrma.c"], optional=True),
         Extension("disagg.transport._streamio", ["disagg/transport/_streamio.c"], optional=True),
         Extension("disagg.transport._slotcheck", ["disagg/transport/_slotcheck.c"], optional=True),
+        Extension("disagg.transport._spin", ["disagg/transport/_spin.c"], optional=True),
     ]
 )

@@ -22,6 +22,10 @@ Schema (all sections are plain mappings; unknown keys are refused)::
                                              # producer's store; worker-address endpoints)
     ucx_rma_readers: int | null              # ucx shm consumer: threads copying its reads,
                                              # default $DISAGG_UCX_RMA_READERS, else 2 on 2+ CPUs
+    ipc_spin_us: int | null                  # ipc only: microseconds its threads spin (GIL
+                                             # released) for the next message before they
+                                             # sleep; default $DISAGG_SPIN_US, else 2000 on
+                                             # hosts with 8+ CPUs, 0 (off) below
     producer:                                # required when role = producer, refused otherwise
       control: endpoint to bind              # default tcp://127.0.0.1:0
       events: endpoint to bind | null        # stored/removed event stream (PUB), default off
@@ -602,6 +606,7 @@ class DisaggConfig:
     transport_checksum: bool = False
     ucx_channel: str | None = None
     ucx_rma_readers: int | None = None
+    ipc_spin_us: int | None = None
     producer: ProducerConfig | None = None
     consumer: ConsumerConfig | None = None
     security: SecurityConfig | None = None
@@ -643,6 +648,18 @@ class DisaggConfig:
             raise _err(
                 "ucx_rma_readers",
                 f"must be an integer >= 1 (threads copying a UCX shm consumer's reads), got {r!r}",
+            )
+        if self.ipc_spin_us is not None and self.transport != "ipc":
+            raise _err(
+                "ipc_spin_us",
+                f"is an ipc data plane setting; transport is '{self.transport}' "
+                "(remove ipc_spin_us or set transport: ipc)",
+            )
+        w = self.ipc_spin_us
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise _err(
+                "ipc_spin_us",
+                f"must be an integer >= 0 (microseconds; 0 turns spinning off), got {w!r}",
             )
         other = "consumer" if self.role == "producer" else "producer"
         if getattr(self, other) is not None:
@@ -746,6 +763,8 @@ class DisaggConfig:
         if self.transport == "ucx":
             out["ucx_channel"] = self.ucx_channel
             out["ucx_rma_readers"] = self.ucx_rma_readers
+        if self.transport == "ipc":
+            out["ipc_spin_us"] = self.ipc_spin_us
         for name in _SECTIONS:
             sec = getattr(self, name)
             if sec is None:

@@ -305,6 +305,7 @@ class ConsumerService(ConnectorService):
             checksum=self.config.transport_checksum,
             ucx_channel=self.config.ucx_channel,
             ucx_rma_readers=self.config.ucx_rma_readers,
+            ipc_spin_us=self.config.ipc_spin_us,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())

@@ -178,6 +178,7 @@ class ProducerService(ConnectorService):
             checksum=self.config.transport_checksum,
             ucx_channel=self.config.ucx_channel,
             ucx_rma_readers=self.config.ucx_rma_readers,
+            ipc_spin_us=self.config.ipc_spin_us,
         )
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)

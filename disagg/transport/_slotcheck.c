@@ -11,6 +11,11 @@
  *
  * All or nothing: on the first bad entry every mark this call made is undone and nothing
  * is reported as accepted; the caller fails the transfer with the code's message.
+ *
+ * pack_pair is the sender's side of the same arrays: one pass that narrows both int64
+ * arrays to int32 (the wire's 4-byte form) and finds what post_push must check (the
+ * lowest slot, whether every value fits). numpy needed seven passes (four reductions, two
+ * astype, one asarray); on the H200's VM ~60 us of a 16384-page push.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -124,7 +129,68 @@ done:
     return result;
 }
 
+static PyObject *pack_pair(PyObject *self, PyObject *args) {
+    PyObject *rows_o, *slots_o, *orows_o, *oslots_o;
+    if (!PyArg_ParseTuple(args, "OOOO", &rows_o, &slots_o, &orows_o, &oslots_o)) return NULL;
+    Py_buffer rows = {0}, slots = {0}, orows = {0}, oslots = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(rows_o, &rows, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(slots_o, &slots, PyBUF_SIMPLE) < 0) goto done;
+    if (PyObject_GetBuffer(orows_o, &orows, PyBUF_WRITABLE) < 0) goto done;
+    if (PyObject_GetBuffer(oslots_o, &oslots, PyBUF_WRITABLE) < 0) goto done;
+    if (rows.len != slots.len || rows.len % 8) {
+        PyErr_Format(PyExc_ValueError, "rows (%zd bytes) and slots (%zd bytes) must be equal arrays of int64",
+                     rows.len, slots.len);
+        goto done;
+    }
+    Py_ssize_t n = rows.len / 8;
+    if (orows.len < n * 4 || oslots.len < n * 4) {
+        PyErr_Format(PyExc_ValueError, "outputs (%zd / %zd bytes) cannot hold %zd int32 each", orows.len,
+                     oslots.len, n);
+        goto done;
+    }
+    if ((uintptr_t)rows.buf % 8 || (uintptr_t)slots.buf % 8 || (uintptr_t)orows.buf % 4 ||
+        (uintptr_t)oslots.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "pack_pair needs aligned arrays (numpy's are)");
+        goto done;
+    }
+    /* OR-accumulated bits instead of min/max: the loop vectorises with plain SSE2.
+     * v + 2^31 has bits above 31 iff v lies outside int32; the sign bit of s (s + 1) is
+     * set iff s < 0 (s < -1). */
+    uint64_t out_of_range = 0, negative = 0, below_m1 = 0;
+    int64_t low = 0;
+    const int64_t *R = (const int64_t *)rows.buf, *S = (const int64_t *)slots.buf;
+    int32_t *OR = (int32_t *)orows.buf, *OS = (int32_t *)oslots.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t r = (uint64_t)R[i], s = (uint64_t)S[i];
+        OR[i] = (int32_t)r; /* meaningful only when everything fits (checked below) */
+        OS[i] = (int32_t)s;
+        out_of_range |= (r + 0x80000000ull) | (s + 0x80000000ull);
+        negative |= s;
+        below_m1 |= s + 1;
+    }
+    if (below_m1 >> 63) { /* rare: a bad slot; find the lowest for the message */
+        for (Py_ssize_t i = 0; i < n; i++) low = S[i] < low ? S[i] : low;
+    } else if (negative >> 63) {
+        low = -1;
+    }
+    Py_END_ALLOW_THREADS
+    int narrow = (out_of_range >> 32) == 0;
+    result = Py_BuildValue("(OL)", narrow ? Py_True : Py_False, (long long)low);
+done:
+    if (rows.obj) PyBuffer_Release(&rows);
+    if (slots.obj) PyBuffer_Release(&slots);
+    if (orows.obj) PyBuffer_Release(&orows);
+    if (oslots.obj) PyBuffer_Release(&oslots);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"pack_pair", pack_pair, METH_VARARGS,
+     "pack_pair(rows, slots, out_rows, out_slots) -> (narrow, lowest_slot): one pass over two "
+     "native int64 arrays of equal length, writing each value truncated to int32 into the outputs. "
+     "narrow: every value fits in int32 (else the outputs mean nothing). lowest_slot: min(0, slots)."},
     {"check_stage", check_stage, METH_VARARGS,
      "check_stage(slots, rows, width, num_slots, row_limit, ok, written, out, rows_at) -> "
      "(code, index, value): one pass over two little-endian index arrays of `width` bytes. "

@@ -13,6 +13,7 @@ def make_data_plane(
     checksum: bool = False,
     ucx_channel: str | None = None,
     ucx_rma_readers: int | None = None,
+    ipc_spin_us: int | None = None,
 ) -> DataPlane:
     """``zmq`` (always available), ``ucx`` (needs ``pip install disagg[ucx]``) or ``ipc``
     (producer and consumer on one host: the consumer copies from the producer's store).
@@ -21,7 +22,8 @@ def make_data_plane(
     ``checksum`` (config ``transport_checksum``): xxh3-64 over every zmq payload, checked
     by the receiver; only the zmq plane has it (ValueError for the others).
     ``ucx_channel`` (``tcp`` when None) and ``ucx_rma_readers`` (None: the plane's
-    default) go to the UCX plane; ValueError for the others."""
+    default) go to the UCX plane; ``ipc_spin_us`` (None: ``spin.default_spin_us()``) to
+    the ipc plane; ValueError for the others."""
     if checksum and transport != "zmq":
         raise ValueError(
             f"transport_checksum: only the zmq data plane checksums, not {transport!r}"
@@ -30,6 +32,8 @@ def make_data_plane(
         raise ValueError(
             f"ucx_channel / ucx_rma_readers: UCX data plane settings, not for {transport!r}"
         )
+    if ipc_spin_us is not None and transport != "ipc":
+        raise ValueError(f"ipc_spin_us: an ipc data plane setting, not for {transport!r}")
     advertise = None
     if advertise_host and bind.startswith("tcp://"):
         port = bind.rsplit(":", 1)[1]
@@ -56,5 +60,5 @@ def make_data_plane(
     if transport == "ipc":
         from .ipc_plane import IpcDataPlane
 
-        return IpcDataPlane(bind, advertise=advertise)
+        return IpcDataPlane(bind, advertise=advertise, spin_us=ipc_spin_us)
     raise ValueError(f"transport: unknown data plane {transport!r}; use 'zmq', 'ucx' or 'ipc'")

@@ -184,3 +184,70 @@ def test_book_refuses_more_pages_than_expected_before_marking():
     why, _ = book.accept_rows(rx, 0, 16, slots, np.zeros(5, "<i8"), 8, 1, _beyond)
     assert why == "group 0 would receive 5 pages, 4 expected"
     assert rx.state.final and rx.announced == [0]
+
+
+# ---- the sender's side: pack_pair and ipc_plane._wire_indices over it ----------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 16384])
+def test_pack_pair_narrows_like_numpy(n):
+    rng = np.random.default_rng(n)
+    rows, slots = rng.integers(0, 1 << 30, n), rng.integers(0, 1 << 20, n)
+    r32, s32 = np.empty(n, "<i4"), np.empty(n, "<i4")
+    assert _slotcheck.pack_pair(rows, slots, r32, s32) == (True, 0)
+    assert (r32 == rows).all() and (s32 == slots).all()
+
+
+@pytest.mark.parametrize(
+    "row, slot, narrow, low",
+    [
+        (1 << 31, 5, False, 0),  # a row past int32
+        (-(1 << 31), 5, True, 0),  # int32's lowest row still fits
+        (-(1 << 31) - 1, 5, False, 0),
+        (3, 1 << 31, False, 0),  # a slot past int32
+        (3, -1, True, -1),  # -1: a slot to skip
+        (3, -7, True, -7),  # below -1: post_push refuses it, naming the value
+    ],
+)
+def test_pack_pair_reports_width_and_lowest_slot(row, slot, narrow, low):
+    rows, slots = np.arange(100, dtype=np.int64), np.arange(100, dtype=np.int64)
+    rows[37], slots[61] = row, slot
+    got = _slotcheck.pack_pair(rows, slots, np.empty(100, "<i4"), np.empty(100, "<i4"))
+    assert got == (narrow, low)
+
+
+def test_pack_pair_refuses_mismatched_or_short_buffers():
+    a = np.zeros(8, np.int64)
+    with pytest.raises(ValueError, match="equal arrays"):
+        _slotcheck.pack_pair(a, a[:7], np.empty(8, "<i4"), np.empty(8, "<i4"))
+    with pytest.raises(ValueError, match="cannot hold"):
+        _slotcheck.pack_pair(a, a, np.empty(7, "<i4"), np.empty(8, "<i4"))
+    with pytest.raises(ValueError, match="aligned"):
+        _slotcheck.pack_pair(
+            np.frombuffer(_unaligned(a), np.int64), a, np.empty(8, "<i4"), np.empty(8, "<i4")
+        )
+
+
+def test_wire_indices_same_with_and_without_the_c_pass(monkeypatch):
+    from disagg.transport import ipc_plane
+
+    rng = np.random.default_rng(9)
+    cases = [
+        (rng.permutation(4096), rng.permutation(8192)[:4096]),
+        (np.array([5, 1 << 40, 2]), np.array([0, 1, 2])),  # wide: 8-byte indices
+        (np.array([5, 6, 7, 8]), np.array([3, -1, 9, -1])),  # -1 slots dropped
+        (np.arange(4)[::-1].copy()[::2], np.array([1, 2])),  # a strided view
+    ]
+    for rows, dst in cases:
+        fast = ipc_plane._wire_indices(rows, dst)
+        monkeypatch.setattr(ipc_plane, "_slotcheck", None)
+        slow = ipc_plane._wire_indices(rows, dst)
+        monkeypatch.undo()
+        for a, b in zip(fast, slow):
+            assert a.dtype == b.dtype and a.dtype.byteorder in "<=" and (a == b).all()
+        assert fast[0].base is not rows and not np.shares_memory(fast[0], rows)
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(ipc_plane, "_slotcheck", None)
+        with pytest.raises(ValueError, match="must be >= -1, got -4"):
+            ipc_plane._wire_indices(np.arange(3), np.array([0, -4, 1]))

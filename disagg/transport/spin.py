@@ -1,0 +1,68 @@
+"""Spin-then-block waits for the latency-bound threads of a data plane.
+
+Why: on the H200's VM a thread that sleeps in ``select`` or on a lock takes 50-110 us to
+wake, and then runs its first few hundred microseconds 2-3x slower than a busy thread
+(the vCPU halted meanwhile). A single 1 GiB push crosses five such sleeps in series
+(sender thread, receiver thread, ack reader, waiter, ...). A thread that was just busy
+spins for a bounded window (``spin_us``) before it blocks: a message arriving within the
+window is seen at once, by a warm CPU. The spin runs in C with the GIL released
+(``_spin.c``), so it never holds back the interpreter's other threads; a Python polling
+loop did (session 6: no gain).
+
+The cost is one core per spinning thread for at most ``spin_us`` after each wake-up with
+work; an idle thread blocks as before (the window restarts only after events). Off (0)
+where the C module is missing, and by default on hosts with few cores
+(``default_spin_us``).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # the C spin (_spin.c, built by pip install; optional like the other helpers)
+    from . import _spin
+except ImportError:  # no compiler at install time: threads block at once
+    _spin = None  # type: ignore[assignment]
+    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+        raise
+
+# Below this many CPUs a spinning thread takes a core the peer process needs (the 2-core
+# CI box: producer, consumer and their threads share two cores).
+MIN_CPUS_TO_SPIN = 8
+DEFAULT_SPIN_US = 2000  # a few pushes' round trips on the H200 (one 1 GiB push: ~1.5 ms)
+ENV = "DISAGG_SPIN_US"
+
+
+def default_spin_us() -> int:
+    """``DISAGG_SPIN_US`` if set, else DEFAULT_SPIN_US on hosts with at least
+    MIN_CPUS_TO_SPIN CPUs (0 below, and 0 without the C module)."""
+    if _spin is None:
+        return 0
+    raw = os.environ.get(ENV)
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV}={raw!r}: expected microseconds, e.g. {ENV}=2000") from None
+        if value < 0:
+            raise ValueError(f"{ENV}={raw!r}: must be >= 0 (0 turns spinning off)")
+        return value
+    return DEFAULT_SPIN_US if (os.cpu_count() or 1) >= MIN_CPUS_TO_SPIN else 0
+
+
+def wait_readable(fd: int, spin_ns: int, publish: list[bytearray] | None = None) -> bool:
+    """Spin up to ``spin_ns`` until ``fd`` polls ready (an epoll fd: any of its watched
+    descriptors). Each ``publish`` flag's first byte is set first, once the GIL is
+    released (see ``_spin.c``). False at once without the C module (flags set here)."""
+    if _spin is None:
+        for flag in publish or ():
+            flag[0] = 1
+        return False
+    if spin_ns <= 0 and not publish:
+        return False
+    return bool(_spin.wait_readable(fd, max(0, spin_ns), publish))
+
+
+def wait_flag(flag: bytearray, spin_ns: int) -> bool:
+    """Spin up to ``spin_ns`` until ``flag[0]`` is non-zero."""
+    return bool(_spin is not None and spin_ns > 0 and _spin.wait_flag(flag, spin_ns))
