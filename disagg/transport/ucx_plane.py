@@ -802,10 +802,17 @@ class _RmaRead:
 
 
 def _pull_error(endpoint: str, pull: ucx_rma.RmaPull) -> str | None:
-    """The failure of a reader's finished share, or None when all of it landed."""
+    """The failure of a reader's finished share, or None when all of it landed. A cma
+    copy that failed (the producer died or unmapped its store: ``ucx_rma.guard_cma``)
+    ends as UCS_ERR_IO_ERROR; the latest such failure's text (it names the call, the
+    producer's pid and errno) is appended."""
     if pull.ok:
         return None
-    return f"RMA read from {endpoint} failed: ucs_status {pull.status}"
+    why = f"RMA read from {endpoint} failed: {ucx_rma.status_text(pull.status)}"
+    n, last = ucx_rma.cma_failures()
+    if n and last:
+        why += f"; latest cma failure here: {last}"
+    return why
 
 
 class _ReadLane:
@@ -1586,6 +1593,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             torch.cuda.set_device(self._cuda_device)
             torch.empty(1, device=f"cuda:{self._cuda_device}")
         self._rma = self.channel == "shm" and ucx_rma.available()
+        # A peer that dies during a cma copy (our reads on shm, or UCX's rendezvous
+        # writes on the tag path) must fail the request, not abort this process: shm
+        # endpoints run without UCX error handling ("Peer failures on shm").
+        ucx_rma.guard_cma()
         features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
         if self._rma:
             features.append(ucx_api.Feature.RMA)
