@@ -131,9 +131,10 @@ def _answer(q, proc, timeout):
 def _check_failed(answer, rows, dst, salt):
     """FAILED with a reason; every page the consumer counted as landed is right."""
     state, err, pages, pool, stats = answer
-    assert stats.get("rma_reads", 0) + stats.get("rma_lane_reads", 0) > 0, stats
     assert stats.get("rma_mapped_batches", 0) == 0, stats  # the get path, not a mapping
     assert state == "failed" and err, (state, err)
+    if err.startswith("RMA read"):  # (a kill before the first header leaves no read)
+        assert stats.get("rma_reads", 0) + stats.get("rma_lane_reads", 0) > 0, stats
     want = _want(_slab(N, WIDTH, salt).numpy(), rows, ((0, WIDTH),), dst, WIDTH)
     good = sum(np.array_equal(pool[d], want[d]) for d in dst)
     assert good >= pages, (good, pages)
