@@ -11,7 +11,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 /* ucs_status_ptr_t ucp_get_nbx(ucp_ep_h ep, void *buffer, size_t count,
  *                              uint64_t remote_addr, ucp_rkey_h rkey,
@@ -160,10 +163,122 @@ static PyObject *pull(PyObject *self, PyObject *args) {
     return Py_BuildValue("nLnni", posted, bytes, nreqs, start, status);
 }
 
+
+/* ---- cma failures: a failed request, not an abort (ucx_rma.guard_cma) ----------------
+ *
+ * When process_vm_readv/writev fails (the peer process is gone: ESRCH; its memory was
+ * unmapped: EFAULT), UCX's cma transport (src/uct/sm/scopy/cma/cma_ep.c,
+ * uct_cma_ep_tx_error) reports the endpoint error to UCP, then logs the failure at a
+ * level that depends on whether UCP handled it: our shm endpoints run without error
+ * handling (UCP_ERR_HANDLING_MODE_PEER would move every lane off shared memory), so UCP
+ * answers "unhandled" and the message is logged at UCS_LOG_LEVEL_FATAL, which UCS's
+ * default log handler turns into abort() (log_level_trigger). Apart from that log
+ * call the error path is the ordinary one: uct_cma_ep_tx returns UCS_ERR_IO_ERROR and
+ * the scopy transport completes the operation with it, so the ucp_get_nbx/put request
+ * fails and its caller sees the status. This handler, pushed ahead of UCS's default one
+ * (ucs_log_push_handler; handlers run newest first), takes exactly the FATAL messages
+ * of cma_ep.c: it counts them, keeps the latest text, prints it as an error and stops
+ * the dispatch, so no abort follows. Every other message goes on to UCS unchanged.
+ *
+ * Mirrors ucs/debug/log_def.h (UCX >= 1.11, checked by the caller):
+ *   ucs_log_func_rc_t (*ucs_log_func_t)(const char *file, unsigned line,
+ *       const char *function, ucs_log_level_t level,
+ *       const ucs_log_component_config_t *comp_conf, const char *message, va_list ap);
+ *   void ucs_log_push_handler(ucs_log_func_t handler); */
+#define UCS_LOG_LEVEL_FATAL 0
+#define UCS_LOG_FUNC_RC_STOP 0
+#define UCS_LOG_FUNC_RC_CONTINUE 1
+typedef int (*log_fn)(const char *, unsigned, const char *, int, const void *, const char *,
+                      va_list);
+typedef void (*push_fn)(log_fn);
+
+static int64_t cma_count;  /* cma failures taken (atomic) */
+static int cma_pushed;     /* the handler is installed (set once, under the GIL) */
+static int cma_last_busy;  /* spin flag guarding cma_last */
+static char cma_last[512]; /* the latest one's text */
+
+static int cma_handler(const char *file, unsigned line, const char *function, int level,
+                       const void *comp_conf, const char *fmt, va_list ap) {
+    (void)line;
+    (void)function;
+    (void)comp_conf;
+    if (level != UCS_LOG_LEVEL_FATAL || file == NULL || fmt == NULL)
+        return UCS_LOG_FUNC_RC_CONTINUE;
+    const char *base = strrchr(file, '/');
+    base = base ? base + 1 : file;
+    if (strcmp(base, "cma_ep.c") != 0)
+        return UCS_LOG_FUNC_RC_CONTINUE;
+    char msg[sizeof(cma_last)];
+    va_list cp;
+    va_copy(cp, ap);
+    vsnprintf(msg, sizeof(msg), fmt, cp);
+    va_end(cp);
+    __atomic_add_fetch(&cma_count, 1, __ATOMIC_RELAXED);
+    if (!__atomic_exchange_n(&cma_last_busy, 1, __ATOMIC_ACQUIRE)) {
+        memcpy(cma_last, msg, sizeof(cma_last));
+        __atomic_store_n(&cma_last_busy, 0, __ATOMIC_RELEASE);
+    }
+    fprintf(stderr, "[disagg] UCX cma: %s (the request fails; not fatal)\n", msg);
+    return UCS_LOG_FUNC_RC_STOP;
+}
+
+/* guard_cma(push) -> bool: install ``cma_handler`` with ucs_log_push_handler (its
+ * address, from ctypes); once per process, later calls return True at once. */
+static PyObject *guard_cma(PyObject *self, PyObject *args) {
+    unsigned long long push;
+    if (!PyArg_ParseTuple(args, "K", &push))
+        return NULL;
+    if (!push) {
+        PyErr_SetString(PyExc_ValueError, "guard_cma: null ucs_log_push_handler");
+        return NULL;
+    }
+    if (!cma_pushed) {
+        ((push_fn)(uintptr_t)push)(cma_handler);
+        cma_pushed = 1;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* cma_failures() -> (count, latest text): the cma failures ``cma_handler`` took. */
+static PyObject *cma_failures(PyObject *self, PyObject *args) {
+    char msg[sizeof(cma_last)];
+    msg[0] = 0;
+    while (__atomic_exchange_n(&cma_last_busy, 1, __ATOMIC_ACQUIRE))
+        ;
+    memcpy(msg, cma_last, sizeof(msg));
+    __atomic_store_n(&cma_last_busy, 0, __ATOMIC_RELEASE);
+    msg[sizeof(msg) - 1] = 0;
+    return Py_BuildValue("Ls", (long long)__atomic_load_n(&cma_count, __ATOMIC_RELAXED), msg);
+}
+
+/* cma_log_test(dispatch, file) -> None: send one FATAL message "process_vm_readv(test)
+ * returned -1: No such process" from source file ``file`` through ucs_log_dispatch (its
+ * address, from ctypes) the way UCX's cma_ep.c does, for the tests: from "cma_ep.c" the
+ * handler must take it; from any other file UCS aborts the process. */
+typedef void (*dispatch_fn)(const char *, unsigned, const char *, int, void *, const char *,
+                            ...);
+static PyObject *cma_log_test(PyObject *self, PyObject *args) {
+    unsigned long long dispatch, comp;
+    const char *file;
+    if (!PyArg_ParseTuple(args, "KKs", &dispatch, &comp, &file))
+        return NULL;
+    if (!dispatch || !comp) {
+        PyErr_SetString(PyExc_ValueError, "cma_log_test: null pointer");
+        return NULL;
+    }
+    ((dispatch_fn)(uintptr_t)dispatch)(file, 1, "cma_log_test", UCS_LOG_LEVEL_FATAL,
+                                       (void *)(uintptr_t)comp, "%s(test) returned %d: %s",
+                                       "process_vm_readv", -1, "No such process");
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"drive", drive, METH_VARARGS, "Progress and reap requests; (remaining, status)."},
     {"pull", pull, METH_VARARGS,
      "Claim and post slices of a shared read list; (posted, bytes, nreqs, start, status)."},
+    {"guard_cma", guard_cma, METH_VARARGS, "Make UCX cma failures non-fatal; True."},
+    {"cma_failures", cma_failures, METH_NOARGS, "(count, latest text) of cma failures taken."},
+    {"cma_log_test", cma_log_test, METH_VARARGS, "Dispatch a FATAL cma-like UCS message."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -189,9 +189,9 @@ Endpoints (``endpoint`` property, carried unchanged by the control Push message)
 - ``ucx+tcp://host:port``: a UCX listener (TCP; endpoint error handling on, so a dead
   peer fails the requests in flight).
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
-  handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
-  peer that dies mid-transfer is then noticed by the deadline only (or, on the RMA
-  path, by a failed read). ``rma=2`` (query) once the receiver reads StoreRows batches
+  handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3;
+  "Peer failures on shm"). A peer that dies mid-transfer is then noticed by the
+  deadline only (or, on the RMA path, by a failed read). ``rma=2`` (query) once the receiver reads StoreRows batches
   itself, from version-2 headers ("RMA (one-sided reads)"); senders that know only
   version 1 (``rma=1``) ignore it and send tag messages. ``?direct=1``
   once every registered host region is huge-page memory from ``hostmem.empty`` (see
@@ -223,7 +223,8 @@ single read is posted: the book's slot checks (``accept_slots`` on the header's 
 array: bounds, promised slots, each once), and the source description (``_rma_check``:
 rows inside the slab, columns inside a row and adding up to the page size, a host
 group, a worker-address endpoint). It connects
-back to the producer (cached, error handling off like every shm endpoint), unpacks the
+back to the producer (cached, error handling off like every shm endpoint: a producer
+that dies during the reads fails them, "Peer failures on shm"), unpacks the
 rkey (cached per endpoint and key, destroyed on close or when the endpoint is
 replaced), builds the read list with numpy (``ucx_rma.op_lists``: a page cut at column
 and region boundaries, reads that continue one another on both sides merged, so a run
@@ -494,6 +495,40 @@ nothing ready (blocking progress), also with data in flight (not while it has RM
 to claim or in flight: cma progresses only in worker progress). A consumer's reader
 lanes ("Reader threads") each own one more worker and make every call on it; they hand
 results back through ``_rma_done`` (under ``_rma_lock``) and the wake-up pipe.
+
+Peer failures on shm (session 9; ``ucx_rma.guard_cma``, ``_ucxrma.c`` ``cma_handler``).
+Why shm endpoints run without UCX error handling: with ``UCP_ERR_HANDLING_MODE_PEER``
+UCX 1.21 selects no shared-memory lane at all. sysv and posix lack "peer failure"
+(``ucx_info -d``: "error handling: ep_check"; only cma and tcp have it) and cma has no
+active messages, so ``ucx_info -e -u rte`` shows a single ``tcp/lo`` lane (``-D shm``:
+"no active messages transport ... sysv/memory - no peer failure handler"), and gets
+become "software emulation, tcp/lo" (``UCX_PROTO_INFO=y``). Measured with PEER on both
+shm endpoint sites (``disagg bench transfer --transports ucx-shm --page-sizes
+64KiB,256KiB,1MiB --total 256MiB --repeats 5``): with ``DISAGG_UCX_MAPPED=0`` (gets)
+0.64/0.43/0.69 GB/s (0.05/0.03/0.06 of memcpy) against 10.6-14.5 GB/s without; the
+mapped store is unaffected (18.5/14.9/24.3 GB/s: ``ucp_rkey_ptr`` needs no lane), but
+the get path is the one that needs the fix. Without error handling, a cma copy that
+fails (``process_vm_readv`` of a producer killed mid-read: ESRCH) is "unhandled" in
+UCP, and ``uct_cma_ep_tx_error`` logs it at FATAL, which UCS's default log handler turns
+into abort(): the consumer died (SIGABRT, exit -6) in 7 of 15 timed kills
+(``/scratch/flk/t.py`` on the get path). Everything else on that path is UCX's ordinary
+error path (the scopy transport completes the get with UCS_ERR_IO_ERROR), so the plane
+installs, once per process, a UCS log handler that takes exactly cma_ep.c's FATAL
+messages (counted, printed, dispatch stopped): the read fails, the batch and its
+transfer FAIL with "RMA read from <producer endpoint> failed: ucs_status -3
+(UCS_ERR_IO_ERROR); latest cma failure here: process_vm_readv(pid=...) returned -1: No
+such process", and the consumer serves the next transfer
+(tests/transport/test_ucx_peer_death.py: a deterministic mid-read kill, 16 timed kills
+with every consumer exiting 0, and the handler's scope: a FATAL message from any other
+file still aborts). ``DISAGG_UCX_CMA_GUARD=0`` restores the abort (the deterministic
+test then dies with -6, 3 of 3). The handler costs nothing on the hot path (UCS calls
+it only for a message being logged); same bench, 2 A/B pairs each, guard on against
+``DISAGG_UCX_CMA_GUARD=0``, GB/s at 64 KiB/256 KiB/1 MiB: gets 10.6-11.2/12.9-13.1/
+14.5-14.6 against 10.4-12.1/13.3-16.4/14.1-14.3; mapped 14.8-15.5/14.4-17.3/18.0-19.7
+against 14.6-16.0/17.4-17.9/20.0-23.0 (memcpy ceilings 11.8-14.4: within this box's
+noise). A producer's pid reused by another process before
+the consumer's read would be read without error; such pages could count as landed, but
+the transfer can only FAIL (no TransferDone comes from a dead producer).
 
 Safety (same contract as ZmqDataPlane, enforced by the shared ``ReceiverBook``): every
 slot of a batch is checked before any receive is posted (bounds, the slots the transfer
@@ -802,10 +837,17 @@ class _RmaRead:
 
 
 def _pull_error(endpoint: str, pull: ucx_rma.RmaPull) -> str | None:
-    """The failure of a reader's finished share, or None when all of it landed."""
+    """The failure of a reader's finished share, or None when all of it landed. A cma
+    copy that failed (the producer died or unmapped its store: ``ucx_rma.guard_cma``)
+    ends as UCS_ERR_IO_ERROR; the latest such failure's text (it names the call, the
+    producer's pid and errno) is appended."""
     if pull.ok:
         return None
-    return f"RMA read from {endpoint} failed: ucs_status {pull.status}"
+    why = f"RMA read from {endpoint} failed: {ucx_rma.status_text(pull.status)}"
+    n, last = ucx_rma.cma_failures()
+    if n and last:
+        why += f"; latest cma failure here: {last}"
+    return why
 
 
 class _ReadLane:
@@ -1586,6 +1628,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             torch.cuda.set_device(self._cuda_device)
             torch.empty(1, device=f"cuda:{self._cuda_device}")
         self._rma = self.channel == "shm" and ucx_rma.available()
+        # A peer that dies during a cma copy (our reads on shm, or UCX's rendezvous
+        # writes on the tag path) must fail the request, not abort this process: shm
+        # endpoints run without UCX error handling ("Peer failures on shm").
+        ucx_rma.guard_cma()
         features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
         if self._rma:
             features.append(ucx_api.Feature.RMA)

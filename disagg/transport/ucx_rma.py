@@ -216,6 +216,103 @@ def _need() -> _Lib:
     return lib
 
 
+# ---- cma failures: a failed request, not an abort -------------------------------------
+# UCX's cma transport logs a failed process_vm_readv/writev (peer gone: ESRCH; memory
+# unmapped: EFAULT) at FATAL level when the endpoint has no error handling, and UCS's
+# default log handler aborts on FATAL. Our shm endpoints cannot have error handling
+# (UCP_ERR_HANDLING_MODE_PEER moves every lane to tcp: ``ucx_info -e -u rte`` shows one
+# tcp/lo lane, and gets become software emulation, 0.43-0.69 GB/s against 13-18 on cma;
+# UcxDataPlane, "Peer failures on shm"). Apart from that log call, UCX's error path is
+# the ordinary one (the operation completes with UCS_ERR_IO_ERROR), so ``guard_cma``
+# installs a UCS log handler (C, ``_ucxrma.cma_handler``) that takes exactly cma_ep.c's
+# FATAL messages: the read fails, the consumer keeps serving.
+_CMA_GUARD_ENV = "DISAGG_UCX_CMA_GUARD"  # "0": leave UCX's abort in place (tests, A/B)
+_cma_guard: bool | None = None
+_cma_guard_error: str | None = None
+_STATUS_NAMES = {
+    -3: "UCS_ERR_IO_ERROR",
+    -4: "UCS_ERR_NO_MEMORY",
+    -6: "UCS_ERR_UNREACHABLE",
+    -16: "UCS_ERR_CANCELED",
+    -25: "UCS_ERR_CONNECTION_RESET",
+    -80: "UCS_ERR_ENDPOINT_TIMEOUT",
+}
+
+
+def _libucs() -> ctypes.CDLL:
+    """The libucs that ucxx loaded (its log handlers are the ones UCX calls)."""
+    path = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libucs.so"):
+                    path = parts[-1]
+                    break
+    except OSError:
+        pass
+    if path is None:
+        ucp = ucx_iov._libucp_path()
+        cand = os.path.join(os.path.dirname(ucp), "libucs.so") if ucp else None
+        if cand is None or not os.path.exists(cand):
+            raise RuntimeError("libucs not found (is ucxx imported?)")
+        path = cand
+    return ctypes.CDLL(path)
+
+
+def guard_cma() -> bool:
+    """Make a failed cma copy (``process_vm_readv``/``writev`` of a peer process that
+    died or unmapped the memory) fail its UCX request instead of aborting this process
+    (see above); once per process, after ucxx is imported. False, with the reason kept
+    (``cma_guard_reason``), when the ``_ucxrma`` extension is missing, libucp is older
+    than 1.15 (the log-handler signature mirrored in _ucxrma.c: ucs/debug/log_def.h with
+    the component argument), libucs cannot be found, or ``DISAGG_UCX_CMA_GUARD=0``."""
+    global _cma_guard, _cma_guard_error
+    if _cma_guard is not None:
+        return _cma_guard
+    try:
+        if os.environ.get(_CMA_GUARD_ENV, "1") == "0":
+            raise RuntimeError(f"turned off by {_CMA_GUARD_ENV}=0")
+        if _ucxrma is None:
+            raise RuntimeError("the _ucxrma extension is not built")
+        ucp_path = ucx_iov._libucp_path()
+        if ucp_path is None:
+            raise RuntimeError("libucp not found (is ucxx imported?)")
+        version = ucx_iov.bind_common(ctypes.CDLL(ucp_path))
+        if version < (1, 15, 0):
+            raise RuntimeError(f"libucp {version}: log handler mirrored for 1.15+")
+        ucs = _libucs()
+        push = int(ctypes.cast(ucs.ucs_log_push_handler, ctypes.c_void_p).value or 0)
+        _cma_guard = bool(_ucxrma.guard_cma(push))
+    except Exception as exc:
+        _cma_guard = False
+        _cma_guard_error = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "UCX cma failures stay fatal (%s): a peer killed during a cma copy aborts this process",
+            _cma_guard_error,
+        )
+    return _cma_guard
+
+
+def cma_guard_reason() -> str | None:
+    """Why ``guard_cma`` is off, None when it is on (or was not tried)."""
+    return _cma_guard_error
+
+
+def cma_failures() -> tuple[int, str]:
+    """(count, latest message) of the cma failures taken in this process."""
+    if _ucxrma is None or not _cma_guard:
+        return 0, ""
+    n, text = _ucxrma.cma_failures()
+    return int(n), str(text)
+
+
+def status_text(status: int) -> str:
+    """``ucs_status <n>`` with its UCS name where known."""
+    name = _STATUS_NAMES.get(int(status))
+    return f"ucs_status {status} ({name})" if name else f"ucs_status {status}"
+
+
 @dataclass
 class Registration:
     """A host range mapped with ``ucp_mem_map`` (remote read) and its packed rkey.

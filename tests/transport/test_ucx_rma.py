@@ -240,10 +240,9 @@ def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
     FAILED with a reason (its deadline: no TransferDone can come), and every page it
     counted as landed holds the right bytes. The store is the producer's as
     ``ProducerService`` makes it (``register_source``: the consumer copies from its
-    mapping). On the get path (a store not from ``register_source``) a producer killed
-    while a cma read of it is under way makes UCX abort the *consumer* process (shm
-    endpoints run without error handling; seen 1 in 16 kills timed into the reads, and
-    once in a fresh-clone CI): README, known limits."""
+    mapping). The get path (a store not from ``register_source``), where a producer
+    killed during a cma read used to make UCX abort the consumer, is tested in
+    test_ucx_peer_death.py."""
     width, n = 1 << 20, 48
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
