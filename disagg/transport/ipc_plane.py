@@ -127,6 +127,25 @@ post_push 130-215 us (numpy conversions of 16384 indices), the sender thread's w
 upload + launch ~100, then the landing thread, the ack's hop back and the waiter's
 wake-up (~200). The 0.5 target needs about half of that gone; what is left is thread
 hand-offs and cold-thread execution, not any one step.
+
+Session 9 (base e778e5b; H200, same bench, interleaved; raw output in
+docs/perf/h200-ipc-session9/): the hand-offs themselves. (1) The sender and receiver
+threads, after a wait that found work, spin for ``spin_us`` (default 2000 on hosts with 8+
+CPUs, ``ipc_spin_us`` / ``DISAGG_SPIN_US``) on their selector's epoll descriptor before
+they sleep, and ``wait_push`` spins on the handle's flag: in C with the GIL released
+(``spin.py``), so no Python thread is held back (session 6's Python polling was). (2) A push
+leaves from the posting thread when its connection is up and idle (``_send_now``; the
+sender thread still reads acks and finishes what the socket did not take). (3) The sender
+thread publishes finished pushes' flags only once it has released the GIL (``finish`` ->
+``spin.wait_readable(..., publish)``), so a spinning waiter never wakes into a held GIL
+(a futex sleep and wake-up, ~50 us there). (4) post_push packs both index arrays in one C
+pass (``_slotcheck.pack_pair``). One 1 GiB push, 64 KiB / 1 MiB / 4 MiB, ratio of d2d:
+base 0.34-0.37 / 0.35-0.53 / 0.46-0.56, new 0.44-0.50 / 0.50-0.67 / 0.56-0.67; four in
+flight 0.67-0.76 -> 0.73-0.83. Spin alone gave most of it (0.40 / 0.53-0.62 / 0.47-0.56);
+(2)-(4) without spin nothing beyond noise. Timeline of the 64 KiB push without a pause
+between pushes: 1393 -> 1059 us (waiter wake-up 59 -> 24 us, ack hop 96 -> 44, send 128 ->
+inside post_push). A 64-page push back to back: 510 -> 370 us; after a 5 ms pause (longer
+than the window) 956 -> 941: an idle plane sleeps, and its first push pays the wake-ups.
 """
 
 from __future__ import annotations
