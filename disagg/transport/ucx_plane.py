@@ -214,8 +214,9 @@ side of segment k, not the receiver's copies).
 
 Endpoints (``endpoint`` property, carried unchanged by the control Push message):
 
-- ``ucx+tcp://host:port``: a UCX listener (TCP; endpoint error handling on, so a dead
-  peer fails the requests in flight).
+- ``ucx+tcp://host:port?seg=2m``: a UCX listener (TCP; endpoint error handling on, so a
+  dead peer fails the requests in flight); ``seg=2m``: packed segments of
+  ``TCP_SEG_BYTES`` ("Segments over tcp"; older senders ignore it).
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3). A
   peer that dies mid-transfer is then noticed by the deadline only (or, on the RMA
