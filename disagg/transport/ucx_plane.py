@@ -143,6 +143,34 @@ spike numbers in ucx_iov.py. ``disagg bench transfer --transports ucx-shm,ucx-tc
 - tcp numpy gather, 3 runs: 1.36-1.91 (0.36-0.69), 1.58-1.77 (0.40-0.51), 2.71-3.82
   (0.77-0.96), 2.80-3.58 (0.67-1.05)
 
+Segments over tcp (session 9; ``TCP_SEG_BYTES``, ``_TCP_SEG_QUERY``, ``_HDR_TCP_SEG_TAG``,
+``_scatter_host``, ``GatherSeg.gather_into``). ``perf record -e cpu-clock -g -a`` of a
+64 KiB-page run showed the user copies costing as much as the kernel's socket copies
+(memmove 12-13% of both cores on each side against ``_copy_from_iter`` 14% /
+``_copy_to_iter`` 11%) and the sender's core the busier (~88% of a core, the receiver's
+~66%). Two changes: (1) the gather into the send ring and the scatter out of scratch use
+the C row copy (one memcpy per row, 1 thread: 2 threads measured worse, 2.66 against
+2.85 GB/s), which for full 16 MiB segments also means non-temporal stores; (2) a tcp
+receiver offers ``seg=2m`` in its endpoint, and a sender that sees it cuts packed
+segments at 2 MiB and sends the headers under ``_HDR_TCP_SEG_TAG`` (older peers: no
+query, so 16 MiB segments under ``_HDR_TAG``, which this receiver still takes), so the
+gather's writes and the kernel's reads of a send buffer, and the kernel's writes and the
+scatter's reads of a scratch buffer, meet in L2/L3 instead of memory. In-pair A/B
+(/scratch/tcp2/h.py: one process pair, 256 MiB pushes of random 64 KiB rows into random
+slots, modes alternating, 8-9 transfers each, median GB/s; raw TCP 3.5-4.5): numpy
+16 MiB 2.59-2.71, C row copy 16 MiB 2.91-2.99, 2 MiB segments 3.15; 256 KiB pages numpy
+16 MiB 2.92, C row copy 16 MiB 3.08-3.18, 4 MiB 3.17, 2 MiB 3.56 (8 MiB 2.94, 1 MiB and
+512 KiB worse: 2.0/1.4 at 64 KiB, the per-message rendezvous; 8 or 16 buffers in flight
+instead of 4 no better). Not kept: a gather thread that fills the ring ahead of the sends
+(2.66 against 3.09 GB/s, 4 MiB segments), non-temporal stores in the scatter at 2-4 MiB
+(within noise). ``flock /tmp/bench.lock disagg bench transfer --transports ucx-tcp
+--page-sizes 64KiB,256KiB,1MiB --total 256MiB --repeats 5``, 2 A/B pairs, GB/s (ratio):
+before 64 KiB 2.60/2.21 (0.69/0.59), 256 KiB 2.82/2.34 (0.67/0.64); after 64 KiB
+3.21/3.27 (0.74/0.78), 256 KiB 3.43/2.46 (0.82/0.60); 1 MiB pages (direct runs) take
+neither path. What limits it now: the sender's core (gather + ``_copy_from_iter`` +
+loopback softirq); 0.9 needs the gather off it, which UCX's tcp (no zero-copy iov send,
+no get) does not offer.
+
 Tried for tcp in session 6 and not merged (branch ``ucx-tcp``: ``_ucxtag.c``, the
 spike and its notes in ``docs/spikes/ucx-tcp/``): one tag message per run of 256 KiB or more, posted
 straight from the store rows and received straight into the slots, both loops in C (probe
@@ -186,8 +214,9 @@ side of segment k, not the receiver's copies).
 
 Endpoints (``endpoint`` property, carried unchanged by the control Push message):
 
-- ``ucx+tcp://host:port``: a UCX listener (TCP; endpoint error handling on, so a dead
-  peer fails the requests in flight).
+- ``ucx+tcp://host:port?seg=2m``: a UCX listener (TCP; endpoint error handling on, so a
+  dead peer fails the requests in flight); ``seg=2m``: packed segments of
+  ``TCP_SEG_BYTES`` ("Segments over tcp"; older senders ignore it).
 - ``ucx+shm://<hex worker address>``: endpoints made from the worker address with error
   handling off, the only way UCX uses shared memory / CMA here (deps.md pitfall 3;
   "Peer failures on shm"). A peer that dies mid-transfer is then noticed by the
@@ -591,6 +620,11 @@ except Exception as exc:  # pragma: no cover - exercised only without ucxx
 log = logging.getLogger(__name__)
 
 SEG_BYTES = 16 << 20  # largest payload message: few large messages beat many small
+# ... except over tcp, where packed segments are cut at TCP_SEG_BYTES when the receiver
+# offers it (``_TCP_SEG_QUERY``; headers under ``_HDR_TCP_SEG_TAG``): the sender's gather
+# into a 2 MiB send buffer and the kernel's copy out of it, and the kernel's copy into a
+# 2 MiB scratch and the scatter out of it, then meet in cache ("Segments over tcp")
+TCP_SEG_BYTES = 2 << 20
 # Runs at least this big go zero-copy into the rows; smaller ones are packed into segments.
 # Measured over tcp on the 2-core box: 256 KiB pages each sent as its own message moved
 # 2.3-2.4 GB/s, packed 3.1-3.2 GB/s (the extra receive-side copy costs less than a
@@ -613,7 +647,11 @@ _HDR_WHOLE_TAG = 2  # header of a batch whose payload follows as one message (CU
 # header of a host batch cut with DIRECT_MIN on shm (the receiver's endpoint said its
 # rows are huge pages: "Shared memory"), so the receiver cuts it the same way
 _HDR_DIRECT_TAG = 3
-_HDR_MASK_TAGS = 3  # the header tags are probed with one mask, so they stay in order
+# header of a host batch cut into TCP_SEG_BYTES segments (the receiver's tcp endpoint
+# offered it), so the receiver cuts it the same way
+_HDR_TCP_SEG_TAG = 4
+_HDR_MASK_TAGS = 7  # the header tags are probed with one mask, so they stay in order
+_TCP_SEG_QUERY = "seg=2m"  # on a ucx+tcp endpoint: headers under _HDR_TCP_SEG_TAG are cut
 _SHM_DIRECT_QUERY = "direct=1"  # on a ucx+shm endpoint: runs may land in the rows
 # header of a batch whose pages the receiver reads itself (one-sided, ``ucp_get_nbx``
 # from the sender's registered store rows: "RMA"); in the header mask, so in order
@@ -699,12 +737,17 @@ class Segment:
 
 
 def segments(
-    runs: Sequence[tuple[int, int]], page_bytes: int, direct_min: int = DIRECT_MIN
+    runs: Sequence[tuple[int, int]],
+    page_bytes: int,
+    direct_min: int = DIRECT_MIN,
+    seg_bytes: int = SEG_BYTES,
 ) -> list[Segment]:
-    """Cut a batch's runs into payload messages (both sides call this on the header,
-    with the channel's ``direct_min``: ``DIRECT_MIN``, or ``SHM_DIRECT_MIN`` on shm)."""
+    """Cut a batch's runs into payload messages of at most ``seg_bytes`` (or one page)
+    each (both sides call this on the header, with the channel's ``direct_min``:
+    ``DIRECT_MIN``, or ``SHM_DIRECT_MIN`` on shm; and ``seg_bytes``: ``SEG_BYTES``, or
+    ``TCP_SEG_BYTES`` for a header under ``_HDR_TCP_SEG_TAG``)."""
     out: list[Segment] = []
-    per_seg = max(1, SEG_BYTES // page_bytes)
+    per_seg = max(1, seg_bytes // page_bytes)
     packed: list[tuple[int, int]] = []
     packed_first = packed_pages = 0
     page = 0
@@ -751,6 +794,38 @@ def _cuda_env() -> None:
     if missing:
         os.environ["UCX_TLS"] = ",".join(names + missing)
         log.info("UCX_TLS=%s lacked %s for CUDA memory: added", tls, ",".join(missing))
+
+
+def _arange(n: int) -> np.ndarray:
+    """``0 .. n-1`` as int64 (the packed side of a row copy), read-only and shared."""
+    if n > _ARANGE.shape[0]:
+        return np.arange(n, dtype=np.int64)
+    return _ARANGE[:n]
+
+
+_ARANGE = np.arange(SEG_BYTES // 4096 + 1, dtype=np.int64)
+_ARANGE.flags.writeable = False
+
+
+def _scatter_host(grp: Group, seg: Segment, packed: np.ndarray) -> None:
+    """Land a segment received into host scratch (``packed``: its pages back to back)
+    in its slots: a group of one contiguous host region with the C row copy where it
+    is built (one memcpy per page, GIL released, every slot checked against the region
+    again; "Segments over tcp"), else ``Group.scatter`` (numpy)."""
+    pb = grp.page_bytes
+    src = packed.reshape(seg.pages, pb)
+    slots = runs_slots(seg.runs)
+    rc = page_copy._rowcopy
+    d = grp.direct
+    if rc is not None and d is not None:
+        d2 = d.reshape(d.shape[0], -1)
+        if d2.shape[1] == pb and d2.strides[1] == 1:
+            rc.copy_rows(
+                d2.ctypes.data, int(d2.shape[0]), int(d2.strides[0]), src.ctypes.data,
+                seg.pages, pb, pb, _arange(seg.pages), slots.astype(np.int64, copy=False), 1,
+            )  # fmt: skip
+            return
+    grp.scatter(slots, src)
 
 
 def _frame(msg: m.Message) -> np.ndarray:
@@ -1397,6 +1472,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             query.append(_SHM_DIRECT_QUERY)
         if self._rma_rx_ok:
             query.append(_RMA_QUERY)
+        if self.channel == "tcp":
+            query.append(_TCP_SEG_QUERY)
         return f"{self._endpoint}?{'&'.join(query)}" if query else self._endpoint
 
     def register_regions(
@@ -1474,6 +1551,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             raise ValueError("CUDA source rows need a plane made with cuda=True")
         query = urlsplit(endpoint).query.split("&")
         direct = shm and _SHM_DIRECT_QUERY in query
+        small = self.channel == "tcp" and _TCP_SEG_QUERY in query  # "Segments over tcp"
         # One-sided: the receiver reads host StoreRows itself (module docstring, "RMA")
         rma = shm and self._rma and _RMA_QUERY in query
         batch = 0
@@ -1495,8 +1573,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 seq,
                 keep,
                 SHM_DIRECT_MIN if shm and not direct else DIRECT_MIN,
-                _HDR_DIRECT_TAG if direct else _HDR_TAG,
+                _HDR_DIRECT_TAG if direct else _HDR_TCP_SEG_TAG if small else _HDR_TAG,
                 iov,
+                TCP_SEG_BYTES if small else SEG_BYTES,
             )
             plan.extend(msgs)
             npages += n
@@ -1808,10 +1887,19 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             except ProtocolError as e:
                 self.stats["rejected_" + e.code.name] += 1
                 continue
-            self._rx_header(msg, whole, DIRECT_MIN if hdr_tag == _HDR_DIRECT_TAG else None)
+            self._rx_header(
+                msg,
+                whole,
+                DIRECT_MIN if hdr_tag == _HDR_DIRECT_TAG else None,
+                TCP_SEG_BYTES if hdr_tag == _HDR_TCP_SEG_TAG else SEG_BYTES,
+            )
 
     def _rx_header(
-        self, msg: m.Message, whole: bool = False, direct_min: int | None = None
+        self,
+        msg: m.Message,
+        whole: bool = False,
+        direct_min: int | None = None,
+        seg_bytes: int = SEG_BYTES,
     ) -> None:
         book = self._book
         with book.lock:
@@ -1837,7 +1925,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     return
             else:
                 dmin = self._direct_min if direct_min is None else direct_min
-                segs = segments(msg.runs, msg.page_bytes, dmin)
+                segs = segments(msg.runs, msg.page_bytes, dmin, seg_bytes)
             seq0 = rx.seq
             rx.seq += len(segs)  # keep numbering in step with the sender even if refused
             if book.accept_batch(rx, msg) is not None:
@@ -2437,9 +2525,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                         self._scatters.append(_Scatter(ev, p, scratch, pool))
                         continue
                     if scratch is not None:
-                        grp = book.groups[p.group]
-                        src = scratch[: p.nbytes].reshape(p.seg.pages, grp.page_bytes)
-                        grp.scatter(runs_slots(p.seg.runs), src)
+                        _scatter_host(book.groups[p.group], p.seg, scratch[: p.nbytes])
                     book.landed(rx, p.group, p.seg.pages, p.nbytes)
                 rx.inflight -= 1
                 if pool is not None and scratch is not None:
@@ -2789,6 +2875,7 @@ def _plan_group(
     direct_min: int = DIRECT_MIN,
     hdr_tag: int = _HDR_TAG,
     iov: bool = False,
+    seg_bytes: int = SEG_BYTES,
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """One group's messages: batches of runs (``_batches``). Host rows: each batch cut
     into segments (``segments``), a segment whose source rows are not one range gathered
@@ -2803,7 +2890,18 @@ def _plan_group(
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
     if isinstance(rows, StoreRows):
         return _plan_store_rows(
-            transfer_id, lease_id, token, group, rows, slots, seq, keep, direct_min, hdr_tag, iov
+            transfer_id,
+            lease_id,
+            token,
+            group,
+            rows,
+            slots,
+            seq,
+            keep,
+            direct_min,
+            hdr_tag,
+            iov,
+            seg_bytes,
         )
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != slots.shape[0]:
         raise ValueError(
@@ -2840,7 +2938,7 @@ def _plan_group(
             seq += 1
             continue
         msgs.append((_frame(header), hdr_tag))
-        for seg in segments(runs, pb, direct_min):
+        for seg in segments(runs, pb, direct_min, seg_bytes):
             rows_of = page_src[seg.first : seg.first + seg.pages]
             r0 = int(rows_of[0])
             if int(rows_of[-1]) - r0 + 1 == seg.pages:  # one source range: zero copy
@@ -2922,6 +3020,7 @@ def _plan_store_rows(
     direct_min: int,
     hdr_tag: int,
     iov_sends: bool,
+    seg_bytes: int = SEG_BYTES,
 ) -> tuple[list[tuple[Any, int]], int, int]:
     """``_plan_group`` for StoreRows of a host slab: the same batches, headers and
     segments as for the gathered pages (the receiver cannot tell), each segment sent
@@ -2937,7 +3036,7 @@ def _plan_store_rows(
     msgs: list[tuple[Any, int]] = []
     for header, runs, page_src in batches:
         msgs.append((_frame(header), hdr_tag))
-        for seg in segments(runs, pb, direct_min):
+        for seg in segments(runs, pb, direct_min, seg_bytes):
             rows_of = srows[page_src[seg.first : seg.first + seg.pages]]
             iov = ucx_iov.iov_entries(base, stride, rows_of, cols)
             buf: Any
@@ -3031,5 +3130,21 @@ class GatherSeg:
     nbytes: int
 
     def gather_into(self, out: np.ndarray) -> None:
-        """Write the packed pages into ``out`` (uint8, ``nbytes`` long, contiguous)."""
-        gather_pages(out, self.slab, self.rows, self.cols)
+        """Write the packed pages into ``out`` (uint8, ``nbytes`` long, contiguous):
+        whole rows with the C row copy where it is built (one memcpy per row, GIL
+        released, every row checked against the slab again; "Segments over tcp"), else
+        ``gather_pages`` (numpy)."""
+        rc = page_copy._rowcopy
+        slab = self.slab
+        pb = int(slab.shape[1])
+        if rc is not None and self.cols == ((0, pb),) and slab.strides[1] == 1:
+            n = int(self.rows.shape[0])
+            if out.shape[0] != n * pb:
+                raise ValueError(f"send buffer of {out.shape[0]} bytes for {n} pages of {pb}")
+            rows = np.ascontiguousarray(self.rows, dtype=np.int64)
+            rc.copy_rows(
+                out.ctypes.data, n, pb, slab.ctypes.data, int(slab.shape[0]),
+                int(slab.strides[0]), pb, rows, _arange(n), 1,
+            )  # fmt: skip
+            return
+        gather_pages(out, slab, self.rows, self.cols)

@@ -1,7 +1,7 @@
 """The UCX sender's ring of gather buffers (ucx_plane ``_tx_pump``/``_ring_take``):
 scattered rows gathered on the progress thread into a few reusable send buffers, each
-reused only once its send completed. Segments are made small (``SEG_BYTES`` patched in
-both processes, which cut batches the same way) so a push has many more segments than
+reused only once its send completed. Segments are made small (``SEG_BYTES`` and
+``TCP_SEG_BYTES`` patched in both processes, which cut batches the same way) so a push has many more segments than
 the ring has buffers. Skipped without ucxx."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def _small_segments(bufs: int | None = None) -> None:
     from disagg.transport import ucx_plane
 
     ucx_plane.SEG_BYTES = SEG
+    ucx_plane.TCP_SEG_BYTES = SEG
     if bufs is not None:
         ucx_plane._SEND_BUFS = bufs
 
