@@ -559,6 +559,26 @@ noise). A producer's pid reused by another process before
 the consumer's read would be read without error; such pages could count as landed, but
 the transfer can only FAIL (no TransferDone comes from a dead producer).
 
+The mirror image, on the shm *tag* path (``DISAGG_UCX_RMA=0``; also without ``_ucxrma``,
+but the guard lives there, so without it the abort stays): a contiguous payload message (a run of store
+rows sent as a view, or a segment gathered into the send ring) is a rendezvous the
+*producer* completes with ``process_vm_writev`` into the consumer's receive buffer, and a
+consumer killed under it made UCX abort the producer (2 of 2 runs, fourth session). The
+same file and call site log it (``uct_cma_ep_tx_error`` serves both directions), so the
+guard takes it: ``ucp_ep_set_failed`` only flags that endpoint failed (error mode none:
+nothing else is purged), the send completes with UCS_ERR_IO_ERROR, and the push FAILS at
+once with "send to <consumer endpoint> failed: UCXXIOError: Input/output error; latest cma
+failure here: process_vm_writev(pid=...) returned -1: No such process" (``_cma_note``);
+the plane closes that endpoint (UCX logs "error during flush: Connection reset by remote
+peer" at ERROR, not fatal) and the same producer serves new consumers byte-exact
+(tests/transport/test_ucx_peer_death.py: the producer SIGSTOPped before the consumer's
+first ready-to-receive, the consumer killed and reaped, the producer resumed, for view
+and ring segments, producer aborted (-6) 4 of 4 with ``DISAGG_UCX_CMA_GUARD=0``; 16 timed
+kills of consumers of one producer: 8 failed on the cma write, 5 at the deadline (killed
+before a ready-to-receive was sent), 3 finished first; without the guard the producer
+died at the third kill). iov sends of scattered rows on shm go through the sysv FIFO
+(copy-in copy-out, no cma) and never met this.
+
 Safety (same contract as ZmqDataPlane, enforced by the shared ``ReceiverBook``): every
 slot of a batch is checked before any receive is posted (bounds, the slots the transfer
 was promised, each once, page counts); only expected transfers with matching lease id
@@ -909,6 +929,17 @@ class _RmaRead:
     mine: ucx_rma.RmaPull | None = None
     error: str | None = None
     posted: int = 0
+
+
+def _cma_note(seen: int) -> str:
+    """The latest cma failure this process took (``ucx_rma.guard_cma``: a peer that died
+    during a cma copy), as a note for a failed send's error text, if one was taken after
+    ``seen`` (the count when the push started); else "". On the shm tag path the
+    producer writes rendezvous payloads with ``process_vm_writev``: a consumer killed
+    under it fails the send with UCS_ERR_IO_ERROR, and this names the call, the
+    consumer's pid and errno."""
+    n, last = ucx_rma.cma_failures()
+    return f"; latest cma failure here: {last}" if n > seen and last else ""
 
 
 def _pull_error(endpoint: str, pull: ucx_rma.RmaPull) -> str | None:
@@ -1374,6 +1405,7 @@ class PushHandle:
     # ``plan``, is held back until none is left: the consumer may still be reading)
     acks: set[int] = field(default_factory=set)
     rma: bool = False
+    cma_seen: int = 0  # cma failures taken in this process when the push started
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.error, self.pages, self.nbytes)
@@ -2617,6 +2649,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             h.state, h.error = TransferState.FAILED, "data plane closed"
             return
         h.state = TransferState.RECEIVING
+        h.cma_seen = ucx_rma.cma_failures()[0]
         try:
             h.ep = self._connect(h.endpoint)
         except Exception as exc:
@@ -2805,6 +2838,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                         r.check_error()
                     except Exception as exc:
                         err = f"send to {h.endpoint} failed: {type(exc).__name__}: {exc}"
+                        err += _cma_note(h.cma_seen)
                         break
                 else:
                     pending.append(r)

@@ -225,7 +225,8 @@ def _need() -> _Lib:
 # UcxDataPlane, "Peer failures on shm"). Apart from that log call, UCX's error path is
 # the ordinary one (the operation completes with UCS_ERR_IO_ERROR), so ``guard_cma``
 # installs a UCS log handler (C, ``_ucxrma.cma_handler``) that takes exactly cma_ep.c's
-# FATAL messages: the read fails, the consumer keeps serving.
+# FATAL messages: the read (or, on the shm tag path, the producer's rendezvous write into a
+# killed consumer) fails, and the process keeps serving.
 _CMA_GUARD_ENV = "DISAGG_UCX_CMA_GUARD"  # "0": leave UCX's abort in place (tests, A/B)
 _cma_guard: bool | None = None
 _cma_guard_error: str | None = None

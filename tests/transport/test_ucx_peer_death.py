@@ -4,8 +4,12 @@ store): the consumer must survive, fail the transfer by name, count no wrong pag
 landed, and go on serving. Before ``ucx_rma.guard_cma`` UCX aborted the consumer here
 (``cma_ep.c: process_vm_readv ... No such process``, SIGABRT): shm endpoints run without
 UCX error handling, so UCX logged the failed copy as FATAL. ``DISAGG_UCX_CMA_GUARD=0``
-brings the old behaviour back (the tests below then fail). Skipped without ucxx or the
-``_ucxrma`` extension."""
+brings the old behaviour back (the tests below then fail). The mirror image on the shm
+*tag* path (``DISAGG_UCX_RMA=0``: the producer writes rendezvous payloads into the
+consumer with ``process_vm_writev``), a consumer killed under those writes, used to
+abort the producer the same way; the second half of this file tests that the producer
+now fails the push by name and serves on. Skipped without ucxx or the ``_ucxrma``
+extension (which carries the guard)."""
 
 from __future__ import annotations
 
@@ -273,3 +277,250 @@ def test_guard_takes_cma_fatal_messages_only(tmp_path):
     other = run("/x/src/uct/sm/mm/base/mm_ep.c")
     assert other.returncode == -signal.SIGABRT, (other.returncode, other.stdout, other.stderr)
     assert "alive" not in other.stdout
+
+
+# ---- the mirror image: a consumer killed during the producer's cma writes (tag path) ----
+# With the one-sided reads off (DISAGG_UCX_RMA=0, or _ucxrma not built) a shm push goes as
+# tag messages; a contiguous message (a span of store rows sent as a view, or a segment
+# gathered into the send ring) is a rendezvous that the *producer* completes with
+# process_vm_writev into the consumer's receive buffer (UCX's "zero-copy flushed write to
+# remote" over cma). Before the guard, a consumer killed under those writes made UCX abort
+# the producer (``cma_ep.c: process_vm_writev ... No such process``, SIGABRT).
+
+
+def _tag_env(ring: bool) -> None:
+    """This child's UCX plane on the shm tag path (read once, at first use)."""
+    os.environ["DISAGG_UCX_RMA"] = "0"
+    if ring:
+        os.environ["DISAGG_UCX_IOV"] = "0"  # scattered rows: gathered into the send ring
+
+
+def _tag_producer(ring, q_in, q_out):
+    """Producer on the shm tag path, serving pushes one after another on one plane:
+    each command ``(endpoint, transfer, rows, dst, salt, deadline_s)`` answers
+    "posted", then ``(state, error, cma failures taken, stats)``; None closes it."""
+    _tag_env(ring)
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="shm")
+    while (cmd := q_in.get(timeout=300)) is not None:
+        ep, transfer, rows, dst, salt, deadline_s = cmd
+        slab = _slab(N, WIDTH, salt)
+        src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, WIDTH),))
+        h = plane.post_push(ep, transfer, 3, b"tok", [(0, src, dst)], deadline_s=deadline_s)
+        q_out.put("posted")
+        st = plane.wait_push(h, deadline_s + 10)
+        q_out.put((st.state.value, st.error, ucx_rma.cma_failures(), dict(plane.stats)))
+    plane.close()
+    q_out.put("closed")
+
+
+def _stop_producer_at_first_receive(producer, q_out):
+    """The first time this consumer posts the receive of an arrived payload message (a
+    rendezvous: posting it sends the producer UCX's ready-to-receive, after which the
+    producer writes with cma), SIGSTOP the producer (pid from ``producer``) first, so no
+    byte of that message is written yet, and report "stopped" 0.3 s later (this
+    thread's progress has flushed the ready-to-receive by then). The test then kills
+    this process and resumes the producer: its writes meet a dead process,
+    deterministically."""
+    import threading
+
+    from disagg.transport import ucx_plane
+
+    orig = ucx_plane.UcxDataPlane._post
+    fired = threading.Lock()
+
+    def post(self, probe, p):
+        if not fired.acquire(blocking=False):
+            return orig(self, probe, p)
+        pid = producer.value
+        os.kill(pid, signal.SIGSTOP)
+        t_end = time.time() + 10
+        while time.time() < t_end:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.001)
+        ok = orig(self, probe, p)
+        threading.Timer(0.3, q_out.put, ("stopped",)).start()
+        return ok
+
+    ucx_plane.UcxDataPlane._post = post
+
+
+def _tag_consumer(ring, transfer, deadline_s, q_out, q_in, producer):
+    """Consumer on the shm tag path: expects one transfer of N pages, reports its
+    endpoint, then ``(state, error, pages, pool, stats)``; with ``producer``, stops the
+    producer at its first payload receive (``_stop_producer_at_first_receive``)."""
+    _tag_env(ring)
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    if producer is not None:
+        _stop_producer_at_first_receive(producer, q_out)
+    plane = UcxDataPlane(channel="shm")
+    pool = torch.zeros(SLOTS, WIDTH, dtype=torch.uint8)
+    plane.register_regions([[pool]])
+    plane.expect(transfer, 3, b"tok", [N], deadline_s)
+    q_out.put(plane.endpoint)
+    st = plane.wait(transfer, deadline_s + 10)
+    q_out.put((st.state.value, st.error, st.pages, pool.numpy().copy(), dict(plane.stats)))
+    q_in.get(timeout=60)
+    plane.close()
+
+
+def _get(q, proc, timeout, who):
+    """The next item from ``q``, or AssertionError naming ``who``'s exit code when it
+    died first (UCX's abort: -6) or never answered."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:
+                    return q.get(timeout=1)
+                except queue.Empty:
+                    raise AssertionError(f"the {who} died (exit code {proc.exitcode})") from None
+    raise AssertionError(f"the {who} never answered (alive: {proc.is_alive()})")
+
+
+def _gone(proc, timeout=15.0):
+    """Kill ``proc`` (SIGKILL) and wait until it is reaped: its memory is gone."""
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout)
+    assert not proc.is_alive()
+
+
+def _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, transfer, salt):
+    """The producer ``p`` pushes N pages to a new consumer: byte-exact, both DONE."""
+    q_r, q_in = ctx.Queue(), ctx.Queue()
+    r = ctx.Process(target=_tag_consumer, args=(ring, transfer, 20.0, q_r, q_in, None))
+    r.start()
+    try:
+        ep = _get(q_r, r, 60, "consumer")
+        assert "rma=" not in ep  # the tag path
+        rows = rng.permutation(N).tolist() if ring else list(range(N))
+        dst = rng.permutation(SLOTS)[:N].tolist()
+        q_cmd.put((ep, transfer, rows, dst, salt, 20.0))
+        assert _get(q_p, p, 60, "producer") == "posted"
+        state, err, pages, pool, _ = _get(q_r, r, 60, "consumer")
+        assert (state, err, pages) == ("done", None, N), err
+        want = _want(_slab(N, WIDTH, salt).numpy(), rows, ((0, WIDTH),), dst, WIDTH)
+        np.testing.assert_array_equal(pool[dst], want[dst])
+        state, err, _, _ = _get(q_p, p, 60, "producer")
+        assert (state, err) == ("done", None), err
+        q_in.put(None)
+        r.join(15)
+        assert r.exitcode == 0
+    finally:
+        if r.is_alive():
+            r.kill()
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["span", "ring"])
+def test_consumer_killed_during_tag_path_cma_writes_fails_push_and_producer_serves_on(ring):
+    """Tag path on shm (``DISAGG_UCX_RMA=0``): 48 MiB of store rows, sent as three 16 MiB
+    rendezvous messages (``span``: one run of rows, sent as views; ``ring``: random rows
+    gathered into the send ring, ``DISAGG_UCX_IOV=0``) that the producer writes into the
+    consumer with cma. The producer is stopped just before the consumer's first
+    ready-to-receive, the consumer is killed and reaped, and the producer resumed: its
+    process_vm_writev meets a dead process. The producer survives, its push FAILS at
+    once (not at its 20 s deadline) naming the consumer's endpoint and the cma failure,
+    and the same producer then serves a new consumer byte-exact and closes cleanly.
+    Without the guard (``DISAGG_UCX_CMA_GUARD=0``) UCX aborts the producer (-6)."""
+    ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(17)
+    q_cmd, q_p = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_tag_producer, args=(ring, q_cmd, q_p))
+    p.start()
+    producer = ctx.Value("i", p.pid)
+    q_r, q_in = ctx.Queue(), ctx.Queue()
+    r = ctx.Process(target=_tag_consumer, args=(ring, 7, 30.0, q_r, q_in, producer))
+    r.start()
+    try:
+        ep = _get(q_r, r, 60, "consumer")
+        assert "rma=" not in ep  # the tag path
+        rows = rng.permutation(N).tolist() if ring else list(range(N))
+        dst = rng.permutation(SLOTS)[:N].tolist()
+        q_cmd.put((ep, 7, rows, dst, 1, 20.0))
+        # (the producer may be stopped before its "posted" left its queue's feeder)
+        assert _get(q_r, r, 60, "consumer") == "stopped"
+        _gone(r)
+        start = time.monotonic()
+        os.kill(p.pid, signal.SIGCONT)
+        assert _get(q_p, p, 60, "producer") == "posted"
+        state, err, (n_cma, last), stats = _get(q_p, p, 30, "producer")
+        took = time.monotonic() - start
+        assert state == "failed" and err, (state, err)
+        assert err.startswith(f"send to {ep} failed"), err  # names the consumer
+        assert n_cma >= 1 and "process_vm_writev" in last and "No such process" in last, last
+        assert "process_vm_writev" in err and "No such process" in err, err
+        assert took < 10, took  # the failed write, not the 20 s deadline
+        # the same producer, a new consumer: byte-exact, twice
+        _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, 8, 2)
+        _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, 9, 3)
+        q_cmd.put(None)
+        assert _get(q_p, p, 30, "producer") == "closed"
+        p.join(15)
+        assert p.exitcode == 0
+    finally:
+        for proc in (r, p):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.join(5)
+
+
+@pytest.mark.slow
+def test_consumers_killed_at_timed_moments_never_take_the_tag_path_producer_down():
+    """One producer on the shm tag path (``DISAGG_UCX_RMA=0``; a run of rows: 16 MiB
+    rendezvous messages written with cma) pushes 48 MiB to 16 consumers in turn, each
+    SIGKILLed 0-14 ms after the push was posted (before, during and after the cma
+    writes): the producer survives every kill, each push ends FAILED with a reason
+    (or DONE when it finished first), at least one failure names the failed
+    ``process_vm_writev``, and the same producer then serves a new consumer byte-exact
+    and closes cleanly. Without the guard (``DISAGG_UCX_CMA_GUARD=0``) UCX aborts the
+    producer at the first kill that meets a write. ~90 s."""
+    ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(4)
+    q_cmd, q_p = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_tag_producer, args=(False, q_cmd, q_p))
+    p.start()
+    outcomes = []
+    try:
+        for i in range(16):
+            q_r, q_in = ctx.Queue(), ctx.Queue()
+            r = ctx.Process(target=_tag_consumer, args=(False, 7, 30.0, q_r, q_in, None))
+            r.start()
+            try:
+                ep = _get(q_r, r, 60, "consumer")
+                dst = rng.permutation(SLOTS)[:N].tolist()
+                q_cmd.put((ep, 7, list(range(N)), dst, 0, 3.0))
+                assert _get(q_p, p, 60, f"producer (kill {i})") == "posted"
+                time.sleep(0.002 * (i % 8))
+                _gone(r)
+                state, err, _, _ = _get(q_p, p, 30, f"producer (kill {i})")
+                assert state == "done" or (state == "failed" and err), (i, state, err)
+                if state == "failed":
+                    assert err.startswith(f"send to {ep} failed") or ep in err, err
+                outcomes.append(err or "done")
+            finally:
+                if r.is_alive():
+                    r.kill()
+                r.join(5)
+        kinds = [
+            "cma" if "process_vm_writev" in o else "deadline" if "deadline" in o else o
+            for o in outcomes
+        ]
+        print("outcomes:", {k: kinds.count(k) for k in set(kinds)})
+        assert any("process_vm_writev" in o for o in outcomes), outcomes
+        _serve_new_consumer(ctx, p, q_p, q_cmd, False, rng, 8, 2)
+        q_cmd.put(None)
+        assert _get(q_p, p, 30, "producer") == "closed"
+        p.join(15)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
