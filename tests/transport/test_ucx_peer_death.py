@@ -117,19 +117,8 @@ def _receiver(n_transfers, deadline_s, q_out, q_in, victim):
 
 
 def _answer(q, proc, timeout):
-    """The next item from ``q``, or AssertionError naming ``proc``'s exit code when it
-    died first (UCX's abort: -6) or never answered."""
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            if not proc.is_alive():
-                try:
-                    return q.get(timeout=1)
-                except queue.Empty:
-                    raise AssertionError(f"the consumer died (exit code {proc.exitcode})") from None
-    raise AssertionError(f"the consumer never answered (alive: {proc.is_alive()})")
+    """The consumer's next answer (``_get``)."""
+    return _get(q, proc, timeout, "consumer")
 
 
 def _check_failed(answer, rows, dst, salt):
