@@ -113,10 +113,18 @@ def test_ucx_shm_direct_into_huge_pool(monkeypatch, huge):
 
     if huge and not THP_ON:
         pytest.skip(f"transparent huge pages are {hostmem.thp_mode()!r} here")
-    scatters = []
+    from disagg.transport import ucx_plane
+
+    scatters = []  # pages landed from scratch (packed segments), by either scatter
     real = receiver.Group.scatter
     monkeypatch.setattr(
         receiver.Group, "scatter", lambda g, s, src: (scatters.append(len(s)), real(g, s, src))
+    )
+    real_host = ucx_plane._scatter_host
+    monkeypatch.setattr(
+        ucx_plane,
+        "_scatter_host",
+        lambda g, seg, packed: (scatters.append(seg.pages), real_host(g, seg, packed)),
     )
     pb = MiB
     with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
@@ -144,4 +152,4 @@ def test_ucx_tcp_endpoint_never_asks_for_direct():
 
     with UcxDataPlane(channel="tcp") as rx:
         rx.register_regions([[hostmem.empty((4, MiB))]])
-        assert "?" not in rx.endpoint
+        assert "direct=1" not in urlsplit(rx.endpoint).query.split("&"), rx.endpoint
