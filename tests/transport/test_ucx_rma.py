@@ -752,11 +752,20 @@ def _receiver_n(width, n, deadline_s, q_out, q_in):
     plane.close()
 
 
-def abort_mid_pull_then_carry_on(rx, tx, store: torch.Tensor) -> None:
+def abort_mid_pull_then_carry_on(rx, tx, store: torch.Tensor, late: bool = False) -> None:
     """``abort`` mid-pull (512 pages of 64 KiB in 32 batches of 1 MiB): it returns once
     nothing of the transfer is under way (0 left), the transfer ends FAILED, no byte
     lands in the pool afterwards, and the next transfer from the same producer lands
-    byte-exactly. ``store``: the producer's slab (rows drawn from 1024)."""
+    byte-exactly. ``store``: the producer's slab (rows drawn from 1024).
+
+    The abort races the pull: this thread may not run between the poll that sees the
+    first pages and the abort for the ~10 ms the rest of the pull takes (on a loaded
+    2-CPU box that poll has seen up to 448 of the 512 pages). A transfer that ended DONE
+    meanwhile stays DONE (``DataPlane.abort`` fails it "unless already final"), every
+    page landed and the push is DONE: fresh-clone CI once saw exactly that
+    (``TransferStatus(state=DONE, pages=512)`` after the abort), which an unconditional
+    ``st.failed`` wrongly called a failure. ``late``: abort only once the transfer is
+    DONE, making that outcome certain."""
     import time
 
     pb, n = 65536, 512
@@ -772,14 +781,21 @@ def abort_mid_pull_then_carry_on(rx, tx, store: torch.Tensor) -> None:
         end = time.monotonic() + 10
         while rx.poll(7).pages == 0 and time.monotonic() < end:
             time.sleep(0.0002)
+        if late:
+            assert rx.wait(7, 20).done
         assert rx.abort(7, "test abort") == 0
         st = rx.poll(7)
-        assert st.failed and "test abort" in (st.error or "")
         snap = pool.numpy().copy()
-        # The push fails, unless every batch had been read and acknowledged before the
-        # abort (the producer's push is over once all its batches are acked): on a loaded
-        # box the pull can finish between the first page and the abort.
-        assert tx.wait_push(h, 20).failed or st.pages == n
+        if late or st.done:  # the pull ended before the abort: it changed nothing
+            assert st.done and st.pages == n, st
+            assert tx.wait_push(h, 20).done
+            np.testing.assert_array_equal(snap[dst], store.numpy()[rows])
+        else:
+            assert st.failed and "test abort" in (st.error or ""), st
+            # The push fails, unless every batch had been read and acknowledged before
+            # the abort (the producer's push is over once all its batches are acked; the
+            # transfer here still waited for the producer's TransferDone).
+            assert tx.wait_push(h, 20).failed or st.pages == n
         time.sleep(0.2)
         np.testing.assert_array_equal(pool.numpy(), snap)
         # the same planes carry on
@@ -803,6 +819,24 @@ def test_abort_while_lanes_read_writes_nothing_after(monkeypatch):
     tx = UcxDataPlane(channel="shm")
     try:
         abort_mid_pull_then_carry_on(rx, tx, _slab(1024, 65536))
+        assert rx.stats["rma_reads"] > 0
+    finally:
+        rx.close()
+        tx.close()
+
+
+@needs_c_loop
+def test_abort_after_the_pull_finished_leaves_both_sides_done():
+    """The CI flake of ``test_abort_while_lanes_read_writes_nothing_after``, made
+    certain: the abort comes only after the transfer ended DONE (a test thread not
+    scheduled between its first page and the abort). Both sides stay DONE, every page
+    landed, nothing is written afterwards and the planes carry on."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    rx = UcxDataPlane(channel="shm", rma_readers=2)
+    tx = UcxDataPlane(channel="shm")
+    try:
+        abort_mid_pull_then_carry_on(rx, tx, _slab(1024, 65536), late=True)
         assert rx.stats["rma_reads"] > 0
     finally:
         rx.close()
