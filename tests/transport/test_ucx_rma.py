@@ -600,7 +600,7 @@ def test_reader_count_knob(monkeypatch):
 
 @needs_c_loop
 @pytest.mark.parametrize("readers", [1, 2, 3])
-def test_reader_lanes_share_a_batch_byte_exact(readers):
+def test_reader_lanes_share_a_batch_byte_exact(readers, monkeypatch):
     """A batch of 64 KiB pages (random rows, random slots, with runs of adjacent rows
     into adjacent slots merged into long reads and cut again) read by ``readers``
     threads, each on its own worker: every byte lands where it belongs, the lanes took
@@ -611,6 +611,11 @@ def test_reader_lanes_share_a_batch_byte_exact(readers):
     from disagg.transport.ucx_plane import UcxDataPlane
 
     pb, n = 65536, 160
+    # The progress thread posts one 64 KiB read per loop turn (16 MiB by default: the
+    # whole 10 MiB batch in its first turn). Otherwise, on a loaded box (fresh-clone CI
+    # next to other work, after 9a98f45), it could read everything before a lane thread
+    # was scheduled, leaving nothing to check about the lanes.
+    monkeypatch.setattr(ucx_plane, "_RMA_TURN", pb)
     rng = np.random.default_rng(5)
     rows = np.concatenate([rng.permutation(2 * n)[: n - 40], np.arange(200, 240)])
     dst = np.concatenate([rng.permutation(np.arange(40, n + 40))[: n - 40], np.arange(0, 40)])
