@@ -558,6 +558,23 @@ against 14.6-16.0/17.4-17.9/20.0-23.0 (memcpy ceilings 11.8-14.4: within this bo
 noise). A producer's pid reused by another process before
 the consumer's read would be read without error; such pages could count as landed, but
 the transfer can only FAIL (no TransferDone comes from a dead producer).
+A batch whose transfer ended (failed, expired, aborted) while reads of it were under
+way never holds the progress thread on the oldest batch (``_rma_reap`` takes a turn at
+the oldest live batch and at every ended one, which only reaps), so a producer that
+died or stopped with reads in flight cannot wedge the transfers of other producers
+(tests/transport/test_ucx_peer_death.py: with the first batch's share made never to
+complete, the next producer's transfer missed its deadline with 0 of 48 pages before,
+lands byte-exact now). Every get on shm is "zero-copy, cma/memory" (``UCX_PROTO_INFO=y``,
+0..inf; UCX splits it into 512 KiB ``process_vm_readv`` calls) and a failed cma copy
+completes its request with an error (scopy's tx progress), so no request to a dead
+producer was seen hanging; the "missed its deadline with 0 of 48 pages" failures under
+load were the test's: its deadline ran from ``expect`` while the producer process was
+still starting (stats: no RMA header accepted, ``rejected_late``). Under load a reader
+lane can also make its endpoint only after the producer died: the transfer then fails
+with "RMA reads from <producer> failed: UCXXShmemSegmentError" (its shm segment is
+gone). Not done: a lane still waits for every request of its share of a batch before it
+takes its next one (needs force-closing the endpoint to release requests that never
+complete; none seen).
 
 The mirror image, on the shm *tag* path (``DISAGG_UCX_RMA=0``; also without ``_ucxrma``,
 but the guard lives there, so without it the abort stays): a contiguous payload message (a run of store
@@ -2287,17 +2304,27 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             self._rma_done(read, mine.posted, _pull_error(read.endpoint, mine))
 
     def _rma_reap(self) -> None:
-        """Take a turn at the oldest batch this thread still reads (``_rma_step``),
-        then land the batches every reader of which finished and acknowledge them. A
-        failed read fails the transfer: its pages never count."""
+        """Take a turn at the oldest *live* batch this thread still reads
+        (``_rma_step``), and at every batch that is over for its transfer (failed,
+        expired, aborted, or this thread's share failed: nothing more is claimed, only
+        its reads under way are reaped); then land the batches every reader of which
+        finished and acknowledge them. A failed read fails the transfer: its pages never
+        count. Why not only the oldest: a batch whose transfer ended while its reads
+        were under way (a producer that died or stopped) must never keep this thread
+        from the later batches of other transfers ("Peer failures on shm")."""
         if self._ack_sends:
             self._ack_sends = [a for a in self._ack_sends if not a[0].completed]
         if not self._rma_reads:
             return
+        live = False
         for r in self._rma_reads:
-            if r.mine is not None:
+            mine = r.mine
+            if mine is None:
+                continue
+            over = r.error is not None or r.rx.state.final or not mine.ok
+            if over or not live:
                 self._rma_step(r)
-                break
+                live = live or not over
         still = []
         for r in self._rma_reads:
             if r.left:

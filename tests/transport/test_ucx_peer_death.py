@@ -45,19 +45,24 @@ pytestmark = [
 WIDTH, N = 1 << 20, 48  # 48 MiB per transfer: several ms of cma reads
 
 
-def _sender(endpoint, transfer, salt, rows, dst, q_out, hold):
+def _sender(q_ep, transfer, salt, rows, dst, q_out, hold):
     """Producer with a plain host store (not ``register_source``): the consumer reads it
-    with gets (cma). ``hold``: wait there (the test kills this process)."""
+    with gets (cma). Answers "ready" once its plane is up, then takes the consumer's
+    endpoint from ``q_ep`` and pushes (so a transfer's deadline, which runs from the
+    consumer's ``expect``, never covers this process's start: under load a spawn and
+    its imports take seconds). ``hold``: wait there (the test kills this process)."""
     from disagg.transport.ucx_plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm")
     slab = _slab(N, WIDTH, salt)
     src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, WIDTH),))
-    h = plane.post_push(endpoint, transfer, 3, b"tok", [(0, src, dst)], deadline_s=20)
+    q_out.put("ready")
+    endpoint = q_ep.get(timeout=300)
+    h = plane.post_push(endpoint, transfer, 3, b"tok", [(0, src, dst)], deadline_s=60)
     if hold is not None:
         q_out.put("posted")
-        hold.wait(60)
-    st = plane.wait_push(h, 30)
+        hold.wait(120)
+    st = plane.wait_push(h, 70)
     q_out.put((st.state.value, st.error))
     plane.close()
 
@@ -94,18 +99,49 @@ def _kill_during_reads(victim):
     ucx_rma.RmaPull.step = step
 
 
-def _receiver(n_transfers, deadline_s, q_out, q_in, victim):
-    """Consumer: serves transfers 7, 8, ... one after another on one plane, reporting
-    each (state, error, pages, pool, stats); with ``victim``, the first one's producer
-    is killed during its reads (``_kill_during_reads``)."""
+def _stall_first_pull(q_out):
+    """Fault injection: the progress thread's share of this process's first RMA batch
+    never reports its reads complete (as a request that never completes would: its
+    reads are still reaped, only ``drive`` keeps answering "1 in flight"), so that
+    batch can never end; "reading" goes to ``q_out`` when it starts. Lanes' shares are
+    left alone."""
+    import threading
+
+    orig = ucx_rma.RmaPull.drive
+    stalled: list = []
+    lock = threading.Lock()
+
+    def drive(self, worker_handle, rounds):
+        left = orig(self, worker_handle, rounds)
+        if threading.current_thread().name.startswith("disagg-ucx-read"):
+            return left
+        with lock:
+            if not stalled:
+                stalled.append(self)
+                q_out.put("reading")
+        return max(left, 1) if stalled[0] is self else left
+
+    ucx_rma.RmaPull.drive = drive
+
+
+def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
+    """Consumer: serves transfers 7, 8, ... one after another on one plane: for each,
+    waits for "go" on ``q_in`` (the test's producer is up by then), expects it, reports
+    its endpoint, then (state, error, pages, pool, stats); with ``victim``, the first
+    one's producer is killed during its reads (``_kill_during_reads``); with ``stall``,
+    the first batch never ends on the progress thread (``_stall_first_pull``)."""
     from disagg.transport.ucx_plane import UcxDataPlane
 
     if victim is not None:
         _kill_during_reads(victim)
+    if stall:
+        _stall_first_pull(q_out)
     plane = UcxDataPlane(channel="shm")
     pool = torch.zeros(SLOTS, WIDTH, dtype=torch.uint8)
     plane.register_regions([[pool]])
+    q_out.put("ready")
     for k in range(n_transfers):
+        assert q_in.get(timeout=300) == "go"
         pool.zero_()
         plane.expect(7 + k, 3, b"tok", [N], deadline_s)
         q_out.put(plane.endpoint)
@@ -134,11 +170,20 @@ def _check_failed(answer, rows, dst, salt):
     return err
 
 
-def _pair(ctx, ep, transfer, salt, rows, dst, hold):
-    q_s = ctx.Queue()
-    s = ctx.Process(target=_sender, args=(ep, transfer, salt, rows, dst, q_s, hold))
+def _pair(ctx, transfer, salt, rows, dst, hold):
+    """A producer process (``_sender``), up and waiting for the consumer's endpoint:
+    (process, its answers, the queue the endpoint goes in)."""
+    q_s, q_ep = ctx.Queue(), ctx.Queue()
+    s = ctx.Process(target=_sender, args=(q_ep, transfer, salt, rows, dst, q_s, hold))
     s.start()
-    return s, q_s
+    assert _get(q_s, s, 120, "producer") == "ready"
+    return s, q_s, q_ep
+
+
+def _serve(q_r, r, q_in, q_ep):
+    """Tell the consumer to expect its next transfer; hand its endpoint to the producer."""
+    q_in.put("go")
+    q_ep.put(_answer(q_r, r, 60))
 
 
 def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on():
@@ -155,25 +200,29 @@ def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on()
     rng = np.random.default_rng(5)
     rows = rng.permutation(N).tolist()
     dst = rng.permutation(SLOTS)[:N].tolist()
-    r = ctx.Process(target=_receiver, args=(2, 6.0, q_r, q_in, victim))
+    rows2 = rng.permutation(N).tolist()
+    dst2 = rng.permutation(SLOTS)[:N].tolist()
+    r = ctx.Process(target=_receiver, args=(2, 20.0, q_r, q_in, victim))
     r.start()
     procs = [r]
     try:
-        ep = _answer(q_r, r, 60)
+        assert _answer(q_r, r, 120) == "ready"
         hold = ctx.Event()  # kept here: the child unpickles it after start() returns
-        s, q_s = _pair(ctx, ep, 7, 1, rows, dst, hold)
+        s, q_s, q_ep = _pair(ctx, 7, 1, rows, dst, hold)
         procs.append(s)
         victim.value = s.pid
+        s2, q_s2, q_ep2 = _pair(ctx, 8, 2, rows2, dst2, None)  # up before transfer 8
+        procs.append(s2)
+        _serve(q_r, r, q_in, q_ep)
         assert q_s.get(timeout=60) == "posted"
         err = _check_failed(_answer(q_r, r, 60), rows, dst, 1)
-        assert err.startswith("RMA read from ucx+shm://"), err  # names the producer
-        assert "UCS_ERR_IO_ERROR" in err and "No such process" in err, err
+        # names the producer, and why: the failed cma copy, or (a reader lane that makes
+        # its endpoint only after the kill, seen under load) the producer's shm segment
+        assert err.startswith(("RMA read from ucx+shm://", "RMA reads from ucx+shm://")), err
+        cma = "UCS_ERR_IO_ERROR" in err and "No such process" in err
+        assert cma or "UCXXShmemSegmentError" in err, err
         # the same consumer, a new producer: byte-exact
-        ep2 = _answer(q_r, r, 30)
-        rows2 = rng.permutation(N).tolist()
-        dst2 = rng.permutation(SLOTS)[:N].tolist()
-        s2, q_s2 = _pair(ctx, ep2, 8, 2, rows2, dst2, None)
-        procs.append(s2)
+        _serve(q_r, r, q_in, q_ep2)
         state, err2, pages, pool, _ = _answer(q_r, r, 60)
         assert (state, err2, pages) == ("done", None, N), err2
         want = _want(_slab(N, WIDTH, 2).numpy(), rows2, ((0, WIDTH),), dst2, WIDTH)
@@ -187,7 +236,62 @@ def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on()
         for p in procs:
             p.join(1)
             if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
                 p.kill()
+
+
+def test_batch_that_never_ends_does_not_wedge_the_consumer():
+    """A dead producer can never wedge the consumer: the progress thread's share of the
+    first producer's batch never completes (``_stall_first_pull``: as a request to a
+    dead or stopped peer that never completes would), the producer is SIGSTOPped (so
+    no TransferDone comes either), the consumer's transfer misses its deadline, and the
+    producer is killed; a second producer's transfer to the same consumer then lands
+    byte-exact within its deadline (the batch of an ended transfer no longer holds the
+    progress thread on the oldest batch: ``UcxDataPlane._rma_reap``). Before that fix
+    the second transfer missed its deadline with 0 of 48 pages received."""
+    ctx = mp.get_context("spawn")
+    q_r, q_in = ctx.Queue(), ctx.Queue()
+    rng = np.random.default_rng(9)
+    rows = rng.permutation(N).tolist()
+    dst = rng.permutation(SLOTS)[:N].tolist()
+    rows2 = rng.permutation(N).tolist()
+    dst2 = rng.permutation(SLOTS)[:N].tolist()
+    r = ctx.Process(target=_receiver, args=(2, 8.0, q_r, q_in, None, True))
+    r.start()
+    procs = [r]
+    try:
+        assert _answer(q_r, r, 120) == "ready"
+        hold = ctx.Event()
+        s, q_s, q_ep = _pair(ctx, 7, 1, rows, dst, hold)
+        procs.append(s)
+        s2, q_s2, q_ep2 = _pair(ctx, 8, 2, rows2, dst2, None)
+        procs.append(s2)
+        _serve(q_r, r, q_in, q_ep)
+        assert q_s.get(timeout=60) == "posted"
+        assert _answer(q_r, r, 60) == "reading"  # the consumer reads its batch
+        os.kill(s.pid, signal.SIGSTOP)
+        state, err, pages, _, stats = _answer(q_r, r, 60)
+        assert state == "failed" and "deadline" in err, (state, err)
+        assert stats.get("rma_reads", 0) > 0, stats  # its batch was being read
+        _gone(s)
+        start = time.monotonic()
+        _serve(q_r, r, q_in, q_ep2)
+        state, err2, pages, pool, stats = _answer(q_r, r, 60)
+        assert (state, err2, pages) == ("done", None, N), (err2, stats)
+        assert time.monotonic() - start < 8.0
+        want = _want(_slab(N, WIDTH, 2).numpy(), rows2, ((0, WIDTH),), dst2, WIDTH)
+        np.testing.assert_array_equal(pool[dst2], want[dst2])
+        assert q_s2.get(timeout=30) == ("done", None)
+        q_in.put(None)
+        assert _answer(q_r, r, 30) == "closed"
+        r.join(15)
+        assert r.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(5)
 
 
 @pytest.mark.slow
@@ -206,14 +310,15 @@ def test_producer_killed_at_timed_moments_never_takes_the_consumer_down():
     outcomes = []
     for i in range(16):
         q_r, q_in = ctx.Queue(), ctx.Queue()
-        r = ctx.Process(target=_receiver, args=(1, 3.0, q_r, q_in, None))
+        r = ctx.Process(target=_receiver, args=(1, 10.0, q_r, q_in, None))
         r.start()
         procs = [r]
         try:
-            ep = _answer(q_r, r, 60)
+            assert _answer(q_r, r, 120) == "ready"
             hold = ctx.Event()
-            s, q_s = _pair(ctx, ep, 7, 0, rows, dst, hold)
+            s, q_s, q_ep = _pair(ctx, 7, 0, rows, dst, hold)
             procs.append(s)
+            _serve(q_r, r, q_in, q_ep)
             assert q_s.get(timeout=60) == "posted"
             time.sleep(0.002 * (i % 8))
             os.kill(s.pid, signal.SIGKILL)
