@@ -157,6 +157,24 @@ def _answer(q, proc, timeout):
     return _get(q, proc, timeout, "consumer")
 
 
+def _second_producer_lands(q_r, r, q_in, q_ep2, q_s2, rows2, dst2, within_s=None):
+    """After the first producer's failure: the same consumer serves the second producer
+    (already started) byte-exact (within ``within_s`` when given), then closes cleanly."""
+    start = time.monotonic()
+    _serve(q_r, r, q_in, q_ep2)
+    state, err2, pages, pool, stats = _answer(q_r, r, 60)
+    assert (state, err2, pages) == ("done", None, N), (err2, stats)
+    if within_s is not None:
+        assert time.monotonic() - start < within_s
+    want = _want(_slab(N, WIDTH, 2).numpy(), rows2, ((0, WIDTH),), dst2, WIDTH)
+    np.testing.assert_array_equal(pool[dst2], want[dst2])
+    assert q_s2.get(timeout=30) == ("done", None)
+    q_in.put(None)
+    assert _answer(q_r, r, 30) == "closed"
+    r.join(15)
+    assert r.exitcode == 0
+
+
 def _check_failed(answer, rows, dst, salt):
     """FAILED with a reason; every page the consumer counted as landed is right."""
     state, err, pages, pool, stats = answer
@@ -222,16 +240,7 @@ def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on()
         cma = "UCS_ERR_IO_ERROR" in err and "No such process" in err
         assert cma or "UCXXShmemSegmentError" in err, err
         # the same consumer, a new producer: byte-exact
-        _serve(q_r, r, q_in, q_ep2)
-        state, err2, pages, pool, _ = _answer(q_r, r, 60)
-        assert (state, err2, pages) == ("done", None, N), err2
-        want = _want(_slab(N, WIDTH, 2).numpy(), rows2, ((0, WIDTH),), dst2, WIDTH)
-        np.testing.assert_array_equal(pool[dst2], want[dst2])
-        assert q_s2.get(timeout=30) == ("done", None)
-        q_in.put(None)
-        assert _answer(q_r, r, 30) == "closed"
-        r.join(15)
-        assert r.exitcode == 0
+        _second_producer_lands(q_r, r, q_in, q_ep2, q_s2, rows2, dst2)
     finally:
         for p in procs:
             p.join(1)
@@ -274,18 +283,7 @@ def test_batch_that_never_ends_does_not_wedge_the_consumer():
         assert state == "failed" and "deadline" in err, (state, err)
         assert stats.get("rma_reads", 0) > 0, stats  # its batch was being read
         _gone(s)
-        start = time.monotonic()
-        _serve(q_r, r, q_in, q_ep2)
-        state, err2, pages, pool, stats = _answer(q_r, r, 60)
-        assert (state, err2, pages) == ("done", None, N), (err2, stats)
-        assert time.monotonic() - start < 8.0
-        want = _want(_slab(N, WIDTH, 2).numpy(), rows2, ((0, WIDTH),), dst2, WIDTH)
-        np.testing.assert_array_equal(pool[dst2], want[dst2])
-        assert q_s2.get(timeout=30) == ("done", None)
-        q_in.put(None)
-        assert _answer(q_r, r, 30) == "closed"
-        r.join(15)
-        assert r.exitcode == 0
+        _second_producer_lands(q_r, r, q_in, q_ep2, q_s2, rows2, dst2, within_s=8.0)
     finally:
         for p in procs:
             if p.is_alive():
