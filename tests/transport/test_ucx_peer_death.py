@@ -152,6 +152,18 @@ def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
     q_out.put("closed")
 
 
+def _stop_all(procs, grace=0.0):
+    """Test cleanup: each process still running after ``grace`` seconds is resumed (it
+    may be SIGSTOPped) and killed, then reaped."""
+    for p in procs:
+        if grace:
+            p.join(grace)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.join(5)
+
+
 def _answer(q, proc, timeout):
     """The consumer's next answer (``_get``)."""
     return _get(q, proc, timeout, "consumer")
@@ -242,11 +254,7 @@ def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on()
         # the same consumer, a new producer: byte-exact
         _second_producer_lands(q_r, r, q_in, q_ep2, q_s2, rows2, dst2)
     finally:
-        for p in procs:
-            p.join(1)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
+        _stop_all(procs, grace=1.0)
 
 
 def test_batch_that_never_ends_does_not_wedge_the_consumer():
@@ -285,11 +293,7 @@ def test_batch_that_never_ends_does_not_wedge_the_consumer():
         _gone(s)
         _second_producer_lands(q_r, r, q_in, q_ep2, q_s2, rows2, dst2, within_s=8.0)
     finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.join(5)
+        _stop_all(procs)
 
 
 @pytest.mark.slow
@@ -557,11 +561,7 @@ def test_consumer_killed_during_tag_path_cma_writes_fails_push_and_producer_serv
         p.join(15)
         assert p.exitcode == 0
     finally:
-        for proc in (r, p):
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-            proc.join(5)
+        _stop_all((r, p))
 
 
 @pytest.mark.slow
