@@ -67,7 +67,8 @@ class IpcBatch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IpcPush(Message, frozen=True, tag="ipc_push"):
-    """One transfer: its exports (every time: the receiver may be new) and batches.
+    """One transfer, or one part of it: its exports (every time: the receiver may be new)
+    and batches.
     ``not_after`` is the sender's CLOCK_MONOTONIC deadline (one clock per host): the
     receiver starts no copy after it, because the sender then reuses the rows."""
 
@@ -77,6 +78,11 @@ class IpcPush(Message, frozen=True, tag="ipc_push"):
     exports: Annotated[list[Export], msgspec.Meta(max_length=64)]
     batches: Annotated[list[IpcBatch], msgspec.Meta(max_length=4 * MAX_GROUPS)]
     not_after: float
+    # A large device push travels as several messages ("parts", numbered from 0) so the
+    # receiver starts copying the first while the rest are still on their way; only the
+    # message with ``last`` finishes the transfer (and is answered when it went well).
+    part: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    last: bool = True
 
 
 class IpcAck(Message, frozen=True, tag="ipc_ack"):

@@ -146,6 +146,34 @@ flight 0.67-0.76 -> 0.73-0.83. Spin alone gave most of it (0.40 / 0.53-0.62 / 0.
 between pushes: 1393 -> 1059 us (waiter wake-up 59 -> 24 us, ack hop 96 -> 44, send 128 ->
 inside post_push). A 64-page push back to back: 510 -> 370 us; after a 5 ms pause (longer
 than the window) 956 -> 941: an idle plane sleeps, and its first push pays the wake-ups.
+
+Parts (session 10). A push of a device store with at least three times ``PUSH_PARTS[0]``
+pages (4096: 12288 and more) of at least ``PARTS_MIN_PAGE_BYTES`` (32 KiB) each that
+finds its receiver idle leaves as two messages
+(``IpcPush.part`` / ``last``): the first 4096 pages, then the rest. The receiver checks
+and launches the first part's copy while the second is still being sent and checked, so
+the GPU starts ~200 us earlier; the first part's copies are waited for with the last
+part's (one completion event: the landing thread does not wake mid-push), and only the
+last part finishes the transfer and is answered. Rules: parts arrive in order (part ``k``
+where ``k`` is due, else the transfer fails by name); a refused part, or a push whose last
+part never comes (sender dead, abort, deadline: ``_sweep_open``), is answered only after
+the copies of its earlier parts ended, since the sender reuses its rows once answered; a
+receiver says it takes parts by ``?parts=1`` on its endpoint (older receivers never get
+them); a push behind others still in flight to the same receiver travels whole (the
+receiver's checks already overlap copies then). ``DISAGG_IPC_PARTS`` (comma-separated page
+counts, ``0``: never) or ``push_parts`` set the leading sizes. Also: the staging ring now
+pins all its buffers at the first push that needs them (each pinning costs ~0.1 ms
+there, and ``disagg bench gpu``'s five pushes after one warm-up each paid one before).
+Measured (H200, per-push timeline ``.gpuh/tl2.py``, 1 GiB of 64 KiB pages, pushes back to
+back, median of 21): 1084 -> 857 us on one VM (GPU starts at 435 -> 204 us), 1210 -> 1140
+on a slower one (the second part's checks there outlast the first part's copy by 80 us).
+Split finer, worse: 2048 + 4096 + rest 1041 us (84 us idle GPU before the second part;
+each part costs the receiver ~100 us of fixed work on that VM). ``disagg bench gpu
+--ipc-only --page-sizes 64KiB --ipc-depths 1,4``, interleaved, one push / four in flight:
+no parts .48/.77 .49/.75 .43/.76 and .57/.80 .51/.80 .49/.77 (second VM, ring fixed);
+4096 .39/.68 .49/.75 .45/.73 and .50/.69 .55/.77 .53/.78; 3072 .53/.73 .49/.77 .61/.76;
+the bench's five-push median moves more between runs than the change (raw output in
+docs/perf/h200-ipc-session10/).
 """
 
 from __future__ import annotations
@@ -211,6 +239,16 @@ Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy]]]
 MAX_PREPARED = 256
 
 
+# Parts: a device push of many pages leaves as several messages, the first small, so the
+# receiver checks and launches the first copy while the rest are still being sent and
+# checked (see "Parts" above). Page counts of the leading parts; the rest is the last.
+PUSH_PARTS: tuple[int, ...] = (4096,)
+# Smaller pages are not cut: the GPU copies one in about the time the receiver checks
+# one, so the first part's copy is over long before the rest are checked (16 KiB pages:
+# one push 0.27-0.28 of d2d cut, 0.30-0.39 whole).
+PARTS_MIN_PAGE_BYTES = 32 << 10
+_PARTS_SUFFIX = "?parts=1"  # on a receiver's endpoint: it takes pushes in parts
+
 _ids = itertools.count(1)
 # Exports of this process, by id: a receiver in the same process uses the tensor itself
 # (CUDA cannot open an IPC handle in the process that made it).
@@ -256,8 +294,9 @@ class PushHandle:
     nbytes: int = 0
     state: TransferState = TransferState.PENDING
     error: str | None = None
-    frame: bytes = b""  # the encoded message (encoded by the posting thread)
-    sent_end: int = 0  # where its frame ends in its connection's stream
+    more: list[wire.IpcPush] = field(default_factory=list)  # parts after ``msg`` (if cut)
+    frames: list[bytes] = field(default_factory=list)  # encoded by the posting thread
+    first_end: int = 0  # where its first frame ends in its connection's stream
     ended: threading.Event = field(default_factory=threading.Event)
     # set after ``ended``: a waiter spins on it without the GIL (spin.wait_flag)
     flag: bytearray = field(default_factory=lambda: bytearray(1))
@@ -279,6 +318,19 @@ class PushHandle:
     def status(self) -> TransferStatus:
         n = self.nbytes if self.state is TransferState.DONE else 0
         return TransferStatus(self.state, self.error, self.pages, n)
+
+    def encode(self) -> None:
+        self.frames = [wire.encode(self.msg), *(wire.encode(p) for p in self.more)]
+
+    def send_on(self, conn: framed.Conn) -> bool:
+        """Hand every frame to ``conn`` (in order); True while bytes wait for room."""
+        pending = False
+        for i, frame in enumerate(self.frames):
+            pending = conn.send(frame)
+            if i == 0:
+                self.first_end = conn.queued
+        self.frames = []
+        return pending
 
 
 @dataclass
@@ -307,8 +359,13 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         *,
         advertise: str | None = None,
         spin_us: int | None = None,
+        push_parts: Sequence[int] | None = None,
     ) -> None:
         self.stats: Counter[str] = Counter()
+        # leading part sizes (pages) of a device push sent in parts ("Parts"); () never
+        self._push_parts = _parts_setting(push_parts)
+        self._parts_host = False  # tests: cut host pushes too
+        self._parts_min_bytes = PARTS_MIN_PAGE_BYTES  # tests: 0 cuts pushes of small pages
         # spin-then-block window of the sender, receiver and waiting threads (spin.py)
         self._spin_ns = 1000 * (spin.default_spin_us() if spin_us is None else spin_us)
         self._book = ReceiverBook(self.stats)
@@ -317,9 +374,12 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         self._mapped: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
         self._prepared: Prepared = OrderedDict()
         self._staging: dict[torch.device, _Staging] = {}  # the receiver thread's
+        # pushes in parts whose device copies wait for a later part (the receiver thread's)
+        self._parted: dict[int, _Landing] = {}
         self._listener, bound = framed.listen(bind)
         self._unix_path = bound[len("ipc://") :] if bound.startswith("ipc://") else None
-        self._endpoint = advertise or bound
+        # the suffix tells senders that this receiver takes pushes in parts
+        self._endpoint = (advertise or bound).removesuffix(_PARTS_SUFFIX) + _PARTS_SUFFIX
         self._jobs: queue.Queue[PushHandle] = queue.Queue()
         # the sender thread's connections; posting threads send on an idle one themselves
         # (_send_now). The lock is held by whoever works on them, never across a wait.
@@ -462,8 +522,11 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         shapes and slots < -1. The rows must not change until ``poll_push`` is final:
         DONE means the receiver's copy is over; FAILED (refusal, deadline, closed) means
         no copy will start any more (the receiver starts none after ``deadline_s``)."""
-        batches, exports, keep = [], {}, []
+        specs: list[tuple[dict[str, Any], np.ndarray, np.ndarray]] = []
+        exports, keep = {}, []
         count = nbytes = 0
+        device_only = True  # every batch reads device memory (where parts pay off)
+        small = False  # a batch of pages below PARTS_MIN_PAGE_BYTES
         for group, src, dst_slots in pages:
             if isinstance(dst_slots, list):  # a third faster than asarray for long lists
                 dst = np.fromiter(dst_slots, dtype=np.int64, count=len(dst_slots))
@@ -479,33 +542,54 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 continue
             export, base = self._locate(sr.slab)
             exports[export.export_id] = export
+            device_only = device_only and export.kind == "cuda"
+            small = small or sr.page_bytes < self._parts_min_bytes
             keep.append(sr.slab)
-            batches.append(
-                wire.IpcBatch(
-                    group=group,
-                    export_id=export.export_id,
-                    base=base,
-                    row_stride=max(1, sr.slab.stride(0)),
-                    # the converted arrays' buffers: msgspec encodes them without tobytes()
-                    rows=memoryview(rows).cast("B"),  # type: ignore[arg-type]
-                    slots=memoryview(dst).cast("B"),  # type: ignore[arg-type]
-                    spans=[(int(o), int(n)) for o, n in sr.cols],
-                    page_bytes=sr.page_bytes,
-                    index_bytes=4 if rows.itemsize == 4 else 8,
-                )
-            )
+            fields = {
+                "group": group,
+                "export_id": export.export_id,
+                "base": base,
+                "row_stride": max(1, sr.slab.stride(0)),
+                "spans": [(int(o), int(n)) for o, n in sr.cols],
+                "page_bytes": sr.page_bytes,
+                "index_bytes": 4 if rows.itemsize == 4 else 8,
+            }
+            specs.append((fields, rows, dst))
             count += rows.size
             nbytes += rows.size * sr.page_bytes
         deadline = time.monotonic() + deadline_s
-        msg = wire.IpcPush(
-            transfer_id=transfer_id,
-            lease_id=lease_id,
-            token=bytes(token),
-            exports=list(exports.values()),
-            batches=batches,
-            not_after=deadline,
-        )
-        h = PushHandle(transfer_id, endpoint, deadline, msg, keep, count, nbytes)
+        leading = self._push_parts if (device_only or self._parts_host) and not small else ()
+        peer = self._peers.get(endpoint)  # read without the lock: a hint only
+        if not endpoint.endswith(_PARTS_SUFFIX) or (
+            peer is not None and (peer.inflight or peer.waiting)
+        ):
+            # a receiver that takes no parts; or one busy with earlier pushes, whose
+            # copies this push's checks overlap anyway (parts would only add work)
+            leading = ()
+        pieces = _cut([rows.size for _, rows, _ in specs], _part_sizes(count, leading))
+        msgs = [
+            wire.IpcPush(
+                transfer_id=transfer_id,
+                lease_id=lease_id,
+                token=bytes(token),
+                exports=list(exports.values()),
+                batches=[
+                    wire.IpcBatch(
+                        **specs[b][0],
+                        # the arrays' own buffers: msgspec encodes them without tobytes()
+                        rows=memoryview(specs[b][1][lo:hi]).cast("B"),  # type: ignore[arg-type]
+                        slots=memoryview(specs[b][2][lo:hi]).cast("B"),  # type: ignore[arg-type]
+                    )
+                    for b, lo, hi in piece
+                ],
+                not_after=deadline,
+                part=k,
+                last=k == len(pieces) - 1,
+            )
+            for k, piece in enumerate(pieces)
+        ]
+        self.stats["push_parts_sent"] += len(msgs) - 1
+        h = PushHandle(transfer_id, endpoint, deadline, msgs[0], keep, count, nbytes, more=msgs[1:])
         self._submit(h)
         return h
 
@@ -528,17 +612,44 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         self._submit(PushHandle(transfer_id, endpoint, time.monotonic() + 1.0, msg, []))
 
     def _submit(self, h: PushHandle) -> None:
-        h.frame = wire.encode(h.msg)  # on the posting thread: the sender thread only sends
-        if isinstance(h.msg, wire.IpcPush) and self._send_now(h):
-            return
+        # encoded on the posting thread: the sender thread only sends
+        if isinstance(h.msg, wire.IpcPush) and h.more:
+            # the first part leaves before the rest are encoded: the receiver starts on it
+            h.frames = [wire.encode(h.msg)]
+            conn = self._send_now(h)
+            if conn is not None:
+                self._send_rest(h, conn, [wire.encode(p) for p in h.more])
+                return
+            h.encode()
+        else:
+            h.encode()
+            if isinstance(h.msg, wire.IpcPush) and self._send_now(h) is not None:
+                return
         self._jobs.put(h)
         _poke(self._wake_w)  # wake the sender thread out of its select
 
-    def _send_now(self, h: PushHandle) -> bool:
+    def _send_rest(self, h: PushHandle, conn: framed.Conn, frames: list[bytes]) -> None:
+        """The parts after the first, on the connection the first left on. If that
+        connection dropped meanwhile they are not sent: the push was either sent again
+        whole (its first part had not left) or waits for its deadline (see _tx_drop)."""
+        with self._tx_lock:
+            peer = self._peers.get(h.endpoint)
+            if peer is None or peer.conn is not conn or conn.closed or h.state.final:
+                return
+            pending = False
+            for frame in frames:
+                pending = conn.send(frame)
+            if pending:
+                peer.flush_wanted = True
+        if pending:  # the sender thread watches for room and writes the rest
+            _poke(self._wake_w)
+
+    def _send_now(self, h: PushHandle) -> framed.Conn | None:
         """Send a push from the posting thread when its receiver's connection is up and
-        nothing waits ahead of it (the common case); False: queue it for the sender
-        thread. Saves the sender thread's wake-up and GIL hand-off (60 us of a 64 KiB x
-        16384 push on the H200's VM). The sender thread still reads the ack."""
+        nothing waits ahead of it (the common case): returns that connection; None:
+        queue it for the sender thread. Saves the sender thread's wake-up and GIL
+        hand-off (60 us of a 64 KiB x 16384 push on the H200's VM). The sender thread
+        still reads the ack."""
         with self._tx_lock:
             peer = self._peers.get(h.endpoint)
             conn = peer.conn if peer is not None else None
@@ -551,18 +662,17 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 or not self._jobs.empty()  # frames posted earlier go first
                 or self._stop.is_set()
             ):
-                return False
+                return None
             peer.last_used = time.monotonic()
             h.state = TransferState.RECEIVING
             peer.inflight[h.transfer_id] = h  # before the send: the ack may come at once
-            pending = conn.send(h.frame)
-            h.sent_end, h.frame = conn.queued, b""
+            pending = h.send_on(conn)
             self.stats["push_sent_direct"] += 1
             if pending:
                 peer.flush_wanted = True
         if pending:  # the sender thread watches for room and writes the rest
             _poke(self._wake_w)
-        return True
+        return conn
 
     def _tx_run(self) -> None:
         """Sender thread: owns every connection to receivers; sends queued pushes, reads
@@ -651,8 +761,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         conn = peer.conn
         while peer.waiting:
             h = peer.waiting.popleft()
-            pending = conn.send(h.frame)
-            h.sent_end, h.frame = conn.queued, b""
+            pending = h.send_on(conn)
             if isinstance(h.msg, wire.IpcPush):
                 peer.inflight[h.transfer_id] = h
             self._tx_watch(peer, sel, pending)
@@ -679,17 +788,18 @@ class IpcDataPlane(BookedReceiver, DataPlane):
     def _tx_drop(self, peer: _Peer, sel: selectors.BaseSelector) -> None:
         """The connection failed or the receiver closed it. Pushes whose frames fully left
         this process may still be copied by the receiver: they keep their rows until
-        their deadline (never failed sooner); the rest never arrived whole and cannot be
-        copied: they are sent again on a new connection."""
+        their deadline (never failed sooner), also a push in parts of which only the
+        first parts left; the rest never arrived whole and cannot be copied: they are
+        sent again on a new connection."""
         conn = peer.conn
         if conn is None:
             return
         sel.unregister(conn)
         conn.close()
         for tid, h in list(peer.inflight.items()):
-            if h.sent_end > conn.accepted:
+            if h.first_end > conn.accepted:
                 del peer.inflight[tid]
-                h.frame = wire.encode(h.msg)
+                h.encode()
                 peer.waiting.appendleft(h)
         peer.conn, peer.connected = None, False
         peer.retry_at = time.monotonic() + _RETRY_S
@@ -780,8 +890,13 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                             keep = True
                         if not keep or conn.closed:
                             self._rx_close(conn, sel, conns)
-                last_sweep = self._sweep_if_due(last_sweep)
+                swept = self._sweep_if_due(last_sweep)
+                if swept != last_sweep and self._parted:
+                    self._sweep_open()
+                last_sweep = swept
         finally:
+            for tid in list(self._parted):
+                self._close_open(tid, "data plane closed")
             for conn in conns:
                 conn.close()
             self._listener.close()
@@ -856,11 +971,16 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             self._rx_fail(msg)
         elif isinstance(msg, wire.IpcPush):
             error = self._rx_push(msg, conn)
-            if error is not QUEUED:
-                ack = wire.IpcAck(
-                    transfer_id=msg.transfer_id, ok=error is None, message=error or ""
-                )
-                self._ack(conn, wire.encode(ack))
+            if error is QUEUED or (error is None and not msg.last):
+                return  # answered by the landing thread, or a part that went well
+            if error is not None and (msg.part > 0 or msg.transfer_id in self._parted):
+                # copies of earlier parts may still read the sender's rows: the refusal
+                # goes out behind them (the sender reuses its rows once it is answered)
+                if not self._close_open(msg.transfer_id, error):
+                    self._landings.put(_Landing(None, conn, msg.not_after, msg.transfer_id, error))
+                return
+            ack = wire.IpcAck(transfer_id=msg.transfer_id, ok=error is None, message=error or "")
+            self._ack(conn, wire.encode(ack))
         else:
             self.stats["rejected_kind"] += 1
 
@@ -894,7 +1014,14 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             if rx.state.final:
                 self.stats["rejected_late"] += 1
                 return f"transfer {msg.transfer_id} is already {rx.state.value}"
+        # staging buffers taken before this push (earlier parts' uploads among them)
+        marks = {d: len(ring.unsealed) for d, ring in self._staging.items()}
         try:  # outside the lock: staging may wait for a buffer (the book's checks take it)
+            if msg.part != rx.next_part:
+                raise _Refused(
+                    f"part {msg.part} of transfer {msg.transfer_id} arrived where part "
+                    f"{rx.next_part} was due"
+                )
             plans = self._plan(rx, msg)
             with book.lock:
                 if time.monotonic() > msg.not_after - COPY_MARGIN_S:
@@ -902,17 +1029,23 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 if rx.state.final:  # aborted (or expired) while it was checked
                     raise _Refused(rx.error or f"transfer {rx.transfer_id} is {rx.state.value}")
                 rx.inflight += 1  # abort() waits for this; poll/expect stay free meanwhile
+                rx.next_part = msg.part + 1
         except _Refused as e:
-            for ring in self._staging.values():
-                ring.drop_unsealed()  # nothing was uploaded from them
+            for d, ring in self._staging.items():
+                ring.drop_unsealed(marks.get(d, 0))  # this push uploaded nothing
             with book.lock:
                 if not rx.state.final:
                     self.stats["rejected_batch"] += 1
                 book.fail(rx, str(e))
                 book.cond.notify_all()
             return str(e)
-        landing = _Landing(rx, conn, msg.not_after)
-        devices: set[torch.device] = set()  # where copies were (or may have been) queued
+        # earlier parts' device copies, not waited for yet: this part joins them
+        landing = self._parted.pop(rx.transfer_id, None)
+        if landing is None:
+            landing = _Landing(rx, conn, msg.not_after, rx.transfer_id)
+        landing.parts += 1
+        landing.last = msg.last
+        devices = landing.devices  # where copies were (or may have been) queued
         try:
             for plan in plans:
                 if rx.state.final:  # aborted (or expired) between batches
@@ -925,6 +1058,19 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         except Exception as exc:  # a CUDA error, a mapping gone: the transfer fails
             log.exception("ipc copy of transfer %d failed", rx.transfer_id)
             landing.error = f"copy failed: {type(exc).__name__}: {exc}"
+        if not msg.last and landing.error is None and devices:
+            # Device copies of a part are waited for with the last part's (one stream:
+            # its event fires after all of them), so the landing thread does not wake
+            # (and take the GIL) while this thread checks the next part.
+            self._parted[rx.transfer_id] = landing
+            return None
+        return self._queue_landing(landing)
+
+    def _queue_landing(self, landing: _Landing) -> str | None:
+        """Hand a landing whose copies were started to the landing thread (device copies:
+        after their completion events), or finish it now (host copies are over)."""
+        rx, devices = landing.rx, landing.devices
+        assert rx is not None
         try:
             for d in devices:  # device copies are queued: they land when these fire
                 ev = torch.cuda.Event()
@@ -947,25 +1093,54 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             return QUEUED
         return self._land(landing)
 
+    def _close_open(self, transfer_id: int, why: str) -> bool:
+        """Fail the earlier parts of a push in parts whose copies are under way: they are
+        answered (with ``why``) once those copies ended. False: none are open."""
+        landing = self._parted.pop(transfer_id, None)
+        if landing is None:
+            return False
+        landing.error, landing.last = why, True
+        error = self._queue_landing(landing)
+        if error is not QUEUED:  # landed at once (no completion event): answer here
+            ack = wire.IpcAck(transfer_id=transfer_id, ok=False, message=error or why)
+            self._ack(landing.conn, wire.encode(ack))
+        return True
+
+    def _sweep_open(self) -> None:
+        """Close pushes in parts whose last part will not come: the transfer ended (abort,
+        expiry) or the sender's deadline passed (it died or gave up mid-push)."""
+        now = time.monotonic()
+        for tid, landing in list(self._parted.items()):
+            rx = landing.rx
+            assert rx is not None
+            if rx.state.final or now > landing.not_after:
+                why = rx.error or "the push's last part did not come before its deadline"
+                self._close_open(tid, why)
+
     def _land(self, landing: _Landing) -> str | None:
-        """Finish a push whose copies are over (or failed); returns the ack's error."""
+        """Finish a push (or part) whose copies are over (or failed); returns the ack's
+        error. Only the last part finishes the transfer."""
         book, rx = self._book, landing.rx
+        assert rx is not None
         if landing.error is None and time.monotonic() > landing.not_after:
             # The sender gave up at not_after and may have reused its rows since: a copy
             # seen to end later may hold them half rewritten, so it never counts.
             landing.error = "the copy ended after the sender's deadline (its rows may be reused)"
         with book.lock:
-            rx.inflight -= 1
+            rx.inflight -= landing.parts
             if landing.error is not None:
                 book.fail(rx, landing.error)
             elif not rx.state.final:
                 for group, pages, page_bytes in landing.batches:
                     book.landed(rx, group, pages, pages * page_bytes)
-                done = m.TransferDone(
-                    transfer_id=rx.transfer_id, lease_id=rx.lease_id, token=rx.token
-                )
-                book.on_done(rx, done)
+                if landing.last:
+                    done = m.TransferDone(
+                        transfer_id=rx.transfer_id, lease_id=rx.lease_id, token=rx.token
+                    )
+                    book.on_done(rx, done)
             book.cond.notify_all()
+            if not landing.last and not rx.state.final:
+                return None  # a part that landed: the last part answers
             if rx.state is not TransferState.DONE:
                 return rx.error or "transfer did not complete"
             return None
@@ -978,14 +1153,22 @@ class IpcDataPlane(BookedReceiver, DataPlane):
                 landing = self._landings.get(timeout=_POLL_MS / 1000)
             except queue.Empty:
                 continue
+            if landing.rx is None:  # a refused part, answered behind the copies before it
+                ack = wire.IpcAck(
+                    transfer_id=landing.transfer_id, ok=False, message=landing.error or ""
+                )
+                self._ack(landing.conn, wire.encode(ack))
+                continue
             try:
                 for ev in landing.events:
                     ev.synchronize()  # releases the GIL while the GPU copies
             except Exception as exc:
                 landing.error = f"copy failed: {type(exc).__name__}: {exc}"
             error = self._land(landing)
+            if error is None and not landing.last:
+                continue  # a part that landed: the last part answers
             ack = wire.IpcAck(
-                transfer_id=landing.rx.transfer_id, ok=error is None, message=error or ""
+                transfer_id=landing.transfer_id, ok=error is None, message=error or ""
             )
             self._ack(landing.conn, wire.encode(ack))
 
@@ -1151,14 +1334,20 @@ class IpcDataPlane(BookedReceiver, DataPlane):
 
 @dataclass
 class _Landing:
-    """A push whose copies were started: finished (and acked) once they end."""
+    """A push (or part) whose copies were started: finished (and acked) once they end.
+    With ``rx`` None: a refused part, whose refusal is sent once the copies queued
+    before it ended."""
 
-    rx: Rx
+    rx: Rx | None
     conn: framed.Conn  # where the ack goes
     not_after: float  # the sender's deadline: a copy must be seen over before it
+    transfer_id: int
+    error: str | None = None
+    last: bool = True  # the whole push, or its last part: finishes the transfer
+    parts: int = 0  # parts whose copies it holds (each counted in ``rx.inflight``)
+    devices: set[Any] = field(default_factory=set)  # where its copies were queued
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event per device
     batches: list[tuple[int, int, int]] = field(default_factory=list)  # group, pages, bytes
-    error: str | None = None
 
 
 QUEUED = "queued"  # _rx_push: the landing thread answers
@@ -1211,6 +1400,7 @@ class _Staging:
     read it, so in stream order after them."""
 
     RING = 8
+    MIN_BYTES = 256 << 10  # each ring buffer: both index arrays of 32768 pages
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -1240,10 +1430,23 @@ class _Staging:
         self.busy[i] = None
         buf = self.host[i]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
-            self.host[i], self.views[i] = buf, buf.numpy()
+            self._grow(i, nbytes)
         self.unsealed.append(i)
         return _Staged(self, i, nbytes, off * width, n, _TORCH_INT[width])
+
+    def _grow(self, i: int, nbytes: int) -> None:
+        """A pinned buffer of at least ``nbytes`` at ``i``, and the same size at every
+        other ring slot that is free now: pinning memory costs ~0.1 ms of the H200's VM
+        per buffer, which the first pushes through a ring would each pay otherwise
+        (a bench of five pushes after one warm-up saw nothing but cold buffers)."""
+        cap = max(self.MIN_BYTES, 1 << (nbytes - 1).bit_length())
+        for j, buf in enumerate(self.host):
+            ev = self.busy[j]
+            free = j not in self.unsealed and (ev is None or ev.query())
+            if (j == i or free) and (buf is None or buf.numel() < cap):
+                fresh = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+                self.host[j], self.views[j] = fresh, fresh.numpy()
+                self.busy[j] = None
 
     def upload(self, staged: _Staged) -> torch.Tensor:
         """Queue the staged arrays' copy to the device buffer (on ``stream``); returns
@@ -1266,9 +1469,11 @@ class _Staging:
             self.busy[i] = event
         self.unsealed.clear()
 
-    def drop_unsealed(self) -> None:
-        """A refused push: its buffers were never uploaded from, so they are free."""
-        self.unsealed.clear()
+    def drop_unsealed(self, keep: int = 0) -> None:
+        """A refused push: the buffers it took (those after the first ``keep``, which
+        earlier parts of pushes in parts uploaded from) were never uploaded from, so
+        they are free."""
+        del self.unsealed[keep:]
 
 
 def _device_of(grp: Group | None) -> torch.device | None:
@@ -1365,6 +1570,57 @@ def _pieces(
         if r_used == sizes[ri]:
             ri, r_used = ri + 1, 0
     return out
+
+
+def _parts_setting(push_parts: Sequence[int] | None) -> tuple[int, ...]:
+    """The leading part sizes: the argument, else ``DISAGG_IPC_PARTS`` (comma-separated
+    page counts; empty or 0: never cut), else ``PUSH_PARTS``."""
+    if push_parts is None:
+        env = os.environ.get("DISAGG_IPC_PARTS")
+        if env is None:
+            return PUSH_PARTS
+        try:
+            push_parts = [int(x) for x in env.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(
+                f"DISAGG_IPC_PARTS={env!r}: expected comma-separated page counts, e.g. 2048,4096"
+            ) from None
+    out = tuple(int(n) for n in push_parts)
+    if any(n < 0 for n in out):
+        raise ValueError(f"push parts must be page counts >= 0, got {out}")
+    return () if out in ((), (0,)) else tuple(n for n in out if n > 0)
+
+
+def _part_sizes(total: int, leading: Sequence[int]) -> list[int]:
+    """Pages per part of a push of ``total`` pages: each leading size in turn while at
+    least twice as many pages would remain after it (a short last part would cost more
+    than it overlaps), then the rest as the last part."""
+    out, left = [], total
+    for n in leading:
+        if left < 3 * n:
+            break
+        out.append(n)
+        left -= n
+    out.append(left)
+    return out
+
+
+def _cut(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+    """Batches of ``lengths`` pages laid end to end, cut into parts of ``sizes`` pages:
+    per part, its (batch, start, stop) pieces in order (no empty piece)."""
+    parts: list[list[tuple[int, int, int]]] = []
+    b = at = 0
+    for size in sizes:
+        piece = []
+        while size > 0:
+            take = min(size, lengths[b] - at)
+            piece.append((b, at, at + take))
+            size -= take
+            at += take
+            if at == lengths[b]:
+                b, at = b + 1, 0
+        parts.append(piece)
+    return parts
 
 
 def _wire_indices(rows: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

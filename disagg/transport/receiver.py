@@ -132,6 +132,7 @@ class Rx:
     inflight: int = 0  # writes into the regions under way (abort waits for them)
     done_msg: m.TransferDone | None = None
     hasher: Any = None  # xxh3_64 over the payload in wire order, when checksummed
+    next_part: int = 0  # the ipc plane: which part of a push in parts it accepts next
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.error, sum(self.received), self.nbytes)
