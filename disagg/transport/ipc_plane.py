@@ -149,8 +149,8 @@ than the window) 956 -> 941: an idle plane sleeps, and its first push pays the w
 
 Parts (session 10). A push of a device store with at least three times ``PUSH_PARTS[0]``
 pages (4096: 12288 and more) of at least ``PARTS_MIN_PAGE_BYTES`` (32 KiB) each that
-finds its receiver idle leaves as two messages
-(``IpcPush.part`` / ``last``): the first 4096 pages, then the rest. The receiver checks
+finds its receiver idle leaves as two messages (``IpcPush.part`` / ``last``): the first
+4096 pages, then the rest. The receiver checks
 and launches the first part's copy while the second is still being sent and checked, so
 the GPU starts ~200 us earlier; the first part's copies are waited for with the last
 part's (one completion event: the landing thread does not wake mid-push), and only the
@@ -164,16 +164,17 @@ receiver's checks already overlap copies then). ``DISAGG_IPC_PARTS`` (comma-sepa
 counts, ``0``: never) or ``push_parts`` set the leading sizes. Also: the staging ring now
 pins all its buffers at the first push that needs them (each pinning costs ~0.1 ms
 there, and ``disagg bench gpu``'s five pushes after one warm-up each paid one before).
-Measured (H200, per-push timeline ``.gpuh/tl2.py``, 1 GiB of 64 KiB pages, pushes back to
-back, median of 21): 1084 -> 857 us on one VM (GPU starts at 435 -> 204 us), 1210 -> 1140
-on a slower one (the second part's checks there outlast the first part's copy by 80 us).
-Split finer, worse: 2048 + 4096 + rest 1041 us (84 us idle GPU before the second part;
-each part costs the receiver ~100 us of fixed work on that VM). ``disagg bench gpu
---ipc-only --page-sizes 64KiB --ipc-depths 1,4``, interleaved, one push / four in flight:
-no parts .48/.77 .49/.75 .43/.76 and .57/.80 .51/.80 .49/.77 (second VM, ring fixed);
-4096 .39/.68 .49/.75 .45/.73 and .50/.69 .55/.77 .53/.78; 3072 .53/.73 .49/.77 .61/.76;
-the bench's five-push median moves more between runs than the change (raw output in
-docs/perf/h200-ipc-session10/).
+Measured (H200, per-push timeline docs/perf/h200-ipc-session10/tl2.py, 1 GiB of 64 KiB
+pages, pushes back to back, median of 21): 1084 -> 857 us on one VM (the GPU starts at
+435 -> 204 us), 1210 -> 1140 on a slower one (the second part's checks there outlast the
+first part's copy by 80 us). Split finer, worse: 2048 + 4096 + rest 1041 us (84 us idle
+GPU before the second part; each part costs the receiver ~100 us of fixed work on that
+VM). ``disagg bench gpu --ipc-only --page-sizes 64KiB --ipc-depths 1,4``, interleaved,
+one push / four in flight: no parts .48/.77 .49/.75 .43/.76 and .57/.80 .51/.80 .49/.77
+(second VM, ring fixed); 4096 .39/.68 .49/.75 .45/.73 and .50/.69 .55/.77 .53/.78; 3072
+.53/.73 .49/.77 .61/.76: the bench's five-push median moves more between runs than the
+change (raw output in docs/perf/h200-ipc-session10/). 16 KiB pages cut: 0.27-0.28
+against 0.30-0.39 whole, hence ``PARTS_MIN_PAGE_BYTES``.
 """
 
 from __future__ import annotations

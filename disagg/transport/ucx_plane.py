@@ -2772,6 +2772,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                     return h.next < len(plan) and self._ring_ready()
                 if isinstance(buf, ucx_iov.IovBuf):  # scattered store rows, sent in place
                     h.requests.append(ucx_iov.tag_send(ep.handle, buf, tag))
+                    self.stats["iov_sends"] += 1
                 else:
                     h.requests.append(ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)))
                 if tag & _DATA_BIT:
