@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from test_ipc_plane import _dial, _frame, _read_frame
 
 from disagg.protocol import ipc as wire
-from disagg.transport import framed, ipc_plane
+from disagg.transport import ipc_plane
 from disagg.transport.dataplane import StoreRows, TransferState
 from disagg.transport.ipc_plane import (
     PUSH_PARTS,
@@ -144,26 +144,8 @@ def test_a_bad_later_part_fails_the_transfer_by_name(planes):
     assert not regions[0][2:].any(), "the refused part wrote bytes"
 
 
-def _dial(endpoint: str) -> socket.socket:
-    family, addr = framed.sockaddr(endpoint)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.connect(addr)
-    sock.sendall(framed.MAGIC)
-    sock.settimeout(5)
-    return sock
-
-
 def _read_ack(sock: socket.socket) -> wire.IpcAck:
-    def exactly(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = sock.recv(n - len(out))
-            assert chunk, "connection closed"
-            out += chunk
-        return out
-
-    (n,) = struct.unpack("<I", exactly(4))
-    ack = wire.decode(exactly(n))
+    ack = wire.decode(_read_frame(sock))
     assert isinstance(ack, wire.IpcAck)
     return ack
 
@@ -179,8 +161,7 @@ def _part(transfer_id: int, part: int, last: bool) -> bytes:
         part=part,
         last=last,
     )
-    frame = wire.encode(push)
-    return struct.pack("<I", len(frame)) + frame
+    return _frame(wire.encode(push))
 
 
 def test_a_part_out_of_order_is_refused_by_name(planes):
