@@ -22,12 +22,35 @@ Design choice, by channel (measured, below):
   land from the consumer's own progress, wherever the producer aims), and in the spike
   (/scratch/ucx/spike_put.py: 16 puts of 64 KiB random rows into random slots over a
   listener endpoint, error handling on) ``ucp_ep_flush_nbx`` never completed; 256 MiB
-  runs never finished. Not pursued: tcp keeps the tag path.
+  runs never finished. Not pursued: tcp keeps the tag path. Session 10 spike
+  (docs/spikes/ucx-put/NOTES.md): put + flush does work over tcp once both workers keep
+  progressing, but one ``sendmsg`` per page (``ucp_put_nbx`` takes one contiguous buffer)
+  holds 64 KiB pages at 0.40-0.67 of raw TCP against the tag path's 0.68-0.79; and the
+  pool is exposed over tcp anyway (see "Exposure").
+
+Exposure (session 10). UCX's tcp transport executes a peer's put at any address of the
+process, registered or not (its put carries the address; the "rkey" it checks is empty),
+and UCX's rendezvous sends every large tag message as such puts, so it cannot simply be
+turned off (``UCX_TCP_PUT_ENABLE=n``: the tag path falls to 0.14-0.35 of raw TCP). Every
+worker also listens with that transport on every network device. So a process with a UCX
+plane took memory writes from any host that could reach it: ``tests/security/
+test_ucx_exposure.py`` has a peer in another network namespace overwrite a consumer's
+page slot through the plane's listener. Each plane's UCX context is now kept to what it
+serves (``_exposure_config``): ``shm`` loads no tcp transport (worker-address endpoints on
+one host need none), ``tcp`` runs it only on the device that owns its bind address
+(``lo`` for the default ``tcp://127.0.0.1:0``); the same peer's put is then refused. An
+operator's ``UCX_TLS`` / ``UCX_NET_DEVICES`` win. Left: ucxx 0.52 binds the connection
+listener itself to every address (no host argument; a peer that connects through it
+finds no tcp device of ours to reach), and whoever can reach the bind device (other local
+users on loopback; the network of a non-loopback bind) can still write: serve UCX tcp to
+trusted producers only, or use ``transport: zmq``. ``bench transfer`` A/B of the tcp plane
+on ``lo`` only against every device: no difference beyond noise (64 KiB 2.6-3.2 GB/s both).
 
 Why reads by the consumer and not writes by the producer on shm: the consumer writes
 only its own slots, after its ``ReceiverBook`` checked them (bounds, promised slots, each
 once), so every receiver rule and ``abort`` hold unchanged, and only the producer's store
-is exposed (read-only); a push model would expose the consumer's page pool to writes.
+is exposed (read-only); a push model would expose the consumer's page pool to writes
+(over tcp UCX exposed all of it regardless, until "Exposure" above).
 Measured on the 2-core box (same bench as below): cma reads move 64 KiB pages at
 6.6-7.5 GB/s, 256 KiB at 8.7-9.5, against 2.8-4.2 / 3.7-4.4 through tag messages +
 scratch + scatter, and against NIXL's one-sided writes of the same pages, 3.5-4.1 /
@@ -606,10 +629,12 @@ waits for the receives already matched to finish, so no byte of it is written af
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import select
+import socket
 import struct
 import threading
 import time
@@ -817,6 +842,56 @@ def segments(
         page += count
     flush()
     return out
+
+
+def _exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
+    """Per-plane UCX settings that keep its tcp transport off networks it was not asked
+    to serve ("Exposure" in the module docstring). UCX's tcp transport accepts one-sided
+    writes (its put, which its rendezvous uses for every large message) at any address of
+    the process from any peer that can reach its sockets, registered memory or not, and
+    every worker opens such a socket on every network device. So: ``shm`` planes load no
+    tcp transport at all (they need none: worker-address endpoints on one host), ``tcp``
+    planes only on the device that owns their bind address (loopback by default). An
+    operator's own ``UCX_TLS`` / ``UCX_NET_DEVICES`` win (nothing set here then)."""
+    if channel == "shm" and not os.environ.get("UCX_TLS"):
+        return {"TLS": "^tcp"}
+    if channel == "tcp" and not os.environ.get("UCX_NET_DEVICES"):
+        device = _net_device(bind_host or "127.0.0.1")
+        if device is not None:
+            return {"NET_DEVICES": device}
+    return {}
+
+
+def _net_device(host: str) -> str | None:
+    """The network device that owns IPv4 ``host`` (a name or address): ``lo`` for
+    loopback. None for a wildcard bind (every device, as asked) or an address no device
+    here holds (then UCX keeps its default, every device, and a warning says so)."""
+    if host in ("", "*", "0.0.0.0", "::", "[::]"):
+        return None
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        addr = ""
+    if addr.startswith("127."):
+        return "lo"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(sk.fileno(), _SIOCGIFADDR, req)
+            except OSError:  # no IPv4 address on that device
+                continue
+        if addr and socket.inet_ntoa(got[20:24]) == addr:
+            return name
+    log.warning(
+        "UCX tcp plane bound to %s: no network device here holds that IPv4 address, so "
+        "UCX's tcp transport serves every device (set UCX_NET_DEVICES to restrict it)",
+        host,
+    )
+    return None
+
+
+_SIOCGIFADDR = 0x8915
 
 
 def _cuda_env() -> None:
@@ -1763,7 +1838,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
         if self._rma:
             features.append(ucx_api.Feature.RMA)
-        self._ctx = ucx_api.UCXContext(feature_flags=tuple(features))
+        self._ctx = ucx_api.UCXContext(
+            config_dict=_exposure_config(self.channel, self._bind.hostname),
+            feature_flags=tuple(features),
+        )
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string

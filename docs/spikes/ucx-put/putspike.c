@@ -519,7 +519,7 @@ static void put_producer(double *cpu) {
     ucp_rkey_destroy(rkey);
 }
 
-/* putspike attack PORT ADDR: connect to a UCX listener on 127.0.0.1:PORT (error handling
+/* putspike attack PORT ADDR: connect to a UCX listener on 127.0.0.1:PORT ($ATTACK_HOST if set; error handling
  * on, like the plane's tcp endpoints), forge an rkey (packed from a registration of our
  * own: on tcp it carries nothing the target checks), put 64 bytes of 0xdeadbeefcafef00d
  * at ADDR of the target and flush. For checking that a consumer that registered nothing
@@ -538,6 +538,8 @@ static int attack(int port, uint64_t addr) {
     CHK(ucp_rkey_pack(ctx, mh, &fk, &fl), "rkey_pack");
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (getenv("ATTACK_HOST") && inet_pton(AF_INET, getenv("ATTACK_HOST"), &a.sin_addr) != 1)
+        DIE("ATTACK_HOST: not an IPv4 address");
     ucp_ep_params_t e = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR,
                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
                          .sockaddr = {.addr = (void *)&a, .addrlen = sizeof a}};
