@@ -43,7 +43,11 @@ operator's ``UCX_TLS`` / ``UCX_NET_DEVICES`` win. Left: ucxx 0.52 binds the conn
 listener itself to every address (no host argument; a peer that connects through it
 finds no tcp device of ours to reach), and whoever can reach the bind device (other local
 users on loopback; the network of a non-loopback bind) can still write: serve UCX tcp to
-trusted producers only, or use ``transport: zmq``. ``bench transfer`` A/B of the tcp plane
+trusted producers only, or use ``transport: zmq``, or run both sides with
+``UCX_TCP_PUT_ENABLE=n UCX_RNDV_SCHEME=am UCX_TCP_TX_SEG_SIZE=2m UCX_TCP_RX_SEG_SIZE=2m``
+(put refused; active-message rendezvous as fast as the put one in 5 bench A/B pairs; not
+the default: two ring tests assume a push to a stopped receiver stays in flight, which it
+then does not). ``bench transfer`` A/B of the tcp plane
 on ``lo`` only against every device: no difference beyond noise (64 KiB 2.6-3.2 GB/s both).
 
 Why reads by the consumer and not writes by the producer on shm: the consumer writes
