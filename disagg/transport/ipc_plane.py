@@ -618,10 +618,11 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             # the first part leaves before the rest are encoded: the receiver starts on it
             h.frames = [wire.encode(h.msg)]
             conn = self._send_now(h)
+            rest = [wire.encode(p) for p in h.more]
             if conn is not None:
-                self._send_rest(h, conn, [wire.encode(p) for p in h.more])
+                self._send_rest(h, conn, rest)
                 return
-            h.encode()
+            h.frames += rest  # the first part's frame is already there
         else:
             h.encode()
             if isinstance(h.msg, wire.IpcPush) and self._send_now(h) is not None:

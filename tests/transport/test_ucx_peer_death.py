@@ -216,6 +216,22 @@ def _serve(q_r, r, q_in, q_ep):
     q_ep.put(_answer(q_r, r, 60))
 
 
+def _held_pair(ctx, procs, transfer, salt, rows, dst):
+    """A producer (``_pair``) that waits after posting until the test kills it, added to
+    ``procs``. Its event stays referenced here until the child answered "ready" (it has
+    unpickled the event by then)."""
+    hold = ctx.Event()
+    s, q_s, q_ep = _pair(ctx, transfer, salt, rows, dst, hold)
+    procs.append(s)
+    return s, q_s, q_ep
+
+
+def _serve_posted(q_r, r, q_in, q_ep, q_s):
+    """``_serve``, then wait until the producer posted its push."""
+    _serve(q_r, r, q_in, q_ep)
+    assert q_s.get(timeout=60) == "posted"
+
+
 def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on():
     """The producer (a plain host store: gets over cma) is SIGKILLed after the consumer
     posted its first ~4 MiB of reads, and the rest are read from the dead process: the
@@ -237,14 +253,11 @@ def test_producer_killed_during_get_reads_fails_by_name_and_consumer_serves_on()
     procs = [r]
     try:
         assert _answer(q_r, r, 120) == "ready"
-        hold = ctx.Event()  # kept here: the child unpickles it after start() returns
-        s, q_s, q_ep = _pair(ctx, 7, 1, rows, dst, hold)
-        procs.append(s)
+        s, q_s, q_ep = _held_pair(ctx, procs, 7, 1, rows, dst)
         victim.value = s.pid
         s2, q_s2, q_ep2 = _pair(ctx, 8, 2, rows2, dst2, None)  # up before transfer 8
         procs.append(s2)
-        _serve(q_r, r, q_in, q_ep)
-        assert q_s.get(timeout=60) == "posted"
+        _serve_posted(q_r, r, q_in, q_ep, q_s)
         err = _check_failed(_answer(q_r, r, 60), rows, dst, 1)
         # names the producer, and why: the failed cma copy, or (a reader lane that makes
         # its endpoint only after the kill, seen under load) the producer's shm segment
@@ -278,13 +291,10 @@ def test_batch_that_never_ends_does_not_wedge_the_consumer():
     procs = [r]
     try:
         assert _answer(q_r, r, 120) == "ready"
-        hold = ctx.Event()
-        s, q_s, q_ep = _pair(ctx, 7, 1, rows, dst, hold)
-        procs.append(s)
+        s, q_s, q_ep = _held_pair(ctx, procs, 7, 1, rows, dst)
         s2, q_s2, q_ep2 = _pair(ctx, 8, 2, rows2, dst2, None)
         procs.append(s2)
-        _serve(q_r, r, q_in, q_ep)
-        assert q_s.get(timeout=60) == "posted"
+        _serve_posted(q_r, r, q_in, q_ep, q_s)
         assert _answer(q_r, r, 60) == "reading"  # the consumer reads its batch
         os.kill(s.pid, signal.SIGSTOP)
         state, err, pages, _, stats = _answer(q_r, r, 60)
@@ -317,11 +327,8 @@ def test_producer_killed_at_timed_moments_never_takes_the_consumer_down():
         procs = [r]
         try:
             assert _answer(q_r, r, 120) == "ready"
-            hold = ctx.Event()
-            s, q_s, q_ep = _pair(ctx, 7, 0, rows, dst, hold)
-            procs.append(s)
-            _serve(q_r, r, q_in, q_ep)
-            assert q_s.get(timeout=60) == "posted"
+            s, q_s, q_ep = _held_pair(ctx, procs, 7, 0, rows, dst)
+            _serve_posted(q_r, r, q_in, q_ep, q_s)
             time.sleep(0.002 * (i % 8))
             os.kill(s.pid, signal.SIGKILL)
             answer = _answer(q_r, r, 60)
@@ -488,16 +495,35 @@ def _gone(proc, timeout=15.0):
     assert not proc.is_alive()
 
 
+def _start_tag_consumer(ctx, ring, transfer, deadline_s, producer):
+    """A ``_tag_consumer`` process, started: (process, its answers, its commands)."""
+    q_r, q_in = ctx.Queue(), ctx.Queue()
+    r = ctx.Process(target=_tag_consumer, args=(ring, transfer, deadline_s, q_r, q_in, producer))
+    r.start()
+    return r, q_r, q_in
+
+
+def _tag_push_indices(rng, ring):
+    """Source rows (scattered through the ring, or one run) and destination slots."""
+    rows = rng.permutation(N).tolist() if ring else list(range(N))
+    return rows, rng.permutation(SLOTS)[:N].tolist()
+
+
+def _producer_closes(q_cmd, q_p, p):
+    """Tell the tag producer to close: it says so and exits 0."""
+    q_cmd.put(None)
+    assert _get(q_p, p, 30, "producer") == "closed"
+    p.join(15)
+    assert p.exitcode == 0
+
+
 def _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, transfer, salt):
     """The producer ``p`` pushes N pages to a new consumer: byte-exact, both DONE."""
-    q_r, q_in = ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=_tag_consumer, args=(ring, transfer, 20.0, q_r, q_in, None))
-    r.start()
+    r, q_r, q_in = _start_tag_consumer(ctx, ring, transfer, 20.0, None)
     try:
         ep = _get(q_r, r, 60, "consumer")
         assert "rma=" not in ep  # the tag path
-        rows = rng.permutation(N).tolist() if ring else list(range(N))
-        dst = rng.permutation(SLOTS)[:N].tolist()
+        rows, dst = _tag_push_indices(rng, ring)
         q_cmd.put((ep, transfer, rows, dst, salt, 20.0))
         assert _get(q_p, p, 60, "producer") == "posted"
         state, err, pages, pool, _ = _get(q_r, r, 60, "consumer")
@@ -531,14 +557,11 @@ def test_consumer_killed_during_tag_path_cma_writes_fails_push_and_producer_serv
     p = ctx.Process(target=_tag_producer, args=(ring, q_cmd, q_p))
     p.start()
     producer = ctx.Value("i", p.pid)
-    q_r, q_in = ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=_tag_consumer, args=(ring, 7, 30.0, q_r, q_in, producer))
-    r.start()
+    r, q_r, q_in = _start_tag_consumer(ctx, ring, 7, 30.0, producer)
     try:
         ep = _get(q_r, r, 60, "consumer")
         assert "rma=" not in ep  # the tag path
-        rows = rng.permutation(N).tolist() if ring else list(range(N))
-        dst = rng.permutation(SLOTS)[:N].tolist()
+        rows, dst = _tag_push_indices(rng, ring)
         q_cmd.put((ep, 7, rows, dst, 1, 20.0))
         # (the producer may be stopped before its "posted" left its queue's feeder)
         assert _get(q_r, r, 60, "consumer") == "stopped"
@@ -556,10 +579,7 @@ def test_consumer_killed_during_tag_path_cma_writes_fails_push_and_producer_serv
         # the same producer, a new consumer: byte-exact, twice
         _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, 8, 2)
         _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, 9, 3)
-        q_cmd.put(None)
-        assert _get(q_p, p, 30, "producer") == "closed"
-        p.join(15)
-        assert p.exitcode == 0
+        _producer_closes(q_cmd, q_p, p)
     finally:
         _stop_all((r, p))
 
@@ -582,9 +602,7 @@ def test_consumers_killed_at_timed_moments_never_take_the_tag_path_producer_down
     outcomes = []
     try:
         for i in range(16):
-            q_r, q_in = ctx.Queue(), ctx.Queue()
-            r = ctx.Process(target=_tag_consumer, args=(False, 7, 30.0, q_r, q_in, None))
-            r.start()
+            r, q_r, q_in = _start_tag_consumer(ctx, False, 7, 30.0, None)
             try:
                 ep = _get(q_r, r, 60, "consumer")
                 dst = rng.permutation(SLOTS)[:N].tolist()
@@ -608,10 +626,7 @@ def test_consumers_killed_at_timed_moments_never_take_the_tag_path_producer_down
         print("outcomes:", {k: kinds.count(k) for k in set(kinds)})
         assert any("process_vm_writev" in o for o in outcomes), outcomes
         _serve_new_consumer(ctx, p, q_p, q_cmd, False, rng, 8, 2)
-        q_cmd.put(None)
-        assert _get(q_p, p, 30, "producer") == "closed"
-        p.join(15)
-        assert p.exitcode == 0
+        _producer_closes(q_cmd, q_p, p)
     finally:
         if p.is_alive():
             p.kill()
