@@ -39,15 +39,17 @@ page slot through the plane's listener. Each plane's UCX context is now kept to 
 serves (``_exposure_config``): ``shm`` loads no tcp transport (worker-address endpoints on
 one host need none), ``tcp`` runs it only on the device that owns its bind address
 (``lo`` for the default ``tcp://127.0.0.1:0``); the same peer's put is then refused. An
-operator's ``UCX_TLS`` / ``UCX_NET_DEVICES`` win. Left: ucxx 0.52 binds the connection
+operator's ``UCX_TLS`` / ``UCX_NET_DEVICES`` win. Session 11: whoever could reach the
+bind device (other local users on loopback; the network of a non-loopback bind) could
+still write, so a host ``tcp`` plane now also runs ``TCP_HARDENING`` (the put refused;
+active-message rendezvous in 2 MiB segments, as fast as the put one in 5 bench A/B
+pairs of session 10) unless the operator set any of its settings. Its receivers say
+``tcpam=1`` in their endpoint; a hardened sender refuses an endpoint without it at once
+(an earlier receiver's 8 KiB UCX segments never take 2 MiB fragments: the push would
+only miss its deadline), an earlier sender still pushes to a hardened receiver
+(tests/transport/test_ucx_tcp_protocol.py). Left: ucxx 0.52 binds the connection
 listener itself to every address (no host argument; a peer that connects through it
-finds no tcp device of ours to reach), and whoever can reach the bind device (other local
-users on loopback; the network of a non-loopback bind) can still write: serve UCX tcp to
-trusted producers only, or use ``transport: zmq``, or run both sides with
-``UCX_TCP_PUT_ENABLE=n UCX_RNDV_SCHEME=am UCX_TCP_TX_SEG_SIZE=2m UCX_TCP_RX_SEG_SIZE=2m``
-(put refused; active-message rendezvous as fast as the put one in 5 bench A/B pairs; not
-the default: two ring tests assume a push to a stopped receiver stays in flight, which it
-then does not). ``bench transfer`` A/B of the tcp plane
+finds no tcp device of ours to reach); CUDA planes and ``auto`` keep the put. ``bench transfer`` A/B of the tcp plane
 on ``lo`` only against every device: no difference beyond noise (64 KiB 2.6-3.2 GB/s both).
 
 Why reads by the consumer and not writes by the producer on shm: the consumer writes
@@ -670,10 +672,8 @@ from .dataplane import (
 )
 from .receiver import BookedReceiver, Group, ReceiverBook, Rx, build_groups, runs_slots
 
-# ucxx reads these at import / context creation; its own defaults collapse TCP
-# rendezvous to ~0.5 GB/s (deps.md pitfall 1). Caller-set values win.
+# ucxx reads this at import. Caller-set values win.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
 
 try:
     import ucxx._lib.libucxx as ucx_api
@@ -718,6 +718,11 @@ _HDR_DIRECT_TAG = 3
 _HDR_TCP_SEG_TAG = 4
 _HDR_MASK_TAGS = 7  # the header tags are probed with one mask, so they stay in order
 _TCP_SEG_QUERY = "seg=2m"  # on a ucx+tcp endpoint: headers under _HDR_TCP_SEG_TAG are cut
+# on a ucx+tcp endpoint: this receiver's UCX runs TCP_HARDENING (2 MiB tcp receive
+# segments). A hardened sender sends 2 MiB active-message fragments, which a receiver with
+# UCX's 8 KiB segments never takes (its pushes would only miss their deadline): it
+# refuses an endpoint without this at once ("Exposure").
+_TCP_AM_QUERY = "tcpam=1"
 _SHM_DIRECT_QUERY = "direct=1"  # on a ucx+shm endpoint: runs may land in the rows
 # header of a batch whose pages the receiver reads itself (one-sided, ``ucp_get_nbx``
 # from the sender's registered store rows: "RMA"); in the header mask, so in order
@@ -848,22 +853,50 @@ def segments(
     return out
 
 
-def _exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
-    """Per-plane UCX settings that keep its tcp transport off networks it was not asked
-    to serve ("Exposure" in the module docstring). UCX's tcp transport accepts one-sided
-    writes (its put, which its rendezvous uses for every large message) at any address of
-    the process from any peer that can reach its sockets, registered memory or not, and
-    every worker opens such a socket on every network device. So: ``shm`` planes load no
-    tcp transport at all (they need none: worker-address endpoints on one host), ``tcp``
-    planes only on the device that owns their bind address (loopback by default). An
-    operator's own ``UCX_TLS`` / ``UCX_NET_DEVICES`` win (nothing set here then)."""
+# UCX's default rendezvous collapses to ~0.5 GB/s over tcp with ucxx (deps.md pitfall
+# 1): every plane's context names its scheme (not the environment, which child processes
+# would inherit as if an operator had set it). A host tcp plane's protocol does without
+# the tcp put ("Exposure"): UCX's tcp transport refuses peers' puts, large messages go by
+# active-message rendezvous, in 2 MiB socket segments (8 KiB ones hold that scheme at
+# ~1 GB/s: docs/perf/ucx-tcp-env-sweep-session7).
+RNDV_SCHEME = "put_zcopy"
+TCP_HARDENING = {
+    "TCP_PUT_ENABLE": "n",
+    "RNDV_SCHEME": "am",
+    "TCP_TX_SEG_SIZE": "2m",
+    "TCP_RX_SEG_SIZE": "2m",
+}
+
+
+def _exposure_config(channel: str, bind_host: str | None, cuda: bool = False) -> dict[str, str]:
+    """Per-plane UCX settings (the context's ``config_dict``) that keep its tcp transport
+    off networks it was not asked to serve and refuse peers' writes ("Exposure" in the
+    module docstring). UCX's tcp transport accepts one-sided writes (its put, which its
+    put rendezvous uses for every large message) at any address of the process from any
+    peer that can reach its sockets, registered memory or not, and every worker opens
+    such a socket on every network device. So: ``shm`` planes load no tcp transport at
+    all (they need none: worker-address endpoints on one host), ``tcp`` planes only on
+    the device that owns their bind address (loopback by default), and a host ``tcp``
+    plane turns the put off (``TCP_HARDENING``). A CUDA plane keeps the put rendezvous:
+    UCX moves its device memory with cuda_ipc puts, which the active-message scheme would
+    stage through host memory. An operator's own ``UCX_TLS`` / ``UCX_NET_DEVICES`` win,
+    and any of ``TCP_HARDENING``'s settings in the environment means the operator chose
+    the protocol: none of them is set here then (no mix of theirs and ours can run the
+    put rendezvous with the put refused: 0.14-0.35 of raw TCP)."""
+    out: dict[str, str] = {}
+    operator_protocol = any(f"UCX_{k}" in os.environ for k in TCP_HARDENING)
+    if not operator_protocol:
+        out["RNDV_SCHEME"] = RNDV_SCHEME
     if channel == "shm" and not os.environ.get("UCX_TLS"):
-        return {"TLS": "^tcp"}
-    if channel == "tcp" and not os.environ.get("UCX_NET_DEVICES"):
-        device = _net_device(bind_host or "127.0.0.1")
-        if device is not None:
-            return {"NET_DEVICES": device}
-    return {}
+        out["TLS"] = "^tcp"
+    if channel == "tcp":
+        if not os.environ.get("UCX_NET_DEVICES"):
+            device = _net_device(bind_host or "127.0.0.1")
+            if device is not None:
+                out["NET_DEVICES"] = device
+        if not cuda and not operator_protocol:
+            out.update(TCP_HARDENING)
+    return out
 
 
 def _net_device(host: str) -> str | None:
@@ -1578,6 +1611,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._init_error: BaseException | None = None
         self._endpoint = ""
         self._shm_direct = False  # every host region is huge pages: ask for direct runs
+        self._tcp_hardened = False  # UCX runs TCP_HARDENING (set by _setup)
         # RMA: the context has it and the channel is shm (set by _setup); the receiver
         # reads StoreRows batches itself while every registered region is host memory
         self._rma = False
@@ -1602,6 +1636,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             query.append(_RMA_QUERY)
         if self.channel == "tcp":
             query.append(_TCP_SEG_QUERY)
+            if self._tcp_hardened:
+                query.append(_TCP_AM_QUERY)
         return f"{self._endpoint}?{'&'.join(query)}" if query else self._endpoint
 
     def register_regions(
@@ -1680,6 +1716,14 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         query = urlsplit(endpoint).query.split("&")
         direct = shm and _SHM_DIRECT_QUERY in query
         small = self.channel == "tcp" and _TCP_SEG_QUERY in query  # "Segments over tcp"
+        if self._tcp_hardened and endpoint.startswith("ucx+tcp://") and _TCP_AM_QUERY not in query:
+            raise ValueError(
+                f"the receiver's UCX tcp plane ({endpoint}) does not say {_TCP_AM_QUERY!r}: it "
+                "predates this plane's tcp protocol (active-message rendezvous in 2 MiB "
+                "segments, the tcp put off) and would never take its messages. Upgrade it, "
+                "or start this side with UCX_TCP_PUT_ENABLE=y UCX_RNDV_SCHEME=put_zcopy (the "
+                "earlier protocol, which lets peers write this process's memory) until then"
+            )
         # One-sided: the receiver reads host StoreRows itself (module docstring, "RMA")
         rma = shm and self._rma and _RMA_QUERY in query
         batch = 0
@@ -1842,8 +1886,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
         if self._rma:
             features.append(ucx_api.Feature.RMA)
+        config = _exposure_config(self.channel, self._bind.hostname, self.cuda)
+        self._tcp_hardened = config.get("TCP_PUT_ENABLE") == "n"
         self._ctx = ucx_api.UCXContext(
-            config_dict=_exposure_config(self.channel, self._bind.hostname),
+            config_dict=config,
             feature_flags=tuple(features),
         )
         self._worker = ucx_api.UCXWorker(self._ctx)

@@ -25,7 +25,7 @@ plane's shared store. Nothing of the consumer is registered or exposed: it write
 own slots itself, after its ``ReceiverBook`` checked them, so the receiver's slot rules
 (bounds, promised slots, each once) hold even against a producer holding the token.
 Note that UCX itself trusts its peers at the memory level whatever we register: its tcp
-transport carries rendezvous puts (``UCX_RNDV_SCHEME=put_zcopy``, set by the plane) to
+transport carries rendezvous puts (``RNDV_SCHEME=put_zcopy``, set by the plane) to
 addresses the peer names, and cma reads through ``process_vm_readv`` (the kernel's
 same-user ptrace check is the only guard). Run UCX endpoints on trusted networks only.
 

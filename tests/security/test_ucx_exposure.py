@@ -24,7 +24,12 @@ import torch
 pytest.importorskip("ucxx")
 
 from disagg import hostmem  # noqa: E402
-from disagg.transport.ucx_plane import UcxDataPlane, _exposure_config, _net_device  # noqa: E402
+from disagg.transport.ucx_plane import (  # noqa: E402
+    TCP_HARDENING,
+    UcxDataPlane,
+    _exposure_config,
+    _net_device,
+)
 
 pytestmark = pytest.mark.timeout(120)
 MARK = 0xDEADBEEFCAFEF00D
@@ -58,20 +63,44 @@ def _port(endpoint: str) -> int:
     return port
 
 
-def test_exposure_settings():
+def test_exposure_settings(monkeypatch):
+    for k in ("UCX_TLS", "UCX_NET_DEVICES", *(f"UCX_{k}" for k in TCP_HARDENING)):
+        monkeypatch.delenv(k, raising=False)
     assert _net_device("127.0.0.1") == "lo" and _net_device("localhost") == "lo"
     assert _net_device("0.0.0.0") is None and _net_device("*") is None
-    assert _exposure_config("shm", None) == {"TLS": "^tcp"}
-    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo"}
-    assert _exposure_config("tcp", "0.0.0.0") == {}
-    assert _exposure_config("auto", None) == {}
+    put = {"RNDV_SCHEME": "put_zcopy"}
+    assert _exposure_config("shm", None) == {"TLS": "^tcp", **put}
+    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo", **TCP_HARDENING}
+    assert _exposure_config("tcp", "0.0.0.0") == TCP_HARDENING
+    assert TCP_HARDENING["TCP_PUT_ENABLE"] == "n" and TCP_HARDENING["RNDV_SCHEME"] == "am"
+    # CUDA planes keep the put rendezvous (cuda_ipc); auto keeps UCX's transports
+    assert _exposure_config("tcp", "127.0.0.1", cuda=True) == {"NET_DEVICES": "lo", **put}
+    assert _exposure_config("auto", None) == put
 
 
 def test_operator_settings_win(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,sm")
     monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
-    assert _exposure_config("shm", None) == {}
-    assert _exposure_config("tcp", "127.0.0.1") == {}
+    for k in TCP_HARDENING:
+        monkeypatch.delenv(f"UCX_{k}", raising=False)
+    assert _exposure_config("shm", None) == {"RNDV_SCHEME": "put_zcopy"}
+    assert _exposure_config("tcp", "127.0.0.1") == TCP_HARDENING
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"UCX_TCP_PUT_ENABLE": "y"},
+        {"UCX_RNDV_SCHEME": "get_zcopy"},
+        {"UCX_TCP_RX_SEG_SIZE": "64k"},
+    ],
+)
+def test_an_operator_protocol_setting_turns_all_of_ours_off(monkeypatch, env):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo"}
+    assert _exposure_config("shm", None) == {"TLS": "^tcp"}
 
 
 def test_shm_plane_listens_on_no_tcp_socket_and_tcp_plane_on_loopback_only():
@@ -186,15 +215,17 @@ def test_a_forged_put_from_another_host_is_refused(attacker, monkeypatch):
     assert not hit, f"a forged put from another host landed in the consumer's pool ({said})"
 
 
-# README's hardening for a tcp plane that must serve other hosts: the put refused, large
-# messages by active-message rendezvous in 2 MiB tcp segments (session 10: as fast as
-# the put rendezvous in bench A/B pairs; not the default yet, see README security)
-HARDENED = {
-    "UCX_TCP_PUT_ENABLE": "n",
-    "UCX_RNDV_SCHEME": "am",
-    "UCX_TCP_TX_SEG_SIZE": "2m",
-    "UCX_TCP_RX_SEG_SIZE": "2m",
-}
+# The operator's form of the hardening (README): the same settings a host tcp plane now
+# takes by default (TCP_HARDENING), given in the environment
+HARDENED = {f"UCX_{k}": v for k, v in TCP_HARDENING.items()}
+
+
+@pytest.mark.netns
+def test_the_default_tcp_plane_refuses_the_put_even_with_tcp_on_every_device(attacker, monkeypatch):
+    """Only ``UCX_NET_DEVICES=all`` from the operator: the plane's own protocol settings
+    (TCP_HARDENING) still refuse the peer's put."""
+    hit, said = _attack(attacker, monkeypatch, UCX_NET_DEVICES="all")
+    assert not hit, f"a forged put landed in a default tcp plane ({said})"
 
 
 @pytest.mark.netns
@@ -205,7 +236,8 @@ def test_hardened_settings_refuse_the_put_even_with_tcp_on_every_device(attacker
 
 @pytest.mark.netns
 def test_the_forged_put_is_real_when_tcp_serves_every_device(attacker, monkeypatch):
-    """The control: UCX's tcp on every device (the behaviour before, or an operator's
-    ``UCX_NET_DEVICES=all``) lets the same peer write the consumer's memory."""
-    hit, said = _attack(attacker, monkeypatch, UCX_NET_DEVICES="all")
+    """The control: UCX's tcp on every device with its put on (the behaviour before the
+    tenth session, or an operator's ``UCX_NET_DEVICES=all UCX_TCP_PUT_ENABLE=y``) lets the
+    same peer write the consumer's memory."""
+    hit, said = _attack(attacker, monkeypatch, UCX_NET_DEVICES="all", UCX_TCP_PUT_ENABLE="y")
     assert hit, f"the control attack did not land: {said}"

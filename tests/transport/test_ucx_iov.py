@@ -203,12 +203,12 @@ def test_store_rows_bad_input_named():
         slab = _slab(8, 64)
         bad = StoreRows(slab, np.array([1, 8]), ((0, 64),))
         with pytest.raises(ValueError, match="source rows outside"):
-            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
         bad = StoreRows(slab, np.array([1, 2]), ((10, 64),))
         with pytest.raises(ValueError, match="columns"):
-            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
         bad = StoreRows(slab, np.array([1, 2, 3]), ((0, 64),))
         with pytest.raises(ValueError, match="3 source rows for 2"):
-            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
     finally:
         plane.close()

@@ -156,9 +156,24 @@ def test_push_to_absent_peer_fails():
 
     with UcxDataPlane() as plane:
         rows = torch.zeros(2, 4096, dtype=torch.uint8)
-        h = plane.post_push("ucx+tcp://127.0.0.1:9", 1, 1, b"t", [(0, rows, [0, 1])], deadline_s=1)
+        ep = "ucx+tcp://127.0.0.1:9?seg=2m&tcpam=1"
+        h = plane.post_push(ep, 1, 1, b"t", [(0, rows, [0, 1])], deadline_s=1)
         st = plane.wait_push(h, 10)
         assert st.failed and st.error
+
+
+def test_push_to_an_earlier_protocol_tcp_endpoint_is_refused_by_name():
+    """A receiver without ``tcpam=1`` runs UCX's 8 KiB tcp segments and would never take
+    this plane's 2 MiB fragments: refused before anything is sent, naming the way out."""
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    with UcxDataPlane() as plane:
+        assert "tcpam=1" in plane.endpoint
+        rows = torch.zeros(2, 4096, dtype=torch.uint8)
+        for ep in ("ucx+tcp://127.0.0.1:9", "ucx+tcp://127.0.0.1:9?seg=2m"):
+            with pytest.raises(ValueError, match="does not say 'tcpam=1'.*UCX_TCP_PUT_ENABLE=y"):
+                plane.post_push(ep, 1, 1, b"t", [(0, rows, [0, 1])], deadline_s=1)
+        assert not plane.stats["push_failed"] and not plane.stats["push_done"]
 
 
 def test_abort_and_refuse_foreign_token():

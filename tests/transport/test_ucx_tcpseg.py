@@ -74,17 +74,18 @@ def _sender(pushes, q_out, q_go):
 def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
     """Random store rows into random slots, pushed once to the receiver's endpoint (it
     offers ``seg=2m``: headers under ``_HDR_TCP_SEG_TAG``, segments of at most
-    ``TCP_SEG_BYTES``) and once to the same endpoint without the query, as an older
-    receiver advertises it (``_HDR_TAG``, one ``SEG_BYTES`` segment): both land byte
-    for byte."""
+    ``TCP_SEG_BYTES``) and once to the same endpoint without the segment offer, as a
+    receiver before the ninth session advertised it (``_HDR_TAG``, one ``SEG_BYTES``
+    segment; ``tcpam=1`` kept, since a hardened sender refuses an endpoint without it):
+    both land byte for byte."""
     rng = np.random.default_rng(5)
     ctx = mp.get_context("spawn")
     q_r, q_rin, q_s, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(target=_receiver, args=(q_r, q_rin))
     r.start()
     ep = q_r.get(timeout=30)
-    assert ep.endswith("?" + ucx_plane._TCP_SEG_QUERY)
-    old_ep = ep.split("?", 1)[0]
+    assert ep.split("?", 1)[1].split("&") == [ucx_plane._TCP_SEG_QUERY, ucx_plane._TCP_AM_QUERY]
+    old_ep = ep.split("?", 1)[0] + "?" + ucx_plane._TCP_AM_QUERY  # no segment offer
     pushes = []
     for tid, e in ((1, ep), (2, old_ep)):
         rows = rng.permutation(2 * SLOTS)[:N]
