@@ -41,7 +41,7 @@ one host need none), ``tcp`` runs it only on the device that owns its bind addre
 (``lo`` for the default ``tcp://127.0.0.1:0``); the same peer's put is then refused. An
 operator's ``UCX_TLS`` / ``UCX_NET_DEVICES`` win. Session 11: whoever could reach the
 bind device (other local users on loopback; the network of a non-loopback bind) could
-still write, so a host ``tcp`` plane now also runs ``TCP_HARDENING`` (the put refused;
+still write, so every ``tcp`` plane (CUDA ones too) now also runs ``TCP_HARDENING`` (the put refused;
 active-message rendezvous in 2 MiB segments, as fast as the put one in 5 bench A/B
 pairs of session 10) unless the operator set any of its settings. Its receivers say
 ``tcpam=1`` in their endpoint; a hardened sender refuses an endpoint without it at once
@@ -49,8 +49,9 @@ pairs of session 10) unless the operator set any of its settings. Its receivers 
 only miss its deadline), an earlier sender still pushes to a hardened receiver
 (tests/transport/test_ucx_tcp_protocol.py). Left: ucxx 0.52 binds the connection
 listener itself to every address (no host argument; a peer that connects through it
-finds no tcp device of ours to reach); CUDA planes and ``auto`` keep the put. ``bench transfer`` A/B of the tcp plane
-on ``lo`` only against every device: no difference beyond noise (64 KiB 2.6-3.2 GB/s both).
+finds no tcp device of ours to reach); ``shm`` and ``auto`` planes keep the put
+rendezvous (same host: cma, cuda_ipc). ``bench transfer`` A/B of the tcp plane on ``lo``
+only against every device: no difference beyond noise (64 KiB 2.6-3.2 GB/s both).
 
 Why reads by the consumer and not writes by the producer on shm: the consumer writes
 only its own slots, after its ``ReceiverBook`` checked them (bounds, promised slots, each
@@ -855,7 +856,7 @@ def segments(
 
 # UCX's default rendezvous collapses to ~0.5 GB/s over tcp with ucxx (deps.md pitfall
 # 1): every plane's context names its scheme (not the environment, which child processes
-# would inherit as if an operator had set it). A host tcp plane's protocol does without
+# would inherit as if an operator had set it). A tcp plane's protocol does without
 # the tcp put ("Exposure"): UCX's tcp transport refuses peers' puts, large messages go by
 # active-message rendezvous, in 2 MiB socket segments (8 KiB ones hold that scheme at
 # ~1 GB/s: docs/perf/ucx-tcp-env-sweep-session7).
@@ -868,7 +869,7 @@ TCP_HARDENING = {
 }
 
 
-def _exposure_config(channel: str, bind_host: str | None, cuda: bool = False) -> dict[str, str]:
+def _exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
     """Per-plane UCX settings (the context's ``config_dict``) that keep its tcp transport
     off networks it was not asked to serve and refuse peers' writes ("Exposure" in the
     module docstring). UCX's tcp transport accepts one-sided writes (its put, which its
@@ -876,10 +877,11 @@ def _exposure_config(channel: str, bind_host: str | None, cuda: bool = False) ->
     peer that can reach its sockets, registered memory or not, and every worker opens
     such a socket on every network device. So: ``shm`` planes load no tcp transport at
     all (they need none: worker-address endpoints on one host), ``tcp`` planes only on
-    the device that owns their bind address (loopback by default), and a host ``tcp``
-    plane turns the put off (``TCP_HARDENING``). A CUDA plane keeps the put rendezvous:
-    UCX moves its device memory with cuda_ipc puts, which the active-message scheme would
-    stage through host memory. An operator's own ``UCX_TLS`` / ``UCX_NET_DEVICES`` win,
+    the device that owns their bind address (loopback by default), and turn the put off
+    (``TCP_HARDENING``), CUDA planes too: whether a process has CUDA (``cuda=None``
+    follows torch) must not change its wire protocol, and across hosts UCX moves device
+    memory through host staging under either scheme (one GPU's processes use ``shm`` or
+    ``auto``: cuda_ipc puts, kept). An operator's own ``UCX_TLS`` / ``UCX_NET_DEVICES`` win,
     and any of ``TCP_HARDENING``'s settings in the environment means the operator chose
     the protocol: none of them is set here then (no mix of theirs and ours can run the
     put rendezvous with the put refused: 0.14-0.35 of raw TCP)."""
@@ -894,7 +896,7 @@ def _exposure_config(channel: str, bind_host: str | None, cuda: bool = False) ->
             device = _net_device(bind_host or "127.0.0.1")
             if device is not None:
                 out["NET_DEVICES"] = device
-        if not cuda and not operator_protocol:
+        if not operator_protocol:
             out.update(TCP_HARDENING)
     return out
 
@@ -1886,7 +1888,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         features = [ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP]
         if self._rma:
             features.append(ucx_api.Feature.RMA)
-        config = _exposure_config(self.channel, self._bind.hostname, self.cuda)
+        config = _exposure_config(self.channel, self._bind.hostname)
         self._tcp_hardened = config.get("TCP_PUT_ENABLE") == "n"
         self._ctx = ucx_api.UCXContext(
             config_dict=config,

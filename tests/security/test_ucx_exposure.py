@@ -73,8 +73,7 @@ def test_exposure_settings(monkeypatch):
     assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo", **TCP_HARDENING}
     assert _exposure_config("tcp", "0.0.0.0") == TCP_HARDENING
     assert TCP_HARDENING["TCP_PUT_ENABLE"] == "n" and TCP_HARDENING["RNDV_SCHEME"] == "am"
-    # CUDA planes keep the put rendezvous (cuda_ipc); auto keeps UCX's transports
-    assert _exposure_config("tcp", "127.0.0.1", cuda=True) == {"NET_DEVICES": "lo", **put}
+    # same-host channels keep the put rendezvous (cma, cuda_ipc) and auto UCX's transports
     assert _exposure_config("auto", None) == put
 
 

@@ -298,7 +298,7 @@ def _dev_pages(idx, pb, dev):
     return ((cols * 7 + i * 131) % 251).to(torch.uint8)
 
 
-def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, q_in):
+def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, q_in, channel):
     import time
 
     if rndv:
@@ -306,7 +306,7 @@ def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, 
     from disagg.transport.ucx_plane import UcxDataPlane
 
     dev = torch.device("cuda:0")
-    plane = UcxDataPlane(channel="shm", cuda=True)
+    plane = UcxDataPlane(channel=channel, cuda=True)
     if two_regions:  # non-contiguous destination: device scratch + scatter
         half = pb // 2
         regs = [
@@ -343,13 +343,13 @@ def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, 
     plane.close()
 
 
-def _cuda_sender(endpoint, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_out):
+def _cuda_sender(endpoint, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_out, channel):
     if rndv:
         os.environ["UCX_RNDV_SCHEME"] = rndv
     from disagg.transport.ucx_plane import UcxDataPlane
 
     dev = torch.device("cuda:0")
-    plane = UcxDataPlane(channel="shm", cuda=True)
+    plane = UcxDataPlane(channel=channel, cuda=True)
     store = _dev_pages(range(store_pages), pb, dev)
     out = []
     for rep, dst in enumerate(dst_by_rep):
@@ -362,18 +362,21 @@ def _cuda_sender(endpoint, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, 
     plane.close()
 
 
-def _run_cuda(pb, slots, store_pages, dst_by_rep, src_by_rep, two_regions=False, rndv=""):
+def _run_cuda(
+    pb, slots, store_pages, dst_by_rep, src_by_rep, two_regions=False, rndv="", channel="shm"
+):
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(
         target=_cuda_receiver,
-        args=(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_r, q_in),
+        args=(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_r, q_in, channel),
     )
     r.start()
     ep = q_r.get(timeout=120)
     q_go = ctx.Queue()
     s = ctx.Process(
-        target=_cuda_sender, args=(ep, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_s)
+        target=_cuda_sender,
+        args=(ep, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_s, channel),
     )
     s.start()
     for _ in dst_by_rep:
@@ -389,15 +392,18 @@ def _run_cuda(pb, slots, store_pages, dst_by_rep, src_by_rep, two_regions=False,
 @_CUDA
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "pb,two_regions,rndv",
+    "pb,two_regions,rndv,channel",
     [
-        (300 << 10, False, ""),  # the run of 8 (>= DIRECT_MIN) lands in the pool directly
-        (16 << 10, False, ""),  # packed: device scratch + scatter_rows
-        (64 << 10, True, ""),  # two regions: every segment through the scratch
-        (300 << 10, False, "auto"),  # UCX's own rendezvous choice, not put_zcopy
+        (300 << 10, False, "", "shm"),  # the run of 8 (>= DIRECT_MIN) lands in the pool directly
+        (16 << 10, False, "", "shm"),  # packed: device scratch + scatter_rows
+        (64 << 10, True, "", "shm"),  # two regions: every segment through the scratch
+        (300 << 10, False, "auto", "shm"),  # UCX's own rendezvous choice, not put_zcopy
+        # tcp: the put off, active-message rendezvous (TCP_HARDENING), CUDA planes too
+        (300 << 10, False, "", "tcp"),
+        (16 << 10, False, "", "tcp"),
     ],
 )
-def test_cuda_push_scattered_pages(pb, two_regions, rndv):
+def test_cuda_push_scattered_pages(pb, two_regions, rndv, channel):
     """Producer rows on cuda:0, consumer regions on cuda:0, two processes: byte-exact
     scattered pages, contiguous runs, a skipped row, nothing else touched."""
     slots = 256
@@ -405,7 +411,7 @@ def test_cuda_push_scattered_pages(pb, two_regions, rndv):
     src = [int(x) for x in rng.permutation(200)[:120]]
     dst = list(range(10, 18)) + [int(x) for x in rng.permutation(np.arange(20, slots))[:112]]
     dst[30] = -1
-    (results, stats), sres = _run_cuda(pb, slots, 200, [dst], [src], two_regions, rndv)
+    (results, stats), sres = _run_cuda(pb, slots, 200, [dst], [src], two_regions, rndv, channel)
     assert sres == [("done", None)], sres
     ((state, err, exact, clean, _, _),) = results
     assert state == "done", (err, stats)
