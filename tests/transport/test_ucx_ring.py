@@ -77,6 +77,9 @@ def _sender(pushes, width, q_out, q_go):
     """``pushes``: [(endpoint, transfer_id, rows, cols, dst, salt, wait_before)]: posted
     in order; a push with ``wait_before`` is posted only after every earlier push ended.
     Reports (state, error, gathered segments) per push and the ring's allocations."""
+    # the ring is what is tested: with large tcp segments in the environment (hardened
+    # UCX tcp settings) the plane would send these segments as iov messages instead
+    os.environ["DISAGG_UCX_TCP_IOV"] = "0"
     _small_segments(BUFS)
     from disagg.transport import ucx_plane
     from disagg.transport.ucx_plane import UcxDataPlane
