@@ -15,7 +15,7 @@ library's API version is the one whose struct layouts are mirrored here (1.x wit
 x >= 10, where ``ucp_request_param_t`` took its current 72-byte shape; checked
 field by field against a C compile in tests/transport/test_ucx_iov.py when a compiler
 is around). Anything else: ``available()`` is False and callers gather instead (the UCX
-plane: into its ring of send buffers, as over tcp).
+plane: into its ring of send buffers, as over tcp with UCX's default tcp settings).
 
 Why only sends (measured on the 2-core box, 128 MiB of 64 KiB-1 MiB pages between two
 processes, /scratch spikes, huge-page store and pool): UCX 1.21 never lands an IOV

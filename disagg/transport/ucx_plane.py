@@ -155,7 +155,8 @@ the slab goes as a view; on ``shm`` a scattered one goes as ONE scatter-gather m
 from the rows where they lie (``ucx_iov``: ``ucp_tag_send_nbx`` with ``UCP_DATATYPE_IOV``
 through ctypes on the ucxx endpoint's ``ucp_ep_h``; off, or libucp not as expected:
 gather into the send ring); over tcp (and ``ucx+addr``) a numpy ``take`` per segment into
-the send ring (below). Why not iov over tcp:
+the send ring (below), except where the context has large tcp segments ("Scatter-gather
+sends over tcp"). Why not iov over tcp with UCX's default tcp settings:
 that endpoint (error handling on) sends an iov message in 8 KiB copy-in pieces, 0.19-0.45
 of raw TCP at 64 KiB against 0.35-0.69 gathered. Why not a one-copy iov *receive*: UCX
 1.21 answers an IOV receive buffer with "fragmented copy-in copy-out" through the sysv
@@ -199,7 +200,51 @@ before 64 KiB 2.60/2.21 (0.69/0.59), 256 KiB 2.82/2.34 (0.67/0.64); after 64 KiB
 3.21/3.27 (0.74/0.78), 256 KiB 3.43/2.46 (0.82/0.60); 1 MiB pages (direct runs) take
 neither path. What limits it now: the sender's core (gather + ``_copy_from_iter`` +
 loopback softirq); 0.9 needs the gather off it, which UCX's tcp (no zero-copy iov send,
-no get) does not offer.
+no get) does not offer with its default tcp settings (it does with large tcp segments:
+"Scatter-gather sends over tcp").
+
+Scatter-gather sends over tcp (session 11; ``tcp_large_segments``, ``tcp_iov_default``,
+``tcp_iov_sends``, ``DISAGG_UCX_TCP_IOV``). With the hardened tcp settings ("Exposure":
+``TCP_HARDENING``, a tcp plane's own default since this session; an operator's form is
+``UCX_TCP_PUT_ENABLE=n UCX_RNDV_SCHEME=am UCX_TCP_TX_SEG_SIZE=2m UCX_TCP_RX_SEG_SIZE=2m``)
+UCX 1.21 sends an iov tag message zero-copy from the iov: ``UCX_PROTO_INFO=used`` on a
+listener endpoint (error handling on, ``tcp/lo``), 2 MiB messages: contiguous "rendezvous
+zero-copy" then "rendezvous data send from host memory ... zero-copy"; 32 x 64 KiB and
+8 x 256 KiB iov the same ("... from iov[32] ... zero-copy", am_zcopy of up to
+``UCX_TCP_MAX_IOV`` (6) entries per fragment, i.e. ``writev`` from the store rows). With
+the defaults (put rendezvous, 8 KiB segments) and with ``RNDV_SCHEME=am`` in 8 KiB
+segments the iov's data goes "fragmented copy-in copy-out" above 16 KiB (the 8 KiB
+pieces above); the rendezvous scheme and the segment size decide it, ``TCP_PUT_ENABLE``
+does not. So a tcp plane whose context has ``RNDV_SCHEME=am`` and a tcp send segment of
+at least ``TCP_SEG_BYTES`` (read from the config dict it was made with, else the
+environment) sends scattered StoreRows segments (still cut at 2 MiB, same wire) as iov
+messages instead of gathering them into the send ring: the gather copy leaves the
+sender's busy core. The ring stays for everything else (UCX's default tcp settings,
+``DISAGG_UCX_TCP_IOV=0``, ``DISAGG_UCX_IOV=0`` or ``ucx_iov`` unavailable, ``ucx+addr``);
+``DISAGG_UCX_TCP_IOV=1`` forces iov sends. Measured on the 2-core box (docs/spikes/
+ucx-tcp-iov/): in one process pair (``inpair.py``: 256 MiB pushes of random rows of a
+2N-row hugepage store into random slots, modes alternating with a raw TCP stream, 8
+transfers each, 3 invocations; medians), GB/s (ratio of raw TCP in the same invocation):
+
+- 64 KiB: defaults/ring 3.13/3.02/3.22 (0.76/0.76/0.84); hardened/ring 3.00/2.75/3.12
+  (0.72/0.70/0.82); hardened/iov 3.44/3.28/3.47 (0.83/0.83/0.91): +11-19% over the ring
+- 256 KiB: defaults/ring 3.30/3.14/2.94 (0.89/0.76/0.80); hardened/ring 3.21/3.22/3.02
+  (0.86/0.77/0.82); hardened/iov 3.57/3.57/3.44 (0.96/0.86/0.93): +11-14%
+- also tried: iov with 16 MiB segments (sender ignoring ``seg=2m``): 64 KiB 3.03-3.07,
+  256 KiB 3.49-3.67, no better than 2 MiB; iov with ``UCX_TCP_MAX_IOV=64`` (more rows per
+  ``writev``): 64 KiB 3.39-3.51 (as 6), 256 KiB 3.59-4.04 (0.97-1.07; +5-13% over 6): so
+  a tcp plane sets it (``TCP_TUNING``) unless the operator did.
+
+``disagg bench transfer --transports ucx-tcp --page-sizes 64KiB,256KiB,1MiB --total 256MiB
+--repeats 5`` (separate processes per row, raw TCP measured before each row; this box's
+raw TCP moved 2.4-4.1 GB/s between runs, so ratios scatter), 4 rounds alternating:
+defaults 64 KiB median 2.60 GB/s (ratio 0.71, 0.52-0.78), 256 KiB 2.95 (0.76, 0.67-1.11);
+hardened/ring 2.85 (0.72, 0.65-0.80), 3.01 (0.76, 0.62-0.87); hardened/iov 2.81 (0.96,
+0.75-1.02), 3.12 (0.90, 0.81-0.99); 1 MiB pages (direct runs, views: no gather either
+way) medians 3.34/2.91/3.78. After the change (``DISAGG_UCX_TCP_IOV=0`` for the ring), 3
+rounds: defaults 3.03 (0.73, 0.69-0.84) / 2.96 (0.80, 0.75-0.85) / 3.42; hardened/ring
+2.97 (0.76, 0.38-0.87) / 2.34 (0.59, 0.57-2.40) / 3.70; hardened/iov 3.19 (0.86,
+0.79-1.29) / 3.00 (0.85, 0.62-0.88) / 4.04. The in-pair figures are the ones to trust.
 
 Tried for tcp in session 6 and not merged (branch ``ucx-tcp``: ``_ucxtag.c``, the
 spike and its notes in ``docs/spikes/ucx-tcp/``): one tag message per run of 256 KiB or more, posted
@@ -647,7 +692,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, cast
@@ -759,6 +804,9 @@ _RMA_READERS_ENV = "DISAGG_UCX_RMA_READERS"
 # The mapped path ("Mapped stores"): ``0`` turns it off on both sides (register_source
 # keeps the store where it is; a consumer never maps a producer's memory)
 _MAPPED_ENV = "DISAGG_UCX_MAPPED"
+# tcp senders: ``1``/``0`` forces scatter-gather sends of store rows on or off (default:
+# on where the context has large tcp segments, ``tcp_large_segments``)
+_TCP_IOV_ENV = "DISAGG_UCX_TCP_IOV"
 _MAPPED_THREADS_MIN = 8 << 20  # a mapped copy this big uses HOST_THREADS threads
 _POPULATE_CHUNK = 32 << 20  # a mapped segment's pages are mapped ahead this much a call
 # acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
@@ -867,6 +915,11 @@ TCP_HARDENING = {
     "TCP_TX_SEG_SIZE": "2m",
     "TCP_RX_SEG_SIZE": "2m",
 }
+# ... and, unless the operator set it, up to 64 iov entries per tcp writev (UCX's default
+# 6): an iov send of scattered store rows ("Scatter-gather sends over tcp") then writes
+# ~60 rows per call (in-pair, 256 KiB pages: +5-13%; 64 KiB: no change). Not part of the
+# protocol: either side may set it alone.
+TCP_TUNING = {"TCP_MAX_IOV": "64"}
 
 
 def _exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
@@ -898,7 +951,60 @@ def _exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
                 out["NET_DEVICES"] = device
         if not operator_protocol:
             out.update(TCP_HARDENING)
+        out.update({k: v for k, v in TCP_TUNING.items() if f"UCX_{k}" not in os.environ})
     return out
+
+
+def _ucx_setting(name: str, config: Mapping[str, str]) -> str | None:
+    """The value UCX takes for its setting ``name`` (without ``UCX_``) in a context made
+    with ``config`` as its config dict: the dict's (``ucp_config_modify`` is applied after
+    the environment is read) else the ``UCX_<name>`` environment variable, else None."""
+    if name in config:
+        return config[name]
+    return os.environ.get("UCX_" + name)
+
+
+def _ucx_bytes(text: str | None) -> int | None:
+    """A UCX memory-units value (``2m``, ``2M``, ``2MB``, ``65536``, ``inf``) in bytes;
+    None when absent or unreadable."""
+    if text is None:
+        return None
+    t = text.strip().lower().removesuffix("b")
+    if t in ("inf", "infinity", "auto"):
+        return None if t == "auto" else 1 << 62
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        return int(float(t) * scale)
+    except ValueError:
+        return None
+
+
+def tcp_large_segments(config: Mapping[str, str]) -> bool:
+    """Whether a UCX context made with ``config`` (its config dict; the environment fills
+    in the rest) sends large tcp messages as active messages in large segments: the
+    rendezvous scheme ``am`` and a tcp send segment (``TCP_TX_SEG_SIZE``) of at least
+    ``TCP_SEG_BYTES``. That is the hardened tcp setting ("Exposure": ``UCX_TCP_PUT_ENABLE
+    =n UCX_RNDV_SCHEME=am UCX_TCP_TX_SEG_SIZE=2m UCX_TCP_RX_SEG_SIZE=2m``), under which
+    UCX 1.21 sends an iov message's rendezvous data zero-copy from the iov
+    (``UCX_PROTO_INFO``: "rendezvous data send from iov[32] ... zero-copy"); with the
+    defaults (put rendezvous, or 8 KiB segments) it is "fragmented copy-in copy-out"."""
+    if (_ucx_setting("RNDV_SCHEME", config) or "").strip().lower() != "am":
+        return False
+    seg = _ucx_bytes(_ucx_setting("TCP_TX_SEG_SIZE", config))
+    return seg is not None and seg >= TCP_SEG_BYTES
+
+
+def tcp_iov_default(config: Mapping[str, str]) -> bool:
+    """Whether a tcp plane whose UCX context was made with ``config`` sends scattered
+    StoreRows segments as iov messages (else gathers them into the send ring):
+    ``DISAGG_UCX_TCP_IOV`` ``1``/``0`` when set, else ``tcp_large_segments(config)``.
+    ``ucx_iov`` must also be available (``DISAGG_UCX_IOV=0`` turns it off everywhere)."""
+    forced = os.environ.get(_TCP_IOV_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return tcp_large_segments(config)
 
 
 def _net_device(host: str) -> str | None:
@@ -1618,6 +1724,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # reads StoreRows batches itself while every registered region is host memory
         self._rma = False
         self._rma_rx_ok = False
+        # pushes to ucx+tcp endpoints send scattered StoreRows segments as iov messages
+        # (set by _setup from the context's settings: ``tcp_iov_default``)
+        self.tcp_iov_sends = False
         self._bind = urlsplit(bind)
         self._advertise = advertise
         self._thread = threading.Thread(target=self._run, name="disagg-ucx", daemon=True)
@@ -1698,11 +1807,14 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         keep: list[object] = []
         npages = 0
         seq = 0
-        # Over tcp (and ucx+addr, which may be tcp) UCX sends an iov message in 8 KiB
-        # copy-in pieces: there a numpy gather per segment into the send ring is faster
-        # (module docstring)
+        # Over tcp with UCX's default tcp settings (and ucx+addr, which may be tcp) UCX
+        # sends an iov message in 8 KiB copy-in pieces: there the C gather per segment
+        # into the send ring is faster. With active-message rendezvous in large tcp
+        # segments (``tcp_iov_sends``) UCX writes the iov straight from the rows
+        # ("Scatter-gather sends over tcp" in the module docstring)
         shm = endpoint.startswith("ucx+shm://")
-        iov = shm and ucx_iov.available()
+        tcp_iov = self.tcp_iov_sends and endpoint.startswith("ucx+tcp://")
+        iov = (shm or tcp_iov) and ucx_iov.available()
         srcs: list[tuple[int, torch.Tensor | StoreRows, Sequence[int]]] = []
         for group, src, dst_slots in pages:
             if isinstance(src, StoreRows) and src.slab.device.type != "cpu":
@@ -1890,10 +2002,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             features.append(ucx_api.Feature.RMA)
         config = _exposure_config(self.channel, self._bind.hostname)
         self._tcp_hardened = config.get("TCP_PUT_ENABLE") == "n"
-        self._ctx = ucx_api.UCXContext(
-            config_dict=config,
-            feature_flags=tuple(features),
-        )
+        self._ctx = ucx_api.UCXContext(config_dict=config, feature_flags=tuple(features))
+        # decided from what this context was created with (the environment now and the
+        # config dict passed), as UCX read it then
+        self.tcp_iov_sends = self.channel != "shm" and tcp_iov_default(config)
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string

@@ -26,6 +26,7 @@ pytest.importorskip("ucxx")
 from disagg import hostmem  # noqa: E402
 from disagg.transport.ucx_plane import (  # noqa: E402
     TCP_HARDENING,
+    TCP_TUNING,
     UcxDataPlane,
     _exposure_config,
     _net_device,
@@ -64,14 +65,15 @@ def _port(endpoint: str) -> int:
 
 
 def test_exposure_settings(monkeypatch):
-    for k in ("UCX_TLS", "UCX_NET_DEVICES", *(f"UCX_{k}" for k in TCP_HARDENING)):
+    for k in ("UCX_TLS", "UCX_NET_DEVICES", *(f"UCX_{k}" for k in {**TCP_HARDENING, **TCP_TUNING})):
         monkeypatch.delenv(k, raising=False)
     assert _net_device("127.0.0.1") == "lo" and _net_device("localhost") == "lo"
     assert _net_device("0.0.0.0") is None and _net_device("*") is None
     put = {"RNDV_SCHEME": "put_zcopy"}
     assert _exposure_config("shm", None) == {"TLS": "^tcp", **put}
-    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo", **TCP_HARDENING}
-    assert _exposure_config("tcp", "0.0.0.0") == TCP_HARDENING
+    tcp = {**TCP_HARDENING, **TCP_TUNING}
+    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo", **tcp}
+    assert _exposure_config("tcp", "0.0.0.0") == tcp
     assert TCP_HARDENING["TCP_PUT_ENABLE"] == "n" and TCP_HARDENING["RNDV_SCHEME"] == "am"
     # same-host channels keep the put rendezvous (cma, cuda_ipc) and auto UCX's transports
     assert _exposure_config("auto", None) == put
@@ -82,6 +84,7 @@ def test_operator_settings_win(monkeypatch):
     monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
     for k in TCP_HARDENING:
         monkeypatch.delenv(f"UCX_{k}", raising=False)
+    monkeypatch.setenv("UCX_TCP_MAX_IOV", "16")
     assert _exposure_config("shm", None) == {"RNDV_SCHEME": "put_zcopy"}
     assert _exposure_config("tcp", "127.0.0.1") == TCP_HARDENING
 
@@ -96,9 +99,10 @@ def test_operator_settings_win(monkeypatch):
 )
 def test_an_operator_protocol_setting_turns_all_of_ours_off(monkeypatch, env):
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.delenv("UCX_TCP_MAX_IOV", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo"}
+    assert _exposure_config("tcp", "127.0.0.1") == {"NET_DEVICES": "lo", **TCP_TUNING}
     assert _exposure_config("shm", None) == {"TLS": "^tcp"}
 
 

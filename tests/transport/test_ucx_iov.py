@@ -90,9 +90,31 @@ def _slab(rows: int, width: int) -> torch.Tensor:
     return torch.from_numpy(((r * 131 + c * 7) % 251).astype(np.uint8))
 
 
-def _receiver(channel, pb, expected, q_out, q_in):
+# the hardened tcp settings (ucx_plane "Exposure", TCP_HARDENING: a tcp plane's own
+# default) given by an operator: UCX sends iov messages zero-copy
+HARDENED = {
+    "UCX_TCP_PUT_ENABLE": "n",
+    "UCX_RNDV_SCHEME": "am",
+    "UCX_TCP_TX_SEG_SIZE": "2m",
+    "UCX_TCP_RX_SEG_SIZE": "2m",
+}
+# the protocol before the eleventh session (put rendezvous, UCX's 8 KiB tcp segments),
+# chosen by an operator
+EARLIER = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
+
+
+def _apply_env(env):
+    """Spawned children inherit the test process's environment: set exactly what this
+    case asks for."""
+    for k in list(HARDENED) + ["DISAGG_UCX_TCP_IOV"]:
+        os.environ.pop(k, None)
+    os.environ.update(env or {})
+
+
+def _receiver(channel, pb, expected, q_out, q_in, env=None):
     # the iov sends are what is tested: a receiver that does not offer RMA reads (an
     # RMA-capable shm receiver reads StoreRows itself, test_ucx_rma.py)
+    _apply_env(env)
     os.environ["DISAGG_UCX_RMA"] = "0"
     from disagg.transport.ucx_plane import UcxDataPlane
 
@@ -107,7 +129,8 @@ def _receiver(channel, pb, expected, q_out, q_in):
     plane.close()
 
 
-def _sender(endpoint, width, rows, cols, dst, iov_on, q_out):
+def _sender(endpoint, width, rows, cols, dst, iov_on, q_out, env=None):
+    _apply_env(env)
     if not iov_on:
         os.environ["DISAGG_UCX_IOV"] = "0"
     from disagg.transport import ucx_iov
@@ -121,19 +144,19 @@ def _sender(endpoint, width, rows, cols, dst, iov_on, q_out):
     # counted as posted (h.plan is emptied once the push is final: reading it after
     # post_push raced a push that finished first, under load)
     iov_msgs = plane.stats["iov_sends"]
-    q_out.put((st.state.value, st.error, iov_msgs, ucx_iov.available()))
+    q_out.put((st.state.value, st.error, iov_msgs, ucx_iov.available(), plane.tcp_iov_sends))
     plane.close()
 
 
-def _push(channel, width, rows, cols, dst, iov_on=True):
+def _push(channel, width, rows, cols, dst, iov_on=True, env=None):
     pb = sum(c for _, c in cols)
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     expected = sum(1 for d in dst if d >= 0)
-    r = ctx.Process(target=_receiver, args=(channel, pb, expected, q_r, q_in))
+    r = ctx.Process(target=_receiver, args=(channel, pb, expected, q_r, q_in, env))
     r.start()
     ep = q_r.get(timeout=30)
-    s = ctx.Process(target=_sender, args=(ep, width, rows, cols, dst, iov_on, q_s))
+    s = ctx.Process(target=_sender, args=(ep, width, rows, cols, dst, iov_on, q_s, env))
     s.start()
     rx = q_r.get(timeout=60)
     tx = q_s.get(timeout=60)
@@ -166,14 +189,15 @@ def test_store_rows_land_byte_exact(channel, iov_on):
     dst = rng.permutation(SLOTS)[:80]
     dst[[3, 17]] = -1
     cols = ((0, width),)
-    (state, err, pool), (tstate, terr, iov_msgs, avail) = _push(
+    (state, err, pool), (tstate, terr, iov_msgs, avail, tcp_iov) = _push(
         channel, width, rows.tolist(), cols, dst.tolist(), iov_on
     )
     assert (state, err) == ("done", None), err
     assert (tstate, terr) == ("done", None), terr
     assert avail is iov_on
-    # iov sends on shm only (over tcp UCX cuts them into 8 KiB copies: numpy gathers)
-    assert (iov_msgs > 0) is (iov_on and channel == "shm")
+    # iov sends on shm, and over tcp only with large tcp segments (with UCX's default tcp
+    # settings it cuts them into 8 KiB copies: gathers into the send ring)
+    assert (iov_msgs > 0) is (iov_on and (channel == "shm" or tcp_iov))
     np.testing.assert_array_equal(pool, _expect(width, rows, cols, dst, width))
 
 
@@ -186,13 +210,79 @@ def test_store_rows_columns_of_a_row(channel):
     cols = ((2000, 700), (100, 1300))
     rows = rng.permutation(2 * SLOTS)[:40]
     dst = rng.permutation(SLOTS)[:40]
-    (state, err, pool), (tstate, terr, iov_msgs, _) = _push(
+    (state, err, pool), (tstate, terr, iov_msgs, _, tcp_iov) = _push(
         channel, width, rows.tolist(), cols, dst.tolist()
     )
     assert (state, err) == ("done", None), err
     assert (tstate, terr) == ("done", None), terr
-    assert (iov_msgs > 0) is (channel == "shm")
+    assert (iov_msgs > 0) is (channel == "shm" or tcp_iov)
     np.testing.assert_array_equal(pool, _expect(width, rows, cols, dst, 2000))
+
+
+@pytest.mark.parametrize(
+    "env, want_iov",
+    [
+        ({}, True),  # the plane's own settings (TCP_HARDENING): iov sends
+        (HARDENED, True),  # the same from the operator
+        ({**HARDENED, "DISAGG_UCX_TCP_IOV": "0"}, False),  # forced off: the ring
+        (EARLIER, False),  # UCX's 8 KiB tcp segments: the ring
+        ({**EARLIER, "DISAGG_UCX_TCP_IOV": "1"}, True),  # forced on (slow, but correct)
+    ],
+    ids=["default", "hardened", "hardened-forced-off", "earlier", "earlier-forced-on"],
+)
+def test_tcp_iov_sends_with_large_segments(env, want_iov):
+    """Over tcp, scattered 64 KiB store rows (2 MiB segments of 32 iov entries, the
+    zero-copy rendezvous of large tcp segments; a run of adjacent rows; skipped pages)
+    go as iov messages exactly when the sender's context has large tcp segments (or
+    ``DISAGG_UCX_TCP_IOV`` says so), and land byte-exactly either way."""
+    rng = np.random.default_rng(8)
+    width = 64 << 10
+    rows = np.concatenate([rng.permutation(2 * SLOTS)[:70], np.arange(150, 170)])
+    dst = rng.permutation(SLOTS)[:90]
+    dst[[0, 33, 89]] = -1
+    cols = ((0, width),)
+    (state, err, pool), (tstate, terr, iov_msgs, avail, tcp_iov) = _push(
+        "tcp", width, rows.tolist(), cols, dst.tolist(), env=env
+    )
+    assert (state, err) == ("done", None), err
+    assert (tstate, terr) == ("done", None), terr
+    assert avail
+    assert tcp_iov is want_iov
+    if want_iov:
+        # 87 pages in 2 MiB segments: 3 segments, none of them one span of the slab
+        assert iov_msgs == 3
+    else:
+        assert iov_msgs == 0
+    np.testing.assert_array_equal(pool, _expect(width, rows, cols, dst, width))
+
+
+def test_large_segments_read_from_config_and_environment(monkeypatch):
+    """``tcp_large_segments``: active-message rendezvous and a tcp send segment of at
+    least 2 MiB, each from the context's config dict (which wins, as in UCX) or else
+    the environment; ``tcp_iov_default`` follows it unless DISAGG_UCX_TCP_IOV is set."""
+    large, default = ucx_plane.tcp_large_segments, ucx_plane.tcp_iov_default
+    for k in list(HARDENED) + ["DISAGG_UCX_TCP_IOV"]:
+        monkeypatch.delenv(k, raising=False)
+    assert not large({})
+    cfg = {"RNDV_SCHEME": "am", "TCP_TX_SEG_SIZE": "2m"}
+    assert large(cfg)
+    assert large({"RNDV_SCHEME": "AM", "TCP_TX_SEG_SIZE": "4MB"})
+    assert large({"RNDV_SCHEME": "am", "TCP_TX_SEG_SIZE": str(2 << 20)})
+    assert not large({"RNDV_SCHEME": "am", "TCP_TX_SEG_SIZE": "1m"})
+    assert not large({"RNDV_SCHEME": "am", "TCP_TX_SEG_SIZE": "8K"})
+    assert not large({"RNDV_SCHEME": "put_zcopy", "TCP_TX_SEG_SIZE": "2m"})
+    assert not large({"RNDV_SCHEME": "am"})  # UCX's 8 KiB default segment
+    for k, v in HARDENED.items():
+        monkeypatch.setenv(k, v)
+    assert large({}) and default({})
+    assert not large({"RNDV_SCHEME": "put_zcopy"})  # the config dict wins
+    assert not large({"TCP_TX_SEG_SIZE": "64k"})
+    monkeypatch.setenv("DISAGG_UCX_TCP_IOV", "0")
+    assert not default({})
+    monkeypatch.setenv("UCX_RNDV_SCHEME", "put_zcopy")
+    assert not default({})
+    monkeypatch.setenv("DISAGG_UCX_TCP_IOV", "1")
+    assert default({})
 
 
 def test_store_rows_bad_input_named():
