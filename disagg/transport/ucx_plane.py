@@ -764,8 +764,9 @@ _HDR_DIRECT_TAG = 3
 _HDR_TCP_SEG_TAG = 4
 _HDR_MASK_TAGS = 7  # the header tags are probed with one mask, so they stay in order
 _TCP_SEG_QUERY = "seg=2m"  # on a ucx+tcp endpoint: headers under _HDR_TCP_SEG_TAG are cut
-# on a ucx+tcp endpoint: this receiver's UCX runs TCP_HARDENING (2 MiB tcp receive
-# segments). A hardened sender sends 2 MiB active-message fragments, which a receiver with
+# on a ucx+tcp endpoint: this receiver's UCX takes tcp segments of TCP_SEG_BYTES or more
+# (TCP_HARDENING, or an operator's UCX_TCP_RX_SEG_SIZE). A sender with larger than UCX's
+# default send segments sends active-message fragments that big, which a receiver with
 # UCX's 8 KiB segments never takes (its pushes would only miss their deadline): it
 # refuses an endpoint without this at once ("Exposure").
 _TCP_AM_QUERY = "tcpam=1"
@@ -979,6 +980,15 @@ def _ucx_bytes(text: str | None) -> int | None:
         return int(float(t) * scale)
     except ValueError:
         return None
+
+
+UCX_TCP_SEG_DEFAULT = 8 << 10  # UCX 1.21's tcp TX/RX_SEG_SIZE
+
+
+def _tcp_seg(name: str, config: Mapping[str, str]) -> int:
+    """UCX's tcp segment setting ``name`` (``TCP_TX_SEG_SIZE`` / ``TCP_RX_SEG_SIZE``) in a
+    context made with ``config``, in bytes."""
+    return _ucx_bytes(_ucx_setting(name, config)) or UCX_TCP_SEG_DEFAULT
 
 
 def tcp_large_segments(config: Mapping[str, str]) -> bool:
@@ -1719,7 +1729,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         self._init_error: BaseException | None = None
         self._endpoint = ""
         self._shm_direct = False  # every host region is huge pages: ask for direct runs
-        self._tcp_hardened = False  # UCX runs TCP_HARDENING (set by _setup)
+        # UCX tcp segments of this context (set by _setup): receive ones of TCP_SEG_BYTES
+        # or more (say _TCP_AM_QUERY), send ones bigger than UCX's default (need it)
+        self._tcp_rx_large = False
+        self._tcp_tx_large = False
         # RMA: the context has it and the channel is shm (set by _setup); the receiver
         # reads StoreRows batches itself while every registered region is host memory
         self._rma = False
@@ -1747,7 +1760,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             query.append(_RMA_QUERY)
         if self.channel == "tcp":
             query.append(_TCP_SEG_QUERY)
-            if self._tcp_hardened:
+            if self._tcp_rx_large:
                 query.append(_TCP_AM_QUERY)
         return f"{self._endpoint}?{'&'.join(query)}" if query else self._endpoint
 
@@ -1830,7 +1843,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         query = urlsplit(endpoint).query.split("&")
         direct = shm and _SHM_DIRECT_QUERY in query
         small = self.channel == "tcp" and _TCP_SEG_QUERY in query  # "Segments over tcp"
-        if self._tcp_hardened and endpoint.startswith("ucx+tcp://") and _TCP_AM_QUERY not in query:
+        if self._tcp_tx_large and endpoint.startswith("ucx+tcp://") and _TCP_AM_QUERY not in query:
             raise ValueError(
                 f"the receiver's UCX tcp plane ({endpoint}) does not say {_TCP_AM_QUERY!r}: it "
                 "predates this plane's tcp protocol (active-message rendezvous in 2 MiB "
@@ -2001,7 +2014,10 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         if self._rma:
             features.append(ucx_api.Feature.RMA)
         config = _exposure_config(self.channel, self._bind.hostname)
-        self._tcp_hardened = config.get("TCP_PUT_ENABLE") == "n"
+        self._tcp_rx_large = (
+            self.channel == "tcp" and _tcp_seg("TCP_RX_SEG_SIZE", config) >= TCP_SEG_BYTES
+        )
+        self._tcp_tx_large = _tcp_seg("TCP_TX_SEG_SIZE", config) > UCX_TCP_SEG_DEFAULT
         self._ctx = ucx_api.UCXContext(config_dict=config, feature_flags=tuple(features))
         # decided from what this context was created with (the environment now and the
         # config dict passed), as UCX read it then

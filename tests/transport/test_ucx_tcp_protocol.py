@@ -26,6 +26,14 @@ pytestmark = pytest.mark.timeout(120)
 
 SLOTS = 64
 OLD = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
+# the hardening given by an operator (the plane then sets none of it, and still says
+# tcpam=1: its receive segments are 2 MiB)
+OPERATOR = {
+    "UCX_TCP_PUT_ENABLE": "n",
+    "UCX_RNDV_SCHEME": "am",
+    "UCX_TCP_TX_SEG_SIZE": "2m",
+    "UCX_TCP_RX_SEG_SIZE": "2m",
+}
 # (page bytes, pages): packed into 2 MiB segments; runs of 1 MiB sent in place
 SHAPES = [(64 << 10, 40), (1 << 20, 12)]
 
@@ -116,7 +124,9 @@ def _pair(rx_env, tx_env, with_landing=True):
 
 
 @pytest.mark.parametrize(
-    "rx_env,tx_env", [({}, {}), ({}, OLD), (OLD, OLD)], ids=["hardened", "old-sender", "old"]
+    "rx_env,tx_env",
+    [({}, {}), ({}, OLD), (OLD, OLD), (OPERATOR, {}), ({}, OPERATOR)],
+    ids=["hardened", "old-sender", "old", "operator-receiver", "operator-sender"],
 )
 def test_pushes_land_between_hardened_and_earlier_protocol_planes(rx_env, tx_env):
     landed, pools, sent, cfgs, plan = _pair(rx_env, tx_env)
