@@ -1,4 +1,5 @@
-"""Scatter-gather tag sends on a ucxx endpoint, through libucp directly (ctypes).
+"""Scatter-gather tag sends (and tcp receives) on ucxx handles, through libucp directly
+(ctypes).
 
 ucxx 0.52's Python API sends one contiguous buffer per message. UCX itself takes an
 array of (pointer, length) pairs (``UCP_DATATYPE_IOV``), so a message whose pages lie in
@@ -30,6 +31,14 @@ slots does copy once (cma, one ``process_vm_readv`` per entry): 7.2 GB/s at 64 K
 8.3-10.3 at 256 KiB and 10.8-12.3 at 1 MiB in that spike. That is now the shm path for
 StoreRows (ucx_rma.py; one ``ucp_get_nbx`` per run of rows, posted from a C loop);
 these iov sends remain for receivers that do not offer it.
+
+Over tcp with large segments (active-message rendezvous, 2 MiB tcp segments) it is
+otherwise: UCX unpacks each fragment straight into an IOV receive buffer ("rendezvous
+data fetch into iov[32] ... zero-copy", the same protocol as for a contiguous buffer),
+so the UCX plane's tcp receiver takes packed segments for host slots with
+``probe_length`` (a look, nothing taken) and ``tag_recv_exact`` (``ucp_tag_probe_nb``
+with remove + ``ucp_tag_msg_recv_nbx``) into ``page_iov`` entries of the slots
+(ucx_plane "Scatter-gather receives over tcp").
 """
 
 from __future__ import annotations
@@ -115,14 +124,28 @@ def bind_common(lib: ctypes.CDLL) -> tuple[int, int, int]:
     return version
 
 
+class TagRecvInfo(ctypes.Structure):
+    """``ucp_tag_recv_info_t`` (ucp.h): sender tag and message length."""
+
+    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
+
+
+RECV_INFO_SIZE = 16
+
+
 class _Lib:
-    """The bound libucp functions and the one request-parameter block sends use."""
+    """The bound libucp functions and the one request-parameter block sends and
+    receives use (ctypes passes it by reference; UCX only reads it)."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
         vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
         lib.ucp_tag_send_nbx.restype = vp
         lib.ucp_tag_send_nbx.argtypes = [vp, vp, sz, u64, vp]
+        lib.ucp_tag_probe_nb.restype = vp
+        lib.ucp_tag_probe_nb.argtypes = [vp, u64, u64, ctypes.c_int, ctypes.POINTER(TagRecvInfo)]
+        lib.ucp_tag_msg_recv_nbx.restype = vp
+        lib.ucp_tag_msg_recv_nbx.argtypes = [vp, vp, sz, vp, vp]
         self.version = bind_common(lib)
         self.lib = lib
         self.path = path
@@ -158,7 +181,9 @@ def _libucp_path() -> str | None:
 
 
 def _layout_ok() -> bool:
-    return layout_matches(RequestParam, PARAM_LAYOUT, PARAM_SIZE)
+    return layout_matches(RequestParam, PARAM_LAYOUT, PARAM_SIZE) and (
+        ctypes.sizeof(TagRecvInfo) == RECV_INFO_SIZE
+    )
 
 
 def load() -> _Lib | None:
@@ -231,17 +256,20 @@ def iov_entries(
 
 
 class RawRequest:
-    """A libucp send request polled from the worker's thread; duck-types the bits of a
-    ucxx request the plane uses (``completed``, ``check_error``). Frees itself the first
-    time it is seen complete."""
+    """A libucp send or receive request polled from the worker's thread; duck-types the
+    bits of a ucxx request the plane uses (``completed``, ``check_error``). Frees itself
+    the first time it is seen complete."""
 
-    __slots__ = ("_lib", "_ptr", "_status", "buf")
+    __slots__ = ("_lib", "_ptr", "_status", "buf", "what")
 
-    def __init__(self, lib: _Lib, ptr: int | None, status: int, buf: IovBuf) -> None:
+    def __init__(
+        self, lib: _Lib, ptr: int | None, status: int, buf: IovBuf, what: str = "send"
+    ) -> None:
         self._lib = lib
         self._ptr = ptr
         self._status = status
         self.buf = buf  # the iov and its memory stay alive as long as this does
+        self.what = what
 
     @property
     def completed(self) -> bool:
@@ -255,7 +283,7 @@ class RawRequest:
 
     def check_error(self) -> None:
         if self._status not in (_UCS_OK, _UCS_INPROGRESS):
-            raise RuntimeError(f"UCX scatter-gather send failed: ucs_status {self._status}")
+            raise RuntimeError(f"UCX scatter-gather {self.what} failed: ucs_status {self._status}")
 
 
 def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
@@ -276,3 +304,65 @@ def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
         status = ptr - (1 << 64)
         raise RuntimeError(f"ucp_tag_send_nbx (iov) failed: ucs_status {status}")
     return RawRequest(lib, ptr, _UCS_INPROGRESS, buf)
+
+
+def page_iov(regions: list[tuple[int, int, int]], slots: np.ndarray) -> np.ndarray:
+    """The (address, length) entries of pages landing in ``slots`` (in page order) of a
+    host layer group made of ``regions`` ((base address, row stride, row bytes) each, in
+    column order: a page is the concatenation of its row in every region). Returns
+    uint64 [pages, len(regions), 2]: the entries of pages ``a:b`` are ``out[a:b]
+    .reshape(-1, 2)`` (a view), so one call serves every segment of a batch. Not merged:
+    a run of slots stays one entry per page and region (UCX unpacks an iov entry by
+    entry either way). Vectorised: no Python step per page."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    base = np.array([b for b, _, _ in regions], dtype=np.int64)
+    stride = np.array([s for _, s, _ in regions], dtype=np.int64)
+    out = np.empty((slots.size, len(regions), 2), dtype=np.uint64)
+    out[:, :, 0] = base[None, :] + slots[:, None] * stride[None, :]
+    out[:, :, 1] = np.array([n for _, _, n in regions], dtype=np.uint64)[None, :]
+    return out
+
+
+def probe_length(worker_handle: int, tag: int, mask: int) -> tuple[int, int] | None:
+    """(sender tag, length) of the first arrived message matching ``tag``/``mask`` on the
+    ``ucp_worker_h`` ``worker_handle``, left where it is (``ucp_tag_probe_nb`` without
+    remove); None when there is none. Call from the worker's thread."""
+    lib = load()
+    if lib is None:
+        return None
+    info = TagRecvInfo()
+    h = lib.lib.ucp_tag_probe_nb(worker_handle, tag & _U64, mask & _U64, 0, ctypes.byref(info))
+    if not h:
+        return None
+    return int(info.sender_tag), int(info.length)
+
+
+_U64 = (1 << 64) - 1
+
+
+def tag_recv_exact(worker_handle: int, tag: int, buf: IovBuf) -> RawRequest | None:
+    """Take the first arrived message under exactly ``tag`` (probe with remove) and post
+    its receive into ``buf``'s iov (``ucp_tag_msg_recv_nbx`` with ``UCP_DATATYPE_IOV``);
+    None when no such message has arrived (nothing taken). The caller has checked the
+    message's length (``probe_length``) against ``buf.nbytes``: a longer one would end in
+    UCX's truncation error, never past the iov. Call from the worker's thread. Raises
+    when UCX refuses the receive at once (the message is then consumed)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"UCX scatter-gather receives unavailable: {_lib_error}")
+    iov = buf.iov
+    if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
+        raise ValueError("iov must be a C-contiguous uint64 [k, 2] array")
+    info = TagRecvInfo()
+    msg = lib.lib.ucp_tag_probe_nb(worker_handle, tag & _U64, _U64, 1, ctypes.byref(info))
+    if not msg:
+        return None
+    ptr = lib.lib.ucp_tag_msg_recv_nbx(
+        worker_handle, iov.ctypes.data, iov.shape[0], msg, lib.iov_param_ref
+    )
+    if ptr is None:  # completed in place
+        return RawRequest(lib, None, _UCS_OK, buf, "receive")
+    if ptr >= _PTR_ERR_MIN:
+        status = ptr - (1 << 64)
+        raise RuntimeError(f"ucp_tag_msg_recv_nbx (iov) failed: ucs_status {status}")
+    return RawRequest(lib, ptr, _UCS_INPROGRESS, buf, "receive")

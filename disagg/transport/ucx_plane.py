@@ -94,7 +94,8 @@ Wire of the tag path (all tagged messages on one UCX worker per plane):
   arrived with exactly the announced size (ucxx has no request cancel, so a receive
   posted ahead could not be revoked by ``abort``). A run segment for a single
   contiguous region lands zero-copy in the page rows; other segments land in a reusable
-  scratch buffer and are scattered with numpy. Messages under unknown tags (a refused
+  scratch buffer and are scattered with numpy (over tcp with large segments: straight
+  into the slots as iov receives, "Scatter-gather receives over tcp"). Messages under unknown tags (a refused
   batch, a foreign sender) are received into a throw-away buffer.
 - A transfer ends with a TransferDone header; the receiver reports DONE once every
   segment it announced has completed and the page counts agree.
@@ -245,6 +246,45 @@ way) medians 3.34/2.91/3.78. After the change (``DISAGG_UCX_TCP_IOV=0`` for the 
 rounds: defaults 3.03 (0.73, 0.69-0.84) / 2.96 (0.80, 0.75-0.85) / 3.42; hardened/ring
 2.97 (0.76, 0.38-0.87) / 2.34 (0.59, 0.57-2.40) / 3.70; hardened/iov 3.19 (0.86,
 0.79-1.29) / 3.00 (0.85, 0.62-0.88) / 4.04. The in-pair figures are the ones to trust.
+
+Scatter-gather receives over tcp (session 11; ``tcp_iov_recvs``, ``tcp_iov_recv_default``,
+``DISAGG_UCX_TCP_IOV_RECV``, ``_batch_iov``, ``_rx_iov``). Under the same settings the
+receiver's copies were: the kernel's into UCX's 2 MiB tcp receive buffer, UCX's unpack of
+each active-message fragment into the posted buffer (the scratch), and the C row copy
+out of it. A receive whose buffer is an iov of the slots (``ucp_tag_msg_recv_nbx`` with
+``UCP_DATATYPE_IOV``) is unpacked straight into them: ``UCX_PROTO_INFO=used`` on the
+receiver, "rendezvous data fetch into iov[32] host memory from host ... zero-copy",
+exactly as for a contiguous buffer (no copy-in copy-out pieces: that was shm's sysv
+FIFO, ucx_iov.py). So a tcp plane with ``DISAGG_UCX_TCP_IOV_RECV=1`` (opt-in, below)
+computes, when it accepts a host
+batch, the (address, length) entries of every page's slot in every region
+(``ucx_iov.page_iov``, one vectorised call per batch, from slots the book has just
+checked), and receives each packed segment (and a run into a group of several regions)
+as one iov receive: it looks at the arrived message first (libucp probe without
+remove), and only a segment with entries, of a live transfer, with exactly the
+announced length, is taken and posted (``ucx_iov.tag_recv_exact``); anything else goes
+the ucxx way as before (scratch for device slots, in place for a run into one region,
+discard, or the length mismatch that fails the transfer). A message longer than its iov
+could only end in UCX's truncation error (``UCS_ERR_MESSAGE_TRUNCATED``, refused at
+once for a rendezvous; test_ucx_iovrecv.py), never past the entries. A posted receive
+cannot be taken back (``ucp_request_cancel`` reaches only receives still waiting for a
+match; these are matched), so it counts in ``Rx.inflight`` until UCX completes it:
+``abort`` waits for it and reports it if it outlives the wait (a stalled producer), the
+consumer then treats those slots as unsafe ("stuck writes"), as for runs landing in
+place. That is why it is opt-in: a producer stalled past the abort's wait (stopped, or a
+partition UCX has not noticed yet) that later resumes writes those slots, which the
+engine may have reused by then; into scratch it cannot. Closing the accepted endpoints
+through ucxx after the wait did not end the matched receives (tried in session 11: 48
+still in flight a second later); what would make it safe by default is ending them
+for certain (``ucp_ep_close_nbx`` with ``UCP_EP_CLOSE_FLAG_FORCE`` on the producer's
+endpoint, or a worker restart), which also closes the same gap for runs landing in
+place. In-pair (``inpair.py``, modes C64 = iov sends + scratch, R64 = iov sends + iov
+receives, 6-8 invocations of 10 transfers each, medians per invocation; docs/spikes/
+ucx-tcp-iov/NOTES.md): 64 KiB 2.81-3.67 -> 2.70-4.12 GB/s, median gain +15% (-4% in
+the one invocation where the whole box was slow; ratio of raw TCP 0.80-0.94 -> 0.80-1.05,
+mostly ~1.0); 256 KiB 2.70-3.82 -> 3.78-4.32, +8-41%; the consumer's CPU per GB 5-15%
+lower. (Building the entries per segment in Python instead
+of per batch ate the whole gain.)
 
 Tried for tcp in session 6 and not merged (branch ``ucx-tcp``: ``_ucxtag.c``, the
 spike and its notes in ``docs/spikes/ucx-tcp/``): one tag message per run of 256 KiB or more, posted
@@ -808,6 +848,9 @@ _MAPPED_ENV = "DISAGG_UCX_MAPPED"
 # tcp senders: ``1``/``0`` forces scatter-gather sends of store rows on or off (default:
 # on where the context has large tcp segments, ``tcp_large_segments``)
 _TCP_IOV_ENV = "DISAGG_UCX_TCP_IOV"
+# tcp receivers: ``1``/``0`` forces scatter-gather receives of packed segments into host
+# slots on or off (default: on where the context has large tcp segments)
+_TCP_IOV_RECV_ENV = "DISAGG_UCX_TCP_IOV_RECV"
 _MAPPED_THREADS_MIN = 8 << 20  # a mapped copy this big uses HOST_THREADS threads
 _POPULATE_CHUNK = 32 << 20  # a mapped segment's pages are mapped ahead this much a call
 # acknowledgement of an RMA batch, consumer -> producer: bit 62 set, top bit clear (not a
@@ -1017,6 +1060,20 @@ def tcp_iov_default(config: Mapping[str, str]) -> bool:
     return tcp_large_segments(config)
 
 
+def tcp_iov_recv_default(config: Mapping[str, str]) -> bool:
+    """Whether a tcp plane whose UCX context was made with ``config`` receives packed
+    segments for host slots as iov messages straight into the slots (else into scratch,
+    then the C row copy): only with ``DISAGG_UCX_TCP_IOV_RECV=1`` (fast where
+    ``tcp_large_segments(config)``: UCX unpacks each fragment into the posted iov,
+    "rendezvous data fetch into iov[32] ... zero-copy"). Off by default: a receive UCX
+    matched cannot be revoked, so after an ``abort`` that outlived a stalled (not dead)
+    producer, its writes can still reach slots the engine reused; into scratch they
+    cannot ("Scatter-gather receives over tcp"). ``config`` is kept for the caller's
+    symmetry with ``tcp_iov_default``."""
+    del config
+    return os.environ.get(_TCP_IOV_RECV_ENV, "").strip() == "1"
+
+
 def _net_device(host: str) -> str | None:
     """The network device that owns IPv4 ``host`` (a name or address): ``lo`` for
     loopback. None for a wildcard bind (every device, as asked) or an address no device
@@ -1119,6 +1176,10 @@ class _PendingSeg:
     nbytes: int
     whole: bool = False
     slots: np.ndarray | None = None  # destination slot of each page (whole batches)
+    # its pages' (address, length) entries in the slots, when it is to be received as
+    # an iov straight into them (``_rx_iov``), and the group whose memory they name
+    iov: np.ndarray | None = None
+    owner: Any = None
 
 
 @dataclass
@@ -1740,6 +1801,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # pushes to ucx+tcp endpoints send scattered StoreRows segments as iov messages
         # (set by _setup from the context's settings: ``tcp_iov_default``)
         self.tcp_iov_sends = False
+        # a tcp receiver posts packed segments for host slots as iov receives into the
+        # slots (set by _setup: ``tcp_iov_recv_default``; "Scatter-gather receives")
+        self.tcp_iov_recvs = False
         self._bind = urlsplit(bind)
         self._advertise = advertise
         self._thread = threading.Thread(target=self._run, name="disagg-ucx", daemon=True)
@@ -2022,6 +2086,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         # decided from what this context was created with (the environment now and the
         # config dict passed), as UCX read it then
         self.tcp_iov_sends = self.channel != "shm" and tcp_iov_default(config)
+        self.tcp_iov_recvs = (
+            self.channel == "tcp" and tcp_iov_recv_default(config) and ucx_iov.available()
+        )
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._eps: dict[str, Any] = {}  # sender endpoints by data endpoint string
@@ -2241,11 +2308,16 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             key = _tag_key(rx.token)
             if whole and len(msg.runs) > 1:
                 slots = runs_slots(ra)
+            grp = book.groups[msg.group]
+            iov = self._batch_iov(grp, msg) if self.tcp_iov_recvs and not whole else None
             for i, seg in enumerate(segs):
                 tag = _data_tag(key, rx.transfer_id, seq0 + i)
-                self._pending[tag] = _PendingSeg(
-                    rx, msg.group, tag, seg, seg.pages * msg.page_bytes, whole, slots
-                )
+                p = _PendingSeg(rx, msg.group, tag, seg, seg.pages * msg.page_bytes, whole, slots)
+                if iov is not None and not (seg.direct and grp.direct is not None):
+                    # (one run into one region lands in place through ucxx: contiguous)
+                    p.iov = iov[seg.first : seg.first + seg.pages].reshape(-1, 2)
+                    p.owner = grp
+                self._pending[tag] = p
         if whole:  # start its receive now, not after every queued header is decoded
             self._rx_one(tag)
 
@@ -2708,7 +2780,19 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         worker = self._worker
         any_data, mask = ucx_api.UCXXTag(_DATA_BIT), ucx_api.UCXXTagMask(_DATA_BIT)
         while True:
-            probe = worker.tag_probe(any_data, mask, remove=True)
+            if self.tcp_iov_recvs:
+                # look first (libucp, the message stays in UCX): a packed segment for
+                # host slots is taken and received by _rx_iov; anything else by ucxx
+                # below, through an exact-tag probe that takes this very message (the
+                # first under its tag, as it is the first data message that arrived)
+                seen = ucx_iov.probe_length(worker.handle, _DATA_BIT, _DATA_BIT)
+                if seen is None:
+                    return
+                if self._rx_iov(*seen):
+                    continue
+                probe = worker.tag_probe(ucx_api.UCXXTag(seen[0]), remove=True)
+            else:
+                probe = worker.tag_probe(any_data, mask, remove=True)
             if not probe.matched:
                 return
             pend = self._pending.pop(int(probe.sender_tag.value), None)
@@ -2717,6 +2801,60 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 continue
             if self._held or not self._post(probe, pend):
                 self._held.append((probe, pend))  # the message waits in UCX for a buffer
+
+    def _batch_iov(self, grp: Group, msg: m.PageBatch) -> np.ndarray | None:
+        """The iov entries (``ucx_iov.page_iov``: [pages, regions, 2]) of an accepted
+        batch's slots, in page order, when its group is host memory (else None: device
+        slots keep the scratch path). One vectorised call per batch; each packed segment
+        takes a view of its pages. The book has just checked every slot against the
+        group (``accept_batch``): the addresses are computed from checked slots only."""
+        if any(r.tensor.device.type != "cpu" for r in grp.regions):
+            return None
+        if grp.page_bytes != msg.page_bytes:
+            return None
+        slots = runs_slots(msg.runs)
+        regions = [(r.tensor.data_ptr(), r.tensor.stride(0), r.size) for r in grp.regions]
+        return ucx_iov.page_iov(regions, slots)
+
+    def _rx_iov(self, tag: int, length: int) -> bool:
+        """Receive an arrived data message (``tag``, ``length``: seen, not yet taken)
+        straight into its slots when it is a segment with iov entries (``_batch_iov``) of
+        a live transfer, with exactly the announced length: one iov receive
+        (``ucx_iov.tag_recv_exact``), UCX unpacking each fragment into the rows (one user
+        copy; no scratch, no scatter). False (nothing taken) for anything else, which
+        ``_rx_segments`` hands to the ucxx path (scratch, in place, discard, or failing
+        the transfer on a length mismatch).
+
+        The slots were checked when the header was accepted, before this receive can be
+        posted. Once posted, UCX cannot take it back (a matched receive is not
+        cancellable: ``ucp_request_cancel`` only reaches receives still waiting for a
+        match), so it counts in ``rx.inflight`` like any write into the regions:
+        ``abort`` waits for it, and a transfer ends DONE only after it."""
+        p = self._pending.get(tag)
+        if p is None or p.iov is None or length != p.nbytes:
+            return False
+        book = self._book
+        with book.cond:
+            rx = p.rx
+            if rx.state.final:
+                return False  # discarded by the ucxx path
+            buf = ucx_iov.IovBuf(p.iov, p.nbytes, p.owner)
+            try:
+                req = ucx_iov.tag_recv_exact(self._worker.handle, tag, buf)
+            except Exception as exc:  # the message was taken: the transfer cannot end
+                self._pending.pop(tag)
+                rx.queued -= 1
+                book.fail(rx, f"receive failed: {exc}")
+                book.cond.notify_all()
+                return True
+            if req is None:  # not there after all (cannot happen on this thread)
+                return False
+            self._pending.pop(tag)
+            rx.queued -= 1
+            rx.inflight += 1
+            self.stats["iov_recvs"] += 1
+        self._rx_reqs.append((req, p, None, None))
+        return True
 
     def _rx_one(self, tag: int) -> None:
         """Post the receive of one announced segment if its message has arrived (an

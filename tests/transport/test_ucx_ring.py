@@ -52,7 +52,11 @@ def _expect(slab: np.ndarray, rows, cols, dst, pb: int) -> np.ndarray:
 def _receiver(pb, transfers, stop_after_first_segment, q_out, q_in):
     """``transfers``: [(transfer_id, expected pages)]. ``stop_after_first_segment``: the
     process stops itself (SIGSTOP) right after its first segment lands, so the sender
-    has sends in flight when the test kills it."""
+    has sends in flight when the test kills it. Scratch receives (at most 4 posted at
+    once), not iov receives: an iov receiver takes every arrived segment at once, so a
+    push this small would be all sent (DONE at the sender) before the receiver stops,
+    leaving no sends in flight for these tests of the sender."""
+    os.environ["DISAGG_UCX_TCP_IOV_RECV"] = "0"
     _small_segments()
     from harness import stop_after_first_landing
 

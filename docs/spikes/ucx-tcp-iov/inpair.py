@@ -2,7 +2,9 @@
 one plane per UCX config (A: today's defaults; H: hardened; H64: hardened +
 UCX_TCP_MAX_IOV=64), pushes of N random 2N-store rows into random slots alternating modes
 and a raw TCP stream (1 MiB sendall, like ceilings.socket_gbps) in between.
-Modes: A (ring), B (H, ring), C (H, iov 2 MiB segs), C64 (H64, iov 2 MiB), raw.
+Modes: A (ring), B (H, ring), C (H, iov 2 MiB segs), C64 (H64, iov 2 MiB), raw;
+R64 (H64, iov sends, and the consumer receives packed segments as iov receives straight
+into the slots, ``tcp_iov_recvs``; every other mode receives into scratch + C row copy).
 (C16, iov in 16 MiB segments, was measured with a since-removed patch that made the
 sender ignore the receiver's seg=2m.)
 usage: inpair.py PAGE_BYTES ROUNDS MODES..."""
@@ -14,7 +16,7 @@ TOTAL = 256 << 20
 HARD = dict(UCX_TCP_PUT_ENABLE="n", UCX_RNDV_SCHEME="am", UCX_TCP_TX_SEG_SIZE="2m",
             UCX_TCP_RX_SEG_SIZE="2m")
 CFGS = {"A": {"UCX_RNDV_SCHEME": "put_zcopy"}, "H": HARD, "H64": dict(HARD, UCX_TCP_MAX_IOV="64")}
-MODE_CFG = {"A": "A", "B": "H", "C": "H", "C64": "H64"}
+MODE_CFG = {"A": "A", "B": "H", "C": "H", "C64": "H64", "R64": "H64"}
 KEYS = ["UCX_TCP_PUT_ENABLE", "UCX_RNDV_SCHEME", "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE",
         "UCX_TCP_MAX_IOV"]
 
@@ -69,12 +71,13 @@ def producer(pb, conn, cfgs):
             continue
         _, mode, endpoint, tid, src, dst = msg
         p = ps[MODE_CFG[mode]]
-        p.tcp_iov_sends = mode.startswith("C")  # normally decided once, from the context
+        p.tcp_iov_sends = mode[0] in "CR"  # normally decided once, from the context
         before = p.stats["iov_sends"]
+        c0 = time.process_time()
         pages = [(0, *push_source(p, rows, src, ((0, pb),), dst))]
         h = p.post_push(endpoint, tid, 1, b"bench", pages, deadline_s=300)
         s = p.wait_push(h, 300)
-        conn.send((s.error, p.stats["iov_sends"] - before))
+        conn.send((s.error, p.stats["iov_sends"] - before, time.process_time() - c0))
     for p in ps.values():
         p.close()
 
@@ -95,10 +98,14 @@ def main():
     for p in ps.values():
         p.register_regions([[pool]])
     assert b.recv() == "ready"
+    if os.environ.get("INPAIR_GC") == "off":  # is a slow transfer a garbage collection?
+        import gc
+        gc.disable()
     srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
     dstbuf = np.zeros(TOTAL, np.uint8); mv = dstbuf.data
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(int(os.environ.get("INPAIR_SEED", "1")))
     res = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}  # (consumer, producer) CPU seconds per GB, all threads
     tid = 0
     raw_c = None
     for r in range(rounds + 1):  # round 0: warm-up
@@ -122,7 +129,10 @@ def main():
                 p = ps[MODE_CFG[mode]]
                 src = rng.permutation(2 * n)[:n].astype(np.int64)
                 dst = rng.permutation(2 * n)[:n].astype(np.int64)
+                p.tcp_iov_recvs = mode.startswith("R")  # normally decided once
+                rb = p.stats["iov_recvs"]
                 p.expect(tid, 1, b"bench", [n], 300)
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 b.send(("push", mode, p.endpoint, tid, src, dst))
                 while True:
@@ -131,9 +141,13 @@ def main():
                         break
                     time.sleep(0.0002)
                 dt = time.perf_counter() - t0
-                err, iovs = b.recv()
+                ccpu = time.process_time() - c0
+                err, iovs, pcpu = b.recv()
+                if r:
+                    cpu[mode].append((ccpu / TOTAL * 1e9, pcpu / TOTAL * 1e9))
                 assert s.done, (s.error, err)
-                assert (iovs > 0) == mode.startswith("C"), (mode, iovs)
+                assert (iovs > 0) == (mode[0] in "CR"), (mode, iovs)
+                assert (p.stats["iov_recvs"] > rb) == (mode[0] == "R"), (mode, p.stats)
                 got = pool.numpy()[dst, :8].copy().view(np.int64).reshape(-1)
                 assert np.array_equal(got, src)
             if r:
@@ -146,7 +160,11 @@ def main():
     for m in modes:
         xs = res[m]
         print(f"pb={pb>>10}KiB {m:4s} median {st.median(xs):.2f} GB/s [{min(xs):.2f}-{max(xs):.2f}]"
-              + (f" ratio {st.median(xs)/raw:.2f}" if raw else ""), flush=True)
+              + (f" ratio {st.median(xs)/raw:.2f}" if raw else "")
+            + (f" cpu s/GB consumer {st.median(c for c, _ in cpu[m]):.3f}"
+               f" producer {st.median(q for _, q in cpu[m]):.3f}" if cpu[m] else "")
+            + (f"\n    runs {' '.join(f'{x:.2f}' for x in xs)}" if os.environ.get("INPAIR_RUNS") else ""),
+            flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,324 @@
+"""Scatter-gather receives over tcp (ucx_plane "Scatter-gather receives over tcp"; opt-in,
+``DISAGG_UCX_TCP_IOV_RECV=1``): a tcp receiver posts each packed segment for host
+slots as ONE iov receive straight into the slots (``ucx_iov.tag_recv_exact``), instead
+of a receive into scratch and a row copy. Checked: the entries (``page_iov``), pushes
+between two processes byte for byte (one region, two strided regions, the switch off),
+an abort while iov receives are in flight (the slots are reported busy until UCX is
+done with them, and nothing lands after an abort that reported none), and UCX's
+truncation of a message longer than the iov. Skipped without ucxx."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+pytest.importorskip(
+    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+)
+from disagg.transport import ucx_iov, ucx_plane  # noqa: E402
+from disagg.transport.dataplane import StoreRows  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+PB = 64 << 10
+SLOTS = 160
+
+
+def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
+    r = np.arange(rows, dtype=np.int64)[:, None]
+    c = np.arange(width, dtype=np.int64)[None, :]
+    return torch.from_numpy(((r * 131 + c * 7 + salt * 29) % 251).astype(np.uint8))
+
+
+def test_page_iov_entries():
+    regions = [(1000, 300, 100), (50_000, 64, 40)]  # strided rows, two regions
+    e = ucx_iov.page_iov(regions, np.array([3, 0, 7]))
+    assert e.shape == (3, 2, 2) and e.dtype == np.uint64
+    assert e.reshape(-1, 2).tolist() == [
+        [1900, 100], [50_192, 40],
+        [1000, 100], [50_000, 40],
+        [3100, 100], [50_448, 40],
+    ]  # fmt: skip
+    # a segment's entries are a view of its pages, C-contiguous as UCX wants them
+    seg = e[1:3].reshape(-1, 2)
+    assert seg.flags.c_contiguous and np.shares_memory(seg, e)
+    assert ucx_iov.page_iov(regions, np.array([], dtype=np.int64)).shape == (0, 2, 2)
+
+
+def test_iov_recv_is_opt_in(monkeypatch):
+    """Off unless ``DISAGG_UCX_TCP_IOV_RECV=1``: a receive UCX matched cannot be revoked,
+    so a stalled producer's writes could reach slots after an abort
+    (test_abort_with_iov_receives_in_flight)."""
+    default = ucx_plane.tcp_iov_recv_default
+    monkeypatch.delenv("DISAGG_UCX_TCP_IOV_RECV", raising=False)
+    for k in ("UCX_RNDV_SCHEME", "UCX_TCP_TX_SEG_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert not default(ucx_plane.TCP_HARDENING) and not default({})
+    monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "0")
+    assert not default(ucx_plane.TCP_HARDENING)
+    monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "1")
+    assert default(ucx_plane.TCP_HARDENING)
+
+
+def _pool(layout: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The receiver's memory and its regions: one [SLOTS, PB] region, or two regions
+    (40 KiB and 24 KiB columns) that are strided views of one wider buffer."""
+    if layout == "one":
+        pool = torch.zeros(SLOTS, PB, dtype=torch.uint8)
+        return pool, [pool]
+    wide = torch.zeros(SLOTS, PB + 4096, dtype=torch.uint8)
+    return wide, [wide[:, 4096 : 4096 + (40 << 10)], wide[:, 4096 + (40 << 10) :]]
+
+
+def _view(buf: np.ndarray, layout: str) -> np.ndarray:
+    """The pages as the sender sent them ([SLOTS, PB]) out of the receiver's memory."""
+    return buf if layout == "one" else buf[:, 4096:]
+
+
+def _receiver(layout, env, transfers, q_out, q_in):
+    os.environ.update(env)
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="tcp")
+    mem, regions = _pool(layout)
+    plane.register_regions([regions])
+    q_out.put((plane.endpoint, plane.tcp_iov_recvs))
+    for tid, pages in transfers:
+        plane.expect(tid, 3, b"tok", [pages], 60)
+        q_out.put("expecting")
+        st = plane.wait(tid, 60)
+        q_out.put((st.state.value, st.error, mem.numpy().copy(), plane.stats["iov_recvs"]))
+    q_in.get(timeout=60)
+    plane.close()
+
+
+def _sender(endpoint, pushes, q_out, q_go):
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="tcp")
+    for tid, rows, dst, salt in pushes:
+        q_go.get(timeout=60)
+        slab = _slab(2 * SLOTS, PB, salt)
+        src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, PB),))
+        h = plane.post_push(endpoint, tid, 3, b"tok", [(0, src, dst)], deadline_s=60)
+        st = plane.wait_push(h, 60)
+        q_out.put((st.state.value, st.error))
+    q_go.get(timeout=60)
+    plane.close()
+
+
+def _stop(procs):
+    for p in procs:
+        p.join(15)
+        if p.is_alive():
+            p.kill()
+
+
+@pytest.mark.parametrize(
+    "layout, env, want_iov",
+    [
+        ("one", {"DISAGG_UCX_TCP_IOV_RECV": "1"}, True),
+        ("two", {"DISAGG_UCX_TCP_IOV_RECV": "1"}, True),
+        ("one", {}, False),  # the default (opt-in: see test_abort_with_iov_receives...)
+    ],
+    ids=["one-region", "two-strided-regions", "default-off"],
+)
+def test_packed_segments_land_byte_exact(layout, env, want_iov):
+    """Random store rows into random slots (a few skipped, and a run of 20 adjacent
+    slots: one entry per page either way): 2 MiB packed segments of 32 pages land byte
+    for byte, as iov receives straight into the slots (counted in ``iov_recvs``), or,
+    switched off, into scratch and the row copy; a second push lands over the first."""
+    rng = np.random.default_rng(21)
+    ctx = mp.get_context("spawn")
+    q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
+    rows = np.concatenate([rng.permutation(2 * SLOTS)[:100], np.arange(200, 220)])
+    dst = np.concatenate([rng.permutation(np.arange(40, SLOTS))[:100], np.arange(0, 20)])
+    dst[[5, 60]] = -1
+    rows2, dst2 = rng.permutation(2 * SLOTS)[:64], rng.permutation(SLOTS)[:64]
+    n1, n2 = int((dst >= 0).sum()), 64
+    r = ctx.Process(target=_receiver, args=(layout, env, [(1, n1), (2, n2)], q_r, q_in))
+    r.start()
+    ep, iov_on = q_r.get(timeout=30)
+    pushes = [(1, rows.tolist(), dst.tolist(), 1), (2, rows2.tolist(), dst2.tolist(), 2)]
+    s = ctx.Process(target=_sender, args=(ep, pushes, q_s, q_go))
+    s.start()
+    try:
+        got = []
+        for _ in pushes:
+            assert q_r.get(timeout=30) == "expecting"
+            q_go.put(None)
+            got.append((q_r.get(timeout=60), q_s.get(timeout=60)))
+    finally:
+        q_in.put(None)
+        q_go.put(None)
+        _stop([s, r])
+    assert iov_on is want_iov
+    want = np.zeros((SLOTS, PB), dtype=np.uint8)
+    for k, (rw, ds, salt) in enumerate([(rows, dst, 1), (rows2, dst2, 2)]):
+        keep = ds >= 0
+        want[ds[keep]] = _slab(2 * SLOTS, PB, salt).numpy()[rw[keep]]
+        (state, err, mem, iovs), (tstate, terr) = got[k]
+        assert (state, err) == ("done", None), err
+        assert (tstate, terr) == ("done", None), terr
+        np.testing.assert_array_equal(_view(mem, layout), want)
+    # push 1: 98 scattered pages in 4 packed segments and the run of 20 as one segment
+    # of its own (in place through ucxx into one region; an iov across two regions);
+    # push 2: 64 pages, 2 packed segments
+    assert got[-1][0][3] == ((6 if layout == "one" else 7) if want_iov else 0)
+
+
+# ------------------------------ abort mid-transfer ---------------------------------------
+BIG = 2048  # 128 MiB of 64 KiB pages: 64 segments
+
+
+def _abort_receiver(q_out, q_in):
+    os.environ["DISAGG_UCX_TCP_IOV_RECV"] = "1"
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    plane = UcxDataPlane(channel="tcp")
+    plane.abort_wait_s = 1.0
+    pool = torch.zeros(BIG, PB, dtype=torch.uint8)
+    plane.register_regions([[pool]])
+    q_out.put(plane.endpoint)
+    plane.expect(1, 3, b"tok", [BIG], 60)
+    q_out.put("expecting")
+    while plane.poll(1).pages == 0:  # the first segment landed: others are in flight
+        time.sleep(0.0005)
+    q_out.put("landing")
+    assert q_in.get(timeout=60) == "stopped"  # the producer is SIGSTOPped
+    left = plane.abort(1, "test abort")
+    rx = plane._book.rx[1]
+    q_out.put(("aborted", left, plane.poll(1).state.value, plane.stats["iov_recvs"]))
+    assert q_in.get(timeout=60) == "resumed"
+    end = time.monotonic() + 30
+    while rx.inflight and time.monotonic() < end:  # UCX finishes what it had taken
+        time.sleep(0.01)
+    settled = pool.numpy().copy()
+    time.sleep(0.5)
+    quiet = bool(np.array_equal(settled, pool.numpy()))
+    q_out.put(("settled", rx.inflight, quiet, plane.poll(1).state.value))
+    # the plane serves on: a second transfer into the same slots lands whole
+    plane.expect(2, 3, b"tok", [BIG], 60)
+    q_out.put("expecting")
+    st = plane.wait(2, 60)
+    q_out.put((st.state.value, st.error, pool.numpy().copy()))
+    q_in.get(timeout=60)
+    plane.close()
+
+
+def test_abort_with_iov_receives_in_flight():
+    """A producer stopped dead (SIGSTOP) after the first segment of a 128 MiB push
+    landed leaves iov receives posted into the slots. ``abort`` must not call those
+    slots free: it reports the receives still under way (UCX cannot revoke a matched
+    receive; ``Rx.inflight`` holds until each completes), the transfer is FAILED and
+    stays so when the producer resumes and UCX completes them, nothing changes in the
+    pool once they are done, and the next transfer into the same slots lands byte for
+    byte."""
+    ctx = mp.get_context("spawn")
+    q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
+    r = ctx.Process(target=_abort_receiver, args=(q_r, q_in))
+    r.start()
+    ep = q_r.get(timeout=30)
+    rows1 = np.random.default_rng(3).permutation(2 * SLOTS * 16)[:BIG] % (2 * SLOTS)
+    dst = np.random.default_rng(4).permutation(BIG)
+    pushes = [(1, rows1.tolist(), dst.tolist(), 1), (2, rows1.tolist(), dst.tolist(), 2)]
+    s = ctx.Process(target=_sender, args=(ep, pushes, q_s, q_go))
+    s.start()
+    try:
+        assert q_r.get(timeout=30) == "expecting"
+        q_go.put(None)
+        assert q_r.get(timeout=60) == "landing"
+        os.kill(s.pid, signal.SIGSTOP)
+        q_in.put("stopped")
+        _, left, state, iovs = q_r.get(timeout=60)
+        os.kill(s.pid, signal.SIGCONT)
+        q_in.put("resumed")
+        _, inflight, quiet, state_after = q_r.get(timeout=60)
+        q_s.get(timeout=60)  # push 1's end (failed or done: the receiver decided)
+        assert q_r.get(timeout=30) == "expecting"
+        q_go.put(None)
+        state2, err2, pool = q_r.get(timeout=60)
+        q_s.get(timeout=60)
+    finally:
+        os.kill(s.pid, signal.SIGCONT) if s.is_alive() else None
+        q_in.put(None)
+        q_go.put(None)
+        _stop([s, r])
+    assert iovs > 0  # the path under test was taken
+    assert state == "failed" and state_after == "failed"
+    assert left > 0  # receives into the slots were still under way: reported busy
+    assert inflight == 0 and quiet
+    assert (state2, err2) == ("done", None), err2
+    want = np.empty((BIG, PB), dtype=np.uint8)
+    want[dst] = _slab(2 * SLOTS, PB, 2).numpy()[rows1]
+    np.testing.assert_array_equal(pool, want)
+
+
+# ------------------------------ truncation ------------------------------------------------
+def test_longer_message_than_the_iov_is_truncated_not_written_past():
+    """``tag_recv_exact`` into an iov shorter than the message (the plane never posts
+    one: it checks the length first): UCX ends the receive with an error and writes
+    nothing beyond the iov's entries, over the hardened tcp settings (3 MiB: the
+    active-message rendezvous) and for an eager-sized message."""
+    import ucxx._lib.libucxx as u
+    from ucxx._lib.arr import Array
+
+    cfg = {"NET_DEVICES": "lo", **ucx_plane.TCP_HARDENING}
+    ctx = u.UCXContext(config_dict=cfg, feature_flags=(u.Feature.TAG,))
+    wa, wb = u.UCXWorker(ctx), u.UCXWorker(ctx)
+    accepted: list = []
+    holder: list = []
+
+    def on_connect(cr):
+        accepted.append(holder[0].create_endpoint_from_conn_request(cr, True))
+
+    lst = u.UCXListener.create(worker=wa, port=0, cb_func=on_connect)
+    holder.append(lst)
+    ep = u.UCXEndpoint.create(wb, "127.0.0.1", lst.port, True)
+    for _ in range(2000):
+        if accepted:
+            break
+        wa.progress()
+        wb.progress()
+        time.sleep(0.001)
+    assert accepted
+    sends: list = []
+    for size, tag in ((3 << 20, 11), (4 << 10, 12)):
+        src = np.full(size, 7, dtype=np.uint8)
+        sends.append((ep.tag_send(Array(src), u.UCXXTag(tag)), src))  # kept alive
+        seen = None
+        for _ in range(5000):
+            wa.progress()
+            wb.progress()
+            seen = ucx_iov.probe_length(wa.handle, tag, (1 << 64) - 1)
+            if seen is not None:
+                break
+        assert seen == (tag, size)
+        dst = np.zeros(size, dtype=np.uint8)
+        half = size // 4
+        base = dst.ctypes.data
+        # two entries, a gap between them, a quarter of the message each
+        iov = np.array([[base, half], [base + 2 * half, half]], dtype=np.uint64)
+        try:
+            req = ucx_iov.tag_recv_exact(wa.handle, tag, ucx_iov.IovBuf(iov, 2 * half, dst))
+        except RuntimeError as exc:  # refused at once (the rendezvous: its length is known)
+            assert "ucs_status -9" in str(exc)  # UCS_ERR_MESSAGE_TRUNCATED
+            req = None
+        for _ in range(2000):
+            wa.progress()
+            wb.progress()
+            if req is None or req.completed:
+                break
+        if req is not None:
+            assert req.completed
+            with pytest.raises(RuntimeError, match="receive failed: ucs_status -9"):
+                req.check_error()
+        assert not dst[half : 2 * half].any() and not dst[3 * half :].any()
+    del ep, accepted[:], holder[:], lst
