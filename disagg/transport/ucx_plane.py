@@ -275,10 +275,13 @@ place. That is why it is opt-in: a producer stalled past the abort's wait (stopp
 partition UCX has not noticed yet) that later resumes writes those slots, which the
 engine may have reused by then; into scratch it cannot. Closing the accepted endpoints
 through ucxx after the wait did not end the matched receives (tried in session 11: 48
-still in flight a second later); what would make it safe by default is ending them
-for certain (``ucp_ep_close_nbx`` with ``UCP_EP_CLOSE_FLAG_FORCE`` on the producer's
-endpoint, or a worker restart), which also closes the same gap for runs landing in
-place. In-pair (``inpair.py``, modes C64 = iov sends + scratch, R64 = iov sends + iov
+still in flight a second later); ``ucp_ep_close_nbx`` with ``UCP_EP_CLOSE_FLAG_FORCE``
+on the accepted endpoints, called through libucp on the progress thread, does end them
+(docs/spikes/ucx-tcp-iov/forceclose.py: 52-59 receives ended 0.15-0.25 s after it, and
+nothing landed once the producer resumed), but the plane's ``close`` then hung: ucxx
+0.52 still owns those endpoints. Making ucxx let go of a force-closed endpoint (or
+restarting the worker) is what would make iov receives safe by default, and would close
+the same gap for runs landing in place. In-pair (``inpair.py``, modes C64 = iov sends + scratch, R64 = iov sends + iov
 receives, 6-8 invocations of 10 transfers each, medians per invocation; docs/spikes/
 ucx-tcp-iov/NOTES.md): 64 KiB 2.81-3.67 -> 2.70-4.12 GB/s, median gain +15% (-4% in
 the one invocation where the whole box was slow; ratio of raw TCP 0.80-0.94 -> 0.80-1.05,
