@@ -214,3 +214,13 @@ def stop_after_first_landing(q_out: Any) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
     receiver.ReceiverBook.landed = landed  # type: ignore[method-assign]
+
+
+def stop_processes(procs: list[Any]) -> None:
+    """Join each process (15 s), killing one that is still alive."""
+    for p in procs:
+        if p is None:
+            continue
+        p.join(15)
+        if p.is_alive():
+            p.kill()

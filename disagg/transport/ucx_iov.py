@@ -286,15 +286,22 @@ class RawRequest:
             raise RuntimeError(f"UCX scatter-gather {self.what} failed: ucs_status {self._status}")
 
 
-def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
-    """Post ``buf`` as one tagged message on the ``ucp_ep_h`` ``ep_handle`` (call from the
-    worker's thread). Raises when UCX refuses it at once."""
+def _lib_and_iov(buf: IovBuf, what: str) -> tuple[_Lib, np.ndarray]:
+    """The bound libucp and ``buf``'s entries, checked: RuntimeError when libucp is not
+    usable, ValueError for entries UCX could not read as ``ucp_dt_iov_t``."""
     lib = load()
     if lib is None:
-        raise RuntimeError(f"UCX scatter-gather sends unavailable: {_lib_error}")
+        raise RuntimeError(f"UCX scatter-gather {what} unavailable: {_lib_error}")
     iov = buf.iov
     if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
         raise ValueError("iov must be a C-contiguous uint64 [k, 2] array")
+    return lib, iov
+
+
+def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
+    """Post ``buf`` as one tagged message on the ``ucp_ep_h`` ``ep_handle`` (call from the
+    worker's thread). Raises when UCX refuses it at once."""
+    lib, iov = _lib_and_iov(buf, "sends")
     ptr = lib.lib.ucp_tag_send_nbx(
         ep_handle, iov.ctypes.data, iov.shape[0], tag & ((1 << 64) - 1), lib.iov_param_ref
     )
@@ -347,12 +354,7 @@ def tag_recv_exact(worker_handle: int, tag: int, buf: IovBuf) -> RawRequest | No
     message's length (``probe_length``) against ``buf.nbytes``: a longer one would end in
     UCX's truncation error, never past the iov. Call from the worker's thread. Raises
     when UCX refuses the receive at once (the message is then consumed)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"UCX scatter-gather receives unavailable: {_lib_error}")
-    iov = buf.iov
-    if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not iov.flags.c_contiguous:
-        raise ValueError("iov must be a C-contiguous uint64 [k, 2] array")
+    lib, iov = _lib_and_iov(buf, "receives")
     info = TagRecvInfo()
     msg = lib.lib.ucp_tag_probe_nb(worker_handle, tag & _U64, _U64, 1, ctypes.byref(info))
     if not msg:

@@ -115,10 +115,9 @@ def _sender(endpoint, pushes, q_out, q_go):
 
 
 def _stop(procs):
-    for p in procs:
-        p.join(15)
-        if p.is_alive():
-            p.kill()
+    from harness import stop_processes
+
+    stop_processes(procs)
 
 
 @pytest.mark.parametrize(

@@ -120,10 +120,9 @@ def _spawn(ctx, target, *args):
 
 
 def _stop(procs):
-    for p in procs:
-        p.join(15)
-        if p.is_alive():
-            p.kill()
+    from harness import stop_processes
+
+    stop_processes(procs)
 
 
 @pytest.mark.parametrize(
