@@ -62,6 +62,7 @@ _UCS_OK = 0
 _UCS_INPROGRESS = 1
 _UCS_ERR_LAST = -100
 _PTR_ERR_MIN = (1 << 64) + _UCS_ERR_LAST  # UCS_PTR_IS_ERR: (uintptr_t)p >= UCS_ERR_LAST
+_U64 = (1 << 64) - 1  # tags and masks are uint64_t
 
 
 class RequestParam(ctypes.Structure):
@@ -303,7 +304,7 @@ def tag_send(ep_handle: int, buf: IovBuf, tag: int) -> RawRequest:
     worker's thread). Raises when UCX refuses it at once."""
     lib, iov = _lib_and_iov(buf, "sends")
     ptr = lib.lib.ucp_tag_send_nbx(
-        ep_handle, iov.ctypes.data, iov.shape[0], tag & ((1 << 64) - 1), lib.iov_param_ref
+        ep_handle, iov.ctypes.data, iov.shape[0], tag & _U64, lib.iov_param_ref
     )
     if ptr is None:  # completed in place (small message)
         return RawRequest(lib, None, _UCS_OK, buf)
@@ -342,9 +343,6 @@ def probe_length(worker_handle: int, tag: int, mask: int) -> tuple[int, int] | N
     if not h:
         return None
     return int(info.sender_tag), int(info.length)
-
-
-_U64 = (1 << 64) - 1
 
 
 def tag_recv_exact(worker_handle: int, tag: int, buf: IovBuf) -> RawRequest | None:
