@@ -255,8 +255,8 @@ out of it. A receive whose buffer is an iov of the slots (``ucp_tag_msg_recv_nbx
 ``UCP_DATATYPE_IOV``) is unpacked straight into them: ``UCX_PROTO_INFO=used`` on the
 receiver, "rendezvous data fetch into iov[32] host memory from host ... zero-copy",
 exactly as for a contiguous buffer (no copy-in copy-out pieces: that was shm's sysv
-FIFO, ucx_iov.py). So a tcp plane with ``DISAGG_UCX_TCP_IOV_RECV=1`` (opt-in, below)
-computes, when it accepts a host
+FIFO, ucx_iov.py). So a tcp plane under those settings (``DISAGG_UCX_TCP_IOV_RECV=0``
+turns it off, ``=1`` on under an operator's protocol) computes, when it accepts a host
 batch, the (address, length) entries of every page's slot in every region
 (``ucx_iov.page_iov``, one vectorised call per batch, from slots the book has just
 checked), and receives each packed segment (and a run into a group of several regions)
@@ -268,20 +268,28 @@ discard, or the length mismatch that fails the transfer). A message longer than 
 could only end in UCX's truncation error (``UCS_ERR_MESSAGE_TRUNCATED``, refused at
 once for a rendezvous; test_ucx_iovrecv.py), never past the entries. A posted receive
 cannot be taken back (``ucp_request_cancel`` reaches only receives still waiting for a
-match; these are matched), so it counts in ``Rx.inflight`` until UCX completes it:
-``abort`` waits for it and reports it if it outlives the wait (a stalled producer), the
-consumer then treats those slots as unsafe ("stuck writes"), as for runs landing in
-place. That is why it is opt-in: a producer stalled past the abort's wait (stopped, or a
-partition UCX has not noticed yet) that later resumes writes those slots, which the
-engine may have reused by then; into scratch it cannot. Closing the accepted endpoints
-through ucxx after the wait did not end the matched receives (tried in session 11: 48
-still in flight a second later); ``ucp_ep_close_nbx`` with ``UCP_EP_CLOSE_FLAG_FORCE``
-on the accepted endpoints, called through libucp on the progress thread, does end them
-(docs/spikes/ucx-tcp-iov/forceclose.py: 52-59 receives ended 0.15-0.25 s after it, and
-nothing landed once the producer resumed), but the plane's ``close`` then hung: ucxx
-0.52 still owns those endpoints. Making ucxx let go of a force-closed endpoint (or
-restarting the worker) is what would make iov receives safe by default, and would close
-the same gap for runs landing in place. In-pair (``inpair.py``, modes C64 = iov sends + scratch, R64 = iov sends + iov
+match; these are matched), so it counts in ``Rx.inflight`` until UCX completes it, and
+``abort`` waits for it; one that outlives the wait (a stalled producer) is ended by
+severing (below). Opt-in in session 11 for want of that.
+
+Severing (session 12; ``UcxDataPlane.abort``, ``_sever``, ``sever_wait_s``). Receives
+straight into slots (iov receives; runs of 1 MiB+ landing in place, on every channel)
+can outlive an abort's wait when the producer stalls (stopped, or a partition UCX has
+not noticed yet); resumed, it would finish them into slots the engine may have reused.
+So when writes outlive ``abort_wait_s`` on the tcp channel, the plane force-closes
+every accepted endpoint on its progress thread (ucxx ``close_blocking``: accepted
+endpoints have error handling, so ucxx closes with ``UCP_EP_CLOSE_FLAG_FORCE`` and then
+lets go of the UCP handle), which ends their matched receives with an error within
+0.04-0.27 s (about 60 receives of 2 MiB; docs/spikes/ucx-tcp-iov/forceclose.py); what
+the producer sends after resuming meets a closed connection and lands nowhere. Then
+``abort`` waits again (``sever_wait_s``) and returns what is left (0 in every run so
+far). UCX does not say which connection a matched receive came over, so every
+producer's connection goes: their transfers under way fail (the consumer's failure rule
+recomputes) and each producer reconnects on its next push. (Session 11 tried ucxx's
+non-blocking ``close()``, which leaves the receives running, and ``ucp_ep_close_nbx``
+through libucp, after which ucxx hung closing the plane.) Worker-address channels
+(shm, auto) have no accepted endpoints to sever: there a stuck write stays reported
+and the consumer stops reusing slots ("stuck writes"). In-pair (``inpair.py``, modes C64 = iov sends + scratch, R64 = iov sends + iov
 receives, 6-8 invocations of 10 transfers each, medians per invocation; docs/spikes/
 ucx-tcp-iov/NOTES.md): 64 KiB 2.81-3.67 -> 2.70-4.12 GB/s, median gain +15% (-4% in
 the one invocation where the whole box was slow; ratio of raw TCP 0.80-0.94 -> 0.80-1.05,
@@ -1066,15 +1074,15 @@ def tcp_iov_default(config: Mapping[str, str]) -> bool:
 def tcp_iov_recv_default(config: Mapping[str, str]) -> bool:
     """Whether a tcp plane whose UCX context was made with ``config`` receives packed
     segments for host slots as iov messages straight into the slots (else into scratch,
-    then the C row copy): only with ``DISAGG_UCX_TCP_IOV_RECV=1`` (fast where
-    ``tcp_large_segments(config)``: UCX unpacks each fragment into the posted iov,
-    "rendezvous data fetch into iov[32] ... zero-copy"). Off by default: a receive UCX
-    matched cannot be revoked, so after an ``abort`` that outlived a stalled (not dead)
-    producer, its writes can still reach slots the engine reused; into scratch they
-    cannot ("Scatter-gather receives over tcp"). ``config`` is kept for the caller's
-    symmetry with ``tcp_iov_default``."""
-    del config
-    return os.environ.get(_TCP_IOV_RECV_ENV, "").strip() == "1"
+    then the C row copy): ``DISAGG_UCX_TCP_IOV_RECV`` ``1``/``0`` when set, else
+    ``tcp_large_segments(config)`` (the hardened setting, where UCX unpacks each fragment
+    into the posted iov: "rendezvous data fetch into iov[32] ... zero-copy"). Safe by
+    default since ``abort`` severs the producers' connections when such receives outlive
+    its wait ("Severing"): a stalled producer that resumes cannot reach reused slots."""
+    forced = os.environ.get(_TCP_IOV_RECV_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return tcp_large_segments(config)
 
 
 def _net_device(host: str) -> str | None:
@@ -1746,6 +1754,9 @@ class UcxDataPlane(BookedReceiver, DataPlane):
     # wait() sleeps on the book's condition (notified as pages land and transfers end)
     # in short slices: the base class's backoff grows to 10 ms, a third of a 30 ms transfer
     wait_slice_s = _BUSY_WAIT_S * 5
+    # after severing the producers' connections (abort), how long their receives may take
+    # to end with an error (0.04-0.27 s measured for ~60 receives of 2 MiB)
+    sever_wait_s = 2.0
 
     def __init__(
         self,
@@ -1961,6 +1972,66 @@ class UcxDataPlane(BookedReceiver, DataPlane):
 
     def poll_push(self, handle: PushHandle) -> TransferStatus:
         return handle.status()
+
+    def abort(self, transfer_id: int, reason: str = "aborted") -> int:
+        """Fail the transfer and wait (``abort_wait_s``) for its writes under way.
+
+        Called by the consumer (any thread but the progress thread), once per transfer it
+        gives up on. Writes that outlive the wait are receives UCX already matched, straight
+        into slots (iov receives, runs landing in place): UCX cannot cancel them, and a
+        stalled producer that resumes would finish them into slots the engine may reuse.
+        On the tcp channel the plane then severs its producers' connections ("Severing"
+        in the module docstring: every accepted endpoint force-closed, which ends those
+        receives with an error and drops whatever that producer sends later) and waits
+        again (``sever_wait_s``). Returns the writes still under way after that: 0 unless
+        the plane could not sever (shm/auto channels, or UCX did not end them), in which
+        case the caller must not reuse the slots."""
+        left = self._book.abort(transfer_id, reason, self.abort_wait_s)
+        if left and self._listener is not None and not self._stop.is_set():
+            n = self._sever(f"transfer {transfer_id}: {left} writes outlived its abort")
+            left = self._book.abort(transfer_id, reason, self.sever_wait_s)
+            log.warning(
+                "transfer %d: severed %d producer connections; %d writes left",
+                transfer_id,
+                n,
+                left,
+            )
+        if left:
+            log.warning("transfer %d: %d writes still in flight after abort", transfer_id, left)
+        return left
+
+    def _sever(self, why: str) -> int:
+        """Force-close every accepted (producer) endpoint on the progress thread and wait
+        for it; returns how many were closed. Every transfer still arriving over them fails
+        (their receives end with an error), and their producers reconnect on their next
+        push. Collateral by design: UCX does not say which connection a matched receive
+        belongs to, and a stalled producer is rare next to a wrong token."""
+        closed = [0]
+        done = threading.Event()
+
+        def job() -> None:
+            eps = self._accepted[:]
+            self._accepted.clear()
+            for ep in eps:
+                try:
+                    # accepted endpoints have error handling: ucxx closes them with
+                    # UCP_EP_CLOSE_FLAG_FORCE and then lets go of the UCP handle
+                    if ep.alive:
+                        ep.close_blocking()
+                        closed[0] += 1
+                except Exception:
+                    log.exception("force-closing an accepted endpoint failed")
+                self._dead_eps.append(ep)
+            self.stats["severed"] += closed[0]
+            log.warning("severed %d producer connections (%s)", closed[0], why)
+            done.set()
+
+        if threading.current_thread() is self._thread:
+            job()
+        else:
+            self._submit(job)
+            done.wait(10.0)
+        return closed[0]
 
     def register_source(self, tensor: torch.Tensor) -> torch.Tensor:
         """Producer: put a host store slab where consumers on this host can map it

@@ -1,11 +1,13 @@
-"""Scatter-gather receives over tcp (ucx_plane "Scatter-gather receives over tcp"; opt-in,
-``DISAGG_UCX_TCP_IOV_RECV=1``): a tcp receiver posts each packed segment for host
-slots as ONE iov receive straight into the slots (``ucx_iov.tag_recv_exact``), instead
-of a receive into scratch and a row copy. Checked: the entries (``page_iov``), pushes
-between two processes byte for byte (one region, two strided regions, the switch off),
-an abort while iov receives are in flight (the slots are reported busy until UCX is
-done with them, and nothing lands after an abort that reported none), and UCX's
-truncation of a message longer than the iov. Skipped without ucxx."""
+"""Scatter-gather receives over tcp (ucx_plane "Scatter-gather receives over tcp"; on
+under the hardened tcp settings, ``DISAGG_UCX_TCP_IOV_RECV=0`` turns it off): a tcp
+receiver posts each packed segment for host slots as ONE iov receive straight into the
+slots (``ucx_iov.tag_recv_exact``), instead of a receive into scratch and a row copy.
+Checked: the entries (``page_iov``), pushes between two processes byte for byte (one
+region, two strided regions, the switch off), an abort while receives straight into the
+slots are in flight from a stalled producer (iov receives, and runs landing in place:
+the plane severs the producer's connection, nothing lands when it resumes, and the next
+push lands whole), and UCX's truncation of a message longer than the iov. Skipped
+without ucxx."""
 
 from __future__ import annotations
 
@@ -52,19 +54,18 @@ def test_page_iov_entries():
     assert ucx_iov.page_iov(regions, np.array([], dtype=np.int64)).shape == (0, 2, 2)
 
 
-def test_iov_recv_is_opt_in(monkeypatch):
-    """Off unless ``DISAGG_UCX_TCP_IOV_RECV=1``: a receive UCX matched cannot be revoked,
-    so a stalled producer's writes could reach slots after an abort
-    (test_abort_with_iov_receives_in_flight)."""
+def test_iov_recv_default(monkeypatch):
+    """On under the hardened tcp settings (large am segments), off under UCX's own
+    defaults (put rendezvous, 8 KiB segments: nothing to gain); the switch wins."""
     default = ucx_plane.tcp_iov_recv_default
     monkeypatch.delenv("DISAGG_UCX_TCP_IOV_RECV", raising=False)
     for k in ("UCX_RNDV_SCHEME", "UCX_TCP_TX_SEG_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    assert not default(ucx_plane.TCP_HARDENING) and not default({})
+    assert default(ucx_plane.TCP_HARDENING) and not default({})
     monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "0")
     assert not default(ucx_plane.TCP_HARDENING)
     monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "1")
-    assert default(ucx_plane.TCP_HARDENING)
+    assert default(ucx_plane.TCP_HARDENING) and default({})
 
 
 def _pool(layout: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -123,11 +124,11 @@ def _stop(procs):
 @pytest.mark.parametrize(
     "layout, env, want_iov",
     [
-        ("one", {"DISAGG_UCX_TCP_IOV_RECV": "1"}, True),
-        ("two", {"DISAGG_UCX_TCP_IOV_RECV": "1"}, True),
-        ("one", {}, False),  # the default (opt-in: see test_abort_with_iov_receives...)
+        ("one", {}, True),  # the default
+        ("two", {}, True),
+        ("one", {"DISAGG_UCX_TCP_IOV_RECV": "0"}, False),
     ],
-    ids=["one-region", "two-strided-regions", "default-off"],
+    ids=["one-region", "two-strided-regions", "switched-off"],
 )
 def test_packed_segments_land_byte_exact(layout, env, want_iov):
     """Random store rows into random slots (a few skipped, and a run of 20 adjacent
@@ -177,8 +178,8 @@ def test_packed_segments_land_byte_exact(layout, env, want_iov):
 BIG = 2048  # 128 MiB of 64 KiB pages: 64 segments
 
 
-def _abort_receiver(q_out, q_in):
-    os.environ["DISAGG_UCX_TCP_IOV_RECV"] = "1"
+def _abort_receiver(env, q_out, q_in):
+    os.environ.update(env)
     from disagg.transport.ucx_plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="tcp")
@@ -194,16 +195,14 @@ def _abort_receiver(q_out, q_in):
     assert q_in.get(timeout=60) == "stopped"  # the producer is SIGSTOPped
     left = plane.abort(1, "test abort")
     rx = plane._book.rx[1]
-    q_out.put(("aborted", left, plane.poll(1).state.value, plane.stats["iov_recvs"]))
+    stats = dict(plane.stats)
+    q_out.put(("aborted", left, rx.inflight, plane.poll(1).state.value, stats))
     assert q_in.get(timeout=60) == "resumed"
-    end = time.monotonic() + 30
-    while rx.inflight and time.monotonic() < end:  # UCX finishes what it had taken
-        time.sleep(0.01)
     settled = pool.numpy().copy()
-    time.sleep(0.5)
+    time.sleep(1.0)  # whatever the resumed producer still sends has had time to land
     quiet = bool(np.array_equal(settled, pool.numpy()))
     q_out.put(("settled", rx.inflight, quiet, plane.poll(1).state.value))
-    # the plane serves on: a second transfer into the same slots lands whole
+    # the plane serves on: the producer reconnects, its next push lands whole
     plane.expect(2, 3, b"tok", [BIG], 60)
     q_out.put("expecting")
     st = plane.wait(2, 60)
@@ -212,21 +211,26 @@ def _abort_receiver(q_out, q_in):
     plane.close()
 
 
-def test_abort_with_iov_receives_in_flight():
+@pytest.mark.parametrize(
+    "env, dst_order",
+    [({}, "random"), ({"DISAGG_UCX_TCP_IOV_RECV": "0"}, "runs")],
+    ids=["iov-receives", "runs-in-place"],
+)
+def test_abort_severs_a_stalled_producer(env, dst_order):
     """A producer stopped dead (SIGSTOP) after the first segment of a 128 MiB push
-    landed leaves iov receives posted into the slots. ``abort`` must not call those
-    slots free: it reports the receives still under way (UCX cannot revoke a matched
-    receive; ``Rx.inflight`` holds until each completes), the transfer is FAILED and
-    stays so when the producer resumes and UCX completes them, nothing changes in the
-    pool once they are done, and the next transfer into the same slots lands byte for
-    byte."""
+    landed leaves receives posted straight into the slots: iov receives (random slots),
+    or, with those off, 2 MiB runs of adjacent slots received in place. UCX cannot
+    revoke a matched receive, so they outlive the abort's wait; ``abort`` then severs
+    the producer's connection, and they end: it returns 0 (the slots are free), the
+    transfer is FAILED, nothing changes in the pool when the producer resumes, and the
+    producer's next push (a new connection) lands byte for byte."""
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
-    r = ctx.Process(target=_abort_receiver, args=(q_r, q_in))
+    r = ctx.Process(target=_abort_receiver, args=(env, q_r, q_in))
     r.start()
     ep = q_r.get(timeout=30)
     rows1 = np.random.default_rng(3).permutation(2 * SLOTS * 16)[:BIG] % (2 * SLOTS)
-    dst = np.random.default_rng(4).permutation(BIG)
+    dst = np.random.default_rng(4).permutation(BIG) if dst_order == "random" else np.arange(BIG)
     pushes = [(1, rows1.tolist(), dst.tolist(), 1), (2, rows1.tolist(), dst.tolist(), 2)]
     s = ctx.Process(target=_sender, args=(ep, pushes, q_s, q_go))
     s.start()
@@ -236,31 +240,34 @@ def test_abort_with_iov_receives_in_flight():
         assert q_r.get(timeout=60) == "landing"
         os.kill(s.pid, signal.SIGSTOP)
         q_in.put("stopped")
-        _, left, state, iovs = q_r.get(timeout=60)
+        _, left, inflight, state, stats = q_r.get(timeout=60)
         os.kill(s.pid, signal.SIGCONT)
         q_in.put("resumed")
-        _, inflight, quiet, state_after = q_r.get(timeout=60)
-        q_s.get(timeout=60)  # push 1's end (failed or done: the receiver decided)
+        _, inflight_after, quiet, state_after = q_r.get(timeout=60)
+        push1 = q_s.get(timeout=60)  # the producer's side of push 1
         assert q_r.get(timeout=30) == "expecting"
         q_go.put(None)
         state2, err2, pool = q_r.get(timeout=60)
-        q_s.get(timeout=60)
+        push2 = q_s.get(timeout=60)
     finally:
         os.kill(s.pid, signal.SIGCONT) if s.is_alive() else None
         q_in.put(None)
         q_go.put(None)
         _stop([s, r])
-    assert iovs > 0  # the path under test was taken
+    # the path under test was taken: receives into the slots outlived the wait
+    assert stats.get("iov_recvs", 0) > 0 if dst_order == "random" else True
+    assert stats.get("severed", 0) >= 1, stats
+    assert (left, inflight) == (0, 0)
     assert state == "failed" and state_after == "failed"
-    assert left > 0  # receives into the slots were still under way: reported busy
-    assert inflight == 0 and quiet
+    assert inflight_after == 0 and quiet
+    assert push1[0] == "failed"  # its connection was closed under it
     assert (state2, err2) == ("done", None), err2
+    assert push2 == ("done", None)
     want = np.empty((BIG, PB), dtype=np.uint8)
     want[dst] = _slab(2 * SLOTS, PB, 2).numpy()[rows1]
     np.testing.assert_array_equal(pool, want)
 
 
-# ------------------------------ truncation ------------------------------------------------
 def test_longer_message_than_the_iov_is_truncated_not_written_past():
     """``tag_recv_exact`` into an iov shorter than the message (the plane never posts
     one: it checks the length first): UCX ends the receive with an error and writes
