@@ -168,10 +168,59 @@ def test_packed_segments_land_byte_exact(layout, env, want_iov):
         assert (state, err) == ("done", None), err
         assert (tstate, terr) == ("done", None), terr
         np.testing.assert_array_equal(_view(mem, layout), want)
-    # push 1: 98 scattered pages in 4 packed segments and the run of 20 as one segment
-    # of its own (in place through ucxx into one region; an iov across two regions);
-    # push 2: 64 pages, 2 packed segments
-    assert got[-1][0][3] == ((6 if layout == "one" else 7) if want_iov else 0)
+    # push 1: 98 scattered pages and the run of 20, all packed (the receiver says
+    # iovrx=1) into 4 segments; push 2: 64 pages, 2 packed segments
+    assert got[-1][0][3] == (6 if want_iov else 0)
+
+
+@pytest.mark.parametrize("sender_packs", [True, False], ids=["packed", "older-sender"])
+def test_runs_up_to_a_segment_are_packed_for_an_iov_receiver(sender_packs):
+    """A receiver taking packed segments as iov receives says ``iovrx=1``; a sender that
+    sees it packs runs up to a segment (2 MiB) instead of sending each run of 1 MiB+
+    alone (``TCP_PACK_DIRECT_MIN``, headers under ``_HDR_TCP_PACK_TAG``): four runs of
+    20 adjacent 64 KiB slots travel as 4 packed segments, all iov receives. A sender
+    that does not know the query (the endpoint without it) sends the runs alone, which
+    the same receiver lands in place. Byte for byte either way."""
+    ctx = mp.get_context("spawn")
+    q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
+    dst = np.concatenate([np.arange(k, k + 20) for k in (0, 40, 80, 120)])
+    rows = np.random.default_rng(5).permutation(2 * SLOTS)[: dst.size]
+    r = ctx.Process(target=_receiver, args=("one", {}, [(1, dst.size)], q_r, q_in))
+    r.start()
+    ep, iov_on = q_r.get(timeout=30)
+    assert iov_on and "iovrx=1" in ep
+    if not sender_packs:
+        ep = ep.replace("&iovrx=1", "")
+    s = ctx.Process(target=_sender, args=(ep, [(1, rows.tolist(), dst.tolist(), 1)], q_s, q_go))
+    s.start()
+    try:
+        assert q_r.get(timeout=30) == "expecting"
+        q_go.put(None)
+        (state, err, mem, iovs), sent = q_r.get(timeout=60), q_s.get(timeout=60)
+    finally:
+        q_in.put(None)
+        q_go.put(None)
+        _stop([s, r])
+    assert (state, err) == ("done", None), err
+    assert sent == ("done", None)
+    want = np.zeros((SLOTS, PB), dtype=np.uint8)
+    want[dst] = _slab(2 * SLOTS, PB, 1).numpy()[rows]
+    np.testing.assert_array_equal(_view(mem, "one"), want)
+    assert iovs == (4 if sender_packs else 0)
+
+
+def test_no_iovrx_without_iov_receives(monkeypatch):
+    """``iovrx=1`` only from a tcp plane that takes iov receives and has only host
+    regions: with them off, or a CUDA region registered, senders keep runs alone."""
+    monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "0")
+    with ucx_plane.UcxDataPlane(channel="tcp") as plane:
+        plane.register_regions([[torch.zeros(4, PB, dtype=torch.uint8)]])
+        assert "tcpam=1" in plane.endpoint and "iovrx=1" not in plane.endpoint
+    monkeypatch.delenv("DISAGG_UCX_TCP_IOV_RECV")
+    with ucx_plane.UcxDataPlane(channel="tcp") as plane:
+        assert plane.tcp_iov_recvs
+        plane.register_regions([[torch.zeros(4, PB, dtype=torch.uint8)]])
+        assert "iovrx=1" in plane.endpoint
 
 
 # ------------------------------ abort mid-transfer ---------------------------------------
