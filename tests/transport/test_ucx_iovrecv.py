@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import time
 
 import numpy as np
@@ -236,16 +235,17 @@ def _abort_receiver(env, q_out, q_in):
     pool = torch.zeros(BIG, PB, dtype=torch.uint8)
     plane.register_regions([[pool]])
     q_out.put(plane.endpoint)
+    plane.expect(9, 3, b"tok", [4], 60)  # warm-up: the producer's endpoint is wired up
+    q_out.put("expecting")
+    assert plane.wait(9, 60).done
     plane.expect(1, 3, b"tok", [BIG], 60)
     q_out.put("expecting")
-    while plane.poll(1).pages == 0:  # the first segment landed: others are in flight
-        time.sleep(0.0005)
-    q_out.put("landing")
-    assert q_in.get(timeout=60) == "stopped"  # the producer is SIGSTOPped
-    left = plane.abort(1, "test abort")
+    assert q_in.get(timeout=60) == "stalled"  # the producer's UCX stopped mid-push
     rx = plane._book.rx[1]
+    before = rx.inflight  # receives posted into the slots, waiting for its data
+    left = plane.abort(1, "test abort")
     stats = dict(plane.stats)
-    q_out.put(("aborted", left, rx.inflight, plane.poll(1).state.value, stats))
+    q_out.put(("aborted", before, left, rx.inflight, plane.poll(1).state.value, stats))
     assert q_in.get(timeout=60) == "resumed"
     settled = pool.numpy().copy()
     time.sleep(1.0)  # whatever the resumed producer still sends has had time to land
@@ -260,37 +260,64 @@ def _abort_receiver(env, q_out, q_in):
     plane.close()
 
 
-@pytest.mark.parametrize(
-    "env, dst_order",
-    [({}, "random"), ({"DISAGG_UCX_TCP_IOV_RECV": "0"}, "runs")],
-    ids=["iov-receives", "runs-in-place"],
-)
-def test_abort_severs_a_stalled_producer(env, dst_order):
-    """A producer stopped dead (SIGSTOP) after the first segment of a 128 MiB push
-    landed leaves receives posted straight into the slots: iov receives (random slots),
-    or, with those off, 2 MiB runs of adjacent slots received in place. UCX cannot
-    revoke a matched receive, so they outlive the abort's wait; ``abort`` then severs
-    the producer's connection, and they end: it returns 0 (the slots are free), the
-    transfer is FAILED, nothing changes in the pool when the producer resumes, and the
-    producer's next push (a new connection) lands byte for byte."""
+def _stalling_sender(endpoint, pushes, q_out, q_go, stall_after, stalled, resume):
+    """``_sender`` whose UCX progress thread stops once ``stall_after`` data messages
+    of the push in flight completed (sets ``stalled``, then waits for ``resume``): the
+    producer's UCX goes quiet mid-push, with the rest of the push posted (a push posts
+    every segment at once) and its data partly on the wire, as under SIGSTOP, but at a
+    point of the push's own (a SIGSTOP from outside raced the whole push on a fast
+    machine)."""
+    from disagg.transport import ucx_iov
+    from disagg.transport.ucx_plane import UcxDataPlane
+
+    send, reqs = ucx_iov.tag_send, []
+
+    def tag_send(*args, **kwargs):
+        reqs.append(send(*args, **kwargs))
+        return reqs[-1]
+
+    reap = UcxDataPlane._tx_reap
+
+    def tx_reap(self):
+        more = reap(self)
+        if not stalled.is_set() and sum(r.completed for r in reqs[1:]) >= stall_after:
+            stalled.set()  # (reqs[0] is the warm-up's)
+            resume.wait(120)
+        return more
+
+    ucx_iov.tag_send = tag_send  # the plane calls ucx_iov.tag_send by attribute
+    UcxDataPlane._tx_reap = tx_reap
+    _sender(endpoint, pushes, q_out, q_go)
+
+
+def _stall_scenario(env, dst_order):
+    """One run of test_abort_severs_a_stalled_producer; returns what both sides saw."""
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
+    stalled, resume = ctx.Event(), ctx.Event()
     r = ctx.Process(target=_abort_receiver, args=(env, q_r, q_in))
     r.start()
     ep = q_r.get(timeout=30)
     rows1 = np.random.default_rng(3).permutation(2 * SLOTS * 16)[:BIG] % (2 * SLOTS)
     dst = np.random.default_rng(4).permutation(BIG) if dst_order == "random" else np.arange(BIG)
-    pushes = [(1, rows1.tolist(), dst.tolist(), 1), (2, rows1.tolist(), dst.tolist(), 2)]
-    s = ctx.Process(target=_sender, args=(ep, pushes, q_s, q_go))
+    pushes = [
+        (9, [1, 3, 5, 7], [0, 2, 4, 6], 1),  # warm-up: one iov message
+        (1, rows1.tolist(), dst.tolist(), 1),
+        (2, rows1.tolist(), dst.tolist(), 2),
+    ]
+    s = ctx.Process(target=_stalling_sender, args=(ep, pushes, q_s, q_go, 8, stalled, resume))
     s.start()
     try:
         assert q_r.get(timeout=30) == "expecting"
         q_go.put(None)
-        assert q_r.get(timeout=60) == "landing"
-        os.kill(s.pid, signal.SIGSTOP)
-        q_in.put("stopped")
-        _, left, inflight, state, stats = q_r.get(timeout=60)
-        os.kill(s.pid, signal.SIGCONT)
+        assert q_s.get(timeout=60) == ("done", None)  # the warm-up
+        assert q_r.get(timeout=30) == "expecting"
+        q_go.put(None)
+        assert stalled.wait(60)
+        time.sleep(0.2)  # its last rendezvous requests reach the receiver, get matched
+        q_in.put("stalled")
+        _, before, left, inflight, state, stats = q_r.get(timeout=60)
+        resume.set()
         q_in.put("resumed")
         _, inflight_after, quiet, state_after = q_r.get(timeout=60)
         push1 = q_s.get(timeout=60)  # the producer's side of push 1
@@ -299,11 +326,45 @@ def test_abort_severs_a_stalled_producer(env, dst_order):
         state2, err2, pool = q_r.get(timeout=60)
         push2 = q_s.get(timeout=60)
     finally:
-        os.kill(s.pid, signal.SIGCONT) if s.is_alive() else None
+        resume.set()
         q_in.put(None)
         q_go.put(None)
         _stop([s, r])
+    return dict(
+        before=before, left=left, inflight=inflight, state=state, stats=stats,
+        inflight_after=inflight_after, quiet=quiet, state_after=state_after, push1=push1,
+        state2=state2, err2=err2, pool=pool, push2=push2, rows1=rows1, dst=dst,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, dst_order",
+    [({}, "random"), ({"DISAGG_UCX_TCP_IOV_RECV": "0"}, "runs")],
+    ids=["iov-receives", "runs-in-place"],
+)
+def test_abort_severs_a_stalled_producer(env, dst_order):
+    """A producer whose UCX stops (a stalled process) once 8 of the 64 segments of a
+    128 MiB push were sent leaves receives posted straight into the slots: iov
+    receives (random slots), or, with those off, 2 MiB runs of adjacent slots received
+    in place. UCX cannot revoke a matched receive, so they outlive the abort's wait;
+    ``abort`` then severs the producer's connection, and they end: it returns 0 (the
+    slots are free), the transfer is FAILED, nothing changes in the pool when the
+    producer resumes, and the producer's next push (a new connection) lands byte for
+    byte."""
+    for _attempt in range(4):
+        got = _stall_scenario(env, dst_order)
+        if got["before"]:
+            break
+        # the stall came after the receiver had every byte it asked for (UCX wrote
+        # the whole push in one progress call): nothing to sever; that run must
+        # still end clean, and another run gets a stall with receives in flight
+        assert got["left"] == 0 and got["quiet"], got["stats"]
+    before, left, inflight, stats = got["before"], got["left"], got["inflight"], got["stats"]
+    state, state_after, quiet = got["state"], got["state_after"], got["quiet"]
+    inflight_after, push1, push2 = got["inflight_after"], got["push1"], got["push2"]
+    state2, err2, pool, rows1, dst = (got[k] for k in ("state2", "err2", "pool", "rows1", "dst"))
     # the path under test was taken: receives into the slots outlived the wait
+    assert before > 0
     assert stats.get("iov_recvs", 0) > 0 if dst_order == "random" else True
     assert stats.get("severed", 0) >= 1, stats
     assert (left, inflight) == (0, 0)
