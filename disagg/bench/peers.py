@@ -1,11 +1,14 @@
 """Peers moving the same pages process to process with their own APIs: NIXL (UCX
 backend, one-sided WRITE of every page from its source row into its destination slot, completion by
 notification) and the Mooncake transfer engine (TCP, batch write). Optional: they are
-imported here only, and a failure becomes the row's error string."""
+imported here only, and a failure becomes the row's error string. Their pushes are paired
+with the row's ceiling like the planes' (the consumer times one ceiling run before each
+push; Mooncake's raw TCP stream is served by ``transfer._producer`` before it gets here)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,13 +23,25 @@ def producer(name: str, store: np.ndarray, conn: Any) -> None:
         _mooncake_producer(store, conn)
 
 
+Times = tuple[list[float], list[float]]
+
+
 def consumer(
-    name: str, pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any, ready: Any
-) -> list[float]:
-    """``ready``: the producer's ("ready", info) message, already read from ``conn``."""
+    name: str,
+    pool: np.ndarray,
+    n: int,
+    repeats: int,
+    conn: Any,
+    rng: Any,
+    ready: Any,
+    ceiling: Callable[[], float],
+) -> Times:
+    """(push seconds, ceiling seconds) of ``repeats`` pushes after one warm-up, each push
+    timed right after one run of ``ceiling`` (the row's paired ceiling, transfer.py).
+    ``ready``: the producer's ("ready", info) message, already read from ``conn``."""
     if name == "nixl":
-        return _nixl_consumer(pool, n, repeats, conn, rng, ready)
-    return _mooncake_consumer(pool, n, repeats, conn, rng)
+        return _nixl_consumer(pool, n, repeats, conn, rng, ready, ceiling)
+    return _mooncake_consumer(pool, n, repeats, conn, rng, ceiling)
 
 
 def _nixl_api() -> Any:
@@ -68,19 +83,26 @@ def _nixl_producer(store: np.ndarray, conn: Any) -> None:
 
 
 def _nixl_consumer(
-    pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any, ready: Any
-) -> list[float]:
+    pool: np.ndarray,
+    n: int,
+    repeats: int,
+    conn: Any,
+    rng: Any,
+    ready: Any,
+    ceiling: Callable[[], float],
+) -> Times:
     nixl_agent, cfg = _nixl_api()
     agent = nixl_agent("bench-consumer", cfg(backends=["UCX"]))
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     meta = agent.get_agent_metadata()
     agent.add_remote_agent(ready[1])
-    times = []
+    times, ctimes = [], []
     from .transfer import draw
 
     for rep in range(repeats + 1):
         rows, dst = draw(rng, pool.shape[0], n)
         tid = str(rep + 1).encode()
+        c = ceiling()
         t = time.perf_counter()
         conn.send(("push", meta, pool.ctypes.data, rep + 1, rows, dst))
         got = False
@@ -95,8 +117,9 @@ def _nixl_consumer(
             raise RuntimeError("nixl pages landed wrong")
         if rep:
             times.append(dt)
+            ctimes.append(c)
     conn.send(("stop",))
-    return times
+    return times, ctimes
 
 
 def _mooncake_engine() -> Any:
@@ -136,16 +159,19 @@ def _mooncake_producer(store: np.ndarray, conn: Any) -> None:
         conn.send(("pushed", None if rc == 0 else f"mooncake batch write returned {rc}"))
 
 
-def _mooncake_consumer(pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any) -> list[float]:
+def _mooncake_consumer(
+    pool: np.ndarray, n: int, repeats: int, conn: Any, rng: Any, ceiling: Callable[[], float]
+) -> Times:
     te = _mooncake_engine()
     if te.register_memory(pool.ctypes.data, pool.nbytes) != 0:
         raise RuntimeError("mooncake register_memory failed")
     target = f"127.0.0.1:{te.get_rpc_port()}"
-    times = []
+    times, ctimes = [], []
     from .transfer import draw
 
     for rep in range(repeats + 1):
         rows, dst = draw(rng, pool.shape[0], n)
+        c = ceiling()
         t = time.perf_counter()
         conn.send(("push", target, pool.ctypes.data, rep + 1, rows, dst))
         reply = conn.recv()  # the write is synchronous on the producer
@@ -156,5 +182,6 @@ def _mooncake_consumer(pool: np.ndarray, n: int, repeats: int, conn: Any, rng: A
             raise RuntimeError("mooncake pages landed wrong")
         if rep:
             times.append(dt)
+            ctimes.append(c)
     conn.send(("stop",))
-    return times
+    return times, ctimes

@@ -18,10 +18,20 @@ random source rows; a peer that cannot run keeps its row, with the error.
 
 Ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device copy for
 ``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two processes on the same GPU;
-without a CUDA device their rows say so instead of a figure). This box's ceilings move a
-lot between minutes (raw TCP 1.7-4.4 GB/s), so each row's ceiling is measured again right
-before the row (same bytes, same repeats) and its ratio is against that; the run-level
-``ceilings_gbps`` are the ones measured at the start.
+without a CUDA device their rows say so instead of a figure). Each row's ceiling is PAIRED
+with its pushes: in the row's own producer / consumer processes, on the same bytes, the
+consumer times one ceiling run right before each push (ceiling, push, ceiling, push ...,
+after one warm-up of each): the producer process streams the N pages' bytes over a raw
+loopback TCP (AF_UNIX for ipc) socket set up once per row into a ``hostmem`` buffer of
+the consumer (``ceilings.serve_stream`` / ``stream_timer``); for shm the consumer times a
+memcpy of the same bytes between ``hostmem`` buffers; for d2d a device-to-device copy.
+Why: this shared 2-core box drifts between minutes (raw TCP 1.5-4.5 GB/s), so a ceiling
+measured in other processes before the row gave the same code ratios of 0.43-2.5; paired,
+both sides see the same conditions. A row's ``ceiling_gbps`` is nbytes / median ceiling
+time, ``gbps`` nbytes / median push time, ``ratio`` their quotient, and
+``ratio_paired_median`` the median of the per-repetition push / ceiling ratios (it also
+cancels drift within the row). Peers' rows are paired the same way (``ceiling_paired``
+says so on every row). The run-level ``ceilings_gbps`` are the ones measured at the start.
 ``ipc-shm``/``ipc-cuda`` are the same-host plane: the consumer copies from the producer's
 store (/dev/shm or CUDA IPC), so the medium is one copy.
 """
@@ -35,9 +45,11 @@ import os
 import queue
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -105,21 +117,27 @@ def _store(n: int, page_bytes: int) -> np.ndarray:
 
 
 def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
-    """Serve push requests ("push", endpoint, tid, src rows, dst slots) until told to stop."""
+    """Serve push requests ("push", endpoint, tid, src rows, dst slots) until told to stop;
+    for a tcp / ipc row, first the raw stream of the row's paired ceiling (``_serve_raw``)."""
     import torch
 
     from ..transport.dataplane import push_source
 
     plane = None
+    stop_raw = None
     try:
+        store = _store(2 * n, page_bytes)
+        medium = SPEC[name][2]
+        if medium in ("tcp", "ipc"):  # the store's first N rows: the bytes of one push
+            stop_raw = _serve_raw(medium, store.reshape(-1)[: n * page_bytes], conn)
         if name in ("nixl", "mooncake"):
             from . import peers
 
-            peers.producer(name, _store(2 * n, page_bytes), conn)
+            peers.producer(name, store, conn)
             return
         # the consumer's first message on the pipe: the plane is up
         plane = _make_plane(name)
-        rows = torch.from_numpy(_store(2 * n, page_bytes)).to(_device(name))
+        rows = torch.from_numpy(store).to(_device(name))
         register = getattr(plane, "register_source", None)
         if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
             rows = register(rows)
@@ -139,15 +157,44 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
     finally:
         if plane is not None:
             plane.close()
+        if stop_raw is not None:
+            stop_raw()
+
+
+def _serve_raw(medium: str, src: np.ndarray, conn: Any) -> Any:
+    """Listen for the consumer's raw stream (loopback TCP, or AF_UNIX for ipc), tell it
+    where (("raw", address), the first message on the pipe) and serve ``src`` on it from
+    a thread (``ceilings.serve_stream``: it blocks in ``recv`` between the consumer's go
+    bytes, so it takes no CPU while a push runs). Returns the listener's cleanup."""
+    srv, addr, cleanup = ceilings.listener("tcp" if medium == "tcp" else "unix")
+
+    def serve() -> None:
+        try:
+            sock, _ = srv.accept()
+            sock.settimeout(None)
+            ceilings.serve_stream(sock, src)
+        except OSError:  # the consumer failed or never connected: its row says why
+            pass
+
+    threading.Thread(target=serve, name="bench-raw-sender", daemon=True).start()
+    conn.send(("raw", addr))
+    return cleanup
 
 
 def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: Any) -> None:
-    """Time ``repeats`` transfers (after one warm-up); put (seconds list, error) on out."""
+    """Time ``repeats`` transfers (after one warm-up), each right after one run of the row's
+    ceiling on the same bytes (``_ceiling_timer``); put (push seconds, ceiling seconds,
+    error) on out."""
     import torch
 
     plane = None
+    close_ceiling = None
     try:
         msg = conn.recv()
+        raw_addr = None
+        if msg[0] == "raw":  # tcp / ipc rows: the producer's raw stream comes first
+            raw_addr = msg[1]
+            msg = conn.recv()
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
         slots = 2 * n  # the store has 2N rows too: sources are drawn from it at random
@@ -158,19 +205,21 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         else:
             pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=_device(name))
         pool.fill_(0)  # prefault
+        ceiling, close_ceiling = _ceiling_timer(SPEC[name][2], n * page_bytes, pool, raw_addr)
         rng = np.random.default_rng(1234)
         if name in ("nixl", "mooncake"):
             from . import peers
 
-            times = peers.consumer(name, pool.numpy(), n, repeats, conn, rng, msg)
+            times, ctimes = peers.consumer(name, pool.numpy(), n, repeats, conn, rng, msg, ceiling)
         else:
             plane = _make_plane(name)
             plane.register_regions([[pool]])
-            times = []
+            times, ctimes = [], []
             for rep in range(repeats + 1):
                 src, dst = draw(rng, slots, n)
                 tid = rep + 1
                 plane.expect(tid, 1, b"bench", [n], 300)
+                c = ceiling()  # paired: the same conditions as the push right after it
                 t = time.perf_counter()
                 conn.send(("push", plane.endpoint, tid, src, dst))
                 st, reply = _await(plane, tid, conn, 300)
@@ -191,10 +240,12 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                     raise RuntimeError("pages landed in the wrong slots or corrupted")
                 if rep:
                     times.append(dt)
+                    ctimes.append(c)
             conn.send(("stop",))
-        out.put((times, None))
+        out.put((times, ctimes, None))
     except Exception as exc:
-        out.put((None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"))
+        err = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+        out.put((None, None, err))
         try:
             conn.send(("stop",))
         except Exception:
@@ -202,6 +253,37 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
     finally:
         if plane is not None:
             plane.close()
+        if close_ceiling is not None:
+            close_ceiling()
+
+
+def _ceiling_timer(
+    medium: str, nbytes: int, pool: Any, raw_addr: Any
+) -> tuple[Callable[[], float], Callable[[], None]]:
+    """(one timed run of the medium's ceiling on ``nbytes``, its cleanup), in the consumer:
+    a memcpy between two ``hostmem`` buffers (shm); the producer's raw stream received
+    into a ``hostmem`` buffer, like the pool (tcp / ipc); a device-to-device copy of the
+    pool's first ``nbytes`` (d2d)."""
+    if medium == "shm":
+        return ceilings.memcpy_timer(nbytes), lambda: None
+    if medium == "d2d":
+        return ceilings.d2d_timer(pool.view(-1)[:nbytes]), lambda: None
+    from .. import hostmem
+
+    if raw_addr is None:
+        raise RuntimeError("the producer sent no raw stream address")
+    sock = ceilings.connect(raw_addr)
+    dst = hostmem.empty(nbytes).numpy()
+    dst.fill(0)  # prefault
+
+    def close() -> None:
+        try:
+            sock.sendall(b"q")
+        except OSError:
+            pass
+        sock.close()
+
+    return ceilings.stream_timer(sock, dst), close
 
 
 def _await(plane: Any, tid: int, conn: Any, timeout_s: float) -> tuple[Any, Any]:
@@ -228,10 +310,35 @@ def draw(rng: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.permutation(rows)[:n].astype(np.int64), rng.permutation(rows)[:n].astype(np.int64)
 
 
-def measure(
-    name: str, page_bytes: int, n: int, repeats: int, timeout_s: float
-) -> tuple[float | None, str | None]:
-    """Median GB/s of one transport at one page size, or (None, error)."""
+@dataclass
+class Row:
+    """One transport at one page size: per-repetition push and paired ceiling seconds
+    (``push_s[i]`` timed right after ``ceiling_s[i]``), or the error."""
+
+    nbytes: int
+    push_s: list[float] = field(default_factory=list)
+    ceiling_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def gbps(self) -> float | None:
+        return self.nbytes / median(self.push_s) / 1e9 if self.push_s else None
+
+    @property
+    def ceiling_gbps(self) -> float | None:
+        return self.nbytes / median(self.ceiling_s) / 1e9 if self.ceiling_s else None
+
+    @property
+    def ratio_paired_median(self) -> float | None:
+        """Median over repetitions of (push GB/s / its paired ceiling's GB/s)."""
+        if not self.push_s or len(self.push_s) != len(self.ceiling_s):
+            return None
+        return median([c / p for p, c in zip(self.push_s, self.ceiling_s, strict=True)])
+
+
+def measure(name: str, page_bytes: int, n: int, repeats: int, timeout_s: float) -> Row:
+    """``repeats`` pushes of one transport at one page size, each paired with a run of its
+    ceiling, in one fresh producer / consumer process pair."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
@@ -239,18 +346,18 @@ def measure(
     cons = ctx.Process(target=_consumer, args=(name, n, page_bytes, repeats, b, out), daemon=True)
     prod.start()
     cons.start()
-    times, err = _result(out, prod, cons, timeout_s)
+    times, ctimes, err = _result(out, prod, cons, timeout_s)
     for p in (cons, prod):
         p.join(10)
         if p.is_alive():
             p.kill()
     if times is None:
-        return None, err
-    return n * page_bytes / median(times) / 1e9, None
+        return Row(n * page_bytes, error=err)
+    return Row(n * page_bytes, times, ctimes)
 
 
-def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, str | None]:
-    """The consumer's (times, error), or an error once ``timeout_s`` has passed or either
+def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, Any, str | None]:
+    """The consumer's (times, ceiling times, error), or an error once ``timeout_s`` has passed or either
     process died without answering (a crash in a peer's native library, say)."""
     deadline = time.monotonic() + timeout_s
     dead_since = None
@@ -261,7 +368,7 @@ def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, str 
             pass
         now = time.monotonic()
         if now >= deadline:
-            return None, f"timed out after {timeout_s:.0f} s"
+            return None, None, f"timed out after {timeout_s:.0f} s"
         dead = [
             f"{who} exited with code {p.exitcode}"
             for who, p in (("producer", prod), ("consumer", cons))
@@ -270,16 +377,7 @@ def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, str 
         if dead:
             dead_since = dead_since or now
             if now - dead_since > 3:  # a last result may still be in flight
-                return None, "; ".join(dead)
-
-
-def medium_gbps(medium: str, nbytes: int, repeats: int) -> float | None:
-    """The ceiling of ``medium`` (a SPEC medium) for ``nbytes``, measured now."""
-    if medium == "shm":
-        return ceilings.memcpy_gbps(nbytes, repeats)
-    if medium in ("tcp", "ipc"):
-        return ceilings.socket_gbps("tcp" if medium == "tcp" else "unix", nbytes, repeats)
-    return ceilings.gpu_ceilings(nbytes, repeats, only="d2d").get("d2d")
+                return None, None, "; ".join(dead)
 
 
 def run(
@@ -310,14 +408,12 @@ def run(
         for pb in page_sizes:
             n = max(1, total // pb)
             nbytes = n * pb
-            gbps: float | None
-            err: str | None
-            ceiling: float | None
-            if medium == "d2d" and ceil_of["d2d"] is None:
-                ceiling, gbps, err = None, None, "no CUDA device"
-            else:
-                ceiling = medium_gbps(medium, nbytes, repeats)  # right next to the row
-                gbps, err = measure(name, pb, n, repeats, timeout_s)
+            r = (
+                Row(nbytes, error="no CUDA device")
+                if medium == "d2d" and ceil_of["d2d"] is None
+                else measure(name, pb, n, repeats, timeout_s)
+            )
+            gbps, ceiling, err = r.gbps, r.ceiling_gbps, r.error
             row = {
                 "transport": transport,
                 "channel": channel,
@@ -328,13 +424,16 @@ def run(
                 "ceiling": {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix", "d2d": "d2d"}[
                     medium
                 ],
+                "ceiling_paired": True,  # timed between the row's pushes (module docstring)
                 "ratio": (gbps / ceiling) if gbps is not None and ceiling else None,
+                "ratio_paired_median": r.ratio_paired_median,
             }
             if err:
                 row["error"] = err
             rows.append(row)
             shown = (
-                f"{gbps:.2f} GB/s ({row['ratio']:.2f}x of {row['ceiling']} {ceiling:.2f})"
+                f"{gbps:.2f} GB/s ({row['ratio']:.2f}x of {row['ceiling']} {ceiling:.2f}, "
+                f"paired median {row['ratio_paired_median']:.2f}x)"
                 if gbps is not None and ceiling
                 else f"ERROR {err}"
             )
@@ -357,15 +456,18 @@ def run(
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        f"{'transport':10s} {'channel':7s} {'page':>7s} {'GB/s':>7s} {'ceiling':>9s} {'GB/s':>6s} {'ratio':>6s}",
+        f"{'transport':10s} {'channel':7s} {'page':>7s} {'GB/s':>7s} {'ceiling':>9s} {'GB/s':>6s} "
+        f"{'ratio':>6s} {'paired':>6s}",
     ]
     for r in report["results"]:
         g = f"{r['gbps']:.2f}" if r["gbps"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        rpm = r.get("ratio_paired_median")
+        paired = f"{rpm:.2f}" if rpm is not None else "-"
         cg = f"{r['ceiling_gbps']:6.2f}" if r["ceiling_gbps"] is not None else f"{'-':>6s}"
         line = (
             f"{r['transport']:10s} {r['channel']:7s} {fmt_size(r['page_bytes']):>7s} {g:>7s} "
-            f"{r['ceiling']:>9s} {cg} {ratio:>6s}"
+            f"{r['ceiling']:>9s} {cg} {ratio:>6s} {paired:>6s}"
         )
         if r.get("error"):
             line += f"  error: {r['error']}"

@@ -25,6 +25,34 @@ def test_bench_transfer_quick_json(capsys):
     assert {"transport", "channel", "page_bytes", "gbps", "ceiling_gbps", "ratio"} <= set(row)
     assert row["transport"] == "zmq" and row["page_bytes"] == 65536
     assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
+    assert row["ceiling_paired"] is True and row["ratio_paired_median"] > 0
+
+
+@pytest.mark.parametrize("name", ["zmq-tcp", "ucx-tcp", "ipc-shm"])
+def test_bench_transfer_ceiling_is_paired_per_row(name):
+    """Each repetition times one ceiling run (raw TCP from the producer process / memcpy)
+    and one push in the row's own processes: as many ceiling times as pushes."""
+    if name.startswith("ucx"):
+        pytest.importorskip("ucxx", reason="ucxx not installed")
+    from disagg.bench.transfer import measure
+
+    r = measure(name, 64 << 10, 16, 3, timeout_s=60)
+    assert r.error is None, r.error
+    assert len(r.push_s) == len(r.ceiling_s) == 3
+    assert min(r.push_s) > 0 and min(r.ceiling_s) > 0
+    assert r.ceiling_gbps is not None and r.ratio_paired_median is not None
+    assert r.ceiling_gbps > 0 and r.ratio_paired_median > 0
+
+
+def test_bench_transfer_paired_ratio_is_per_repetition():
+    """ratio_paired_median: the median of per-repetition push/ceiling ratios, not the ratio
+    of the medians."""
+    from disagg.bench.transfer import Row
+
+    r = Row(nbytes=10**9, push_s=[1.0, 2.0, 8.0], ceiling_s=[0.5, 4.0, 4.0])
+    assert r.gbps == pytest.approx(0.5) and r.ceiling_gbps == pytest.approx(0.25)
+    assert r.ratio_paired_median == pytest.approx(0.5)  # ratios 0.5, 2, 0.5
+    assert Row(nbytes=1, error="x").ratio_paired_median is None
 
 
 def test_bench_transfer_ucx_quick_json(capsys):
@@ -45,6 +73,7 @@ def test_bench_transfer_peers_report_a_rate_or_their_error(capsys):
     assert [(r["transport"], r["channel"]) for r in rows] == [("nixl", "ucx"), ("mooncake", "tcp")]
     for r in rows:
         assert (r["gbps"] is not None and r["gbps"] > 0) or r["error"], r
+        assert r["gbps"] is None or (r["ceiling_gbps"] > 0 and r["ratio_paired_median"] > 0), r
     for r, mod in zip(rows, ("nixl_cu12", "mooncake.engine"), strict=True):
         try:
             __import__(mod)
