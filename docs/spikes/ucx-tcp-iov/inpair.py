@@ -4,7 +4,9 @@ UCX_TCP_MAX_IOV=64), pushes of N random 2N-store rows into random slots alternat
 and a raw TCP stream (1 MiB sendall, like ceilings.socket_gbps) in between.
 Modes: A (ring), B (H, ring), C (H, iov 2 MiB segs), C64 (H64, iov 2 MiB), raw;
 R64 (H64, iov sends, and the consumer receives packed segments as iov receives straight
-into the slots, ``tcp_iov_recvs``; every other mode receives into scratch + C row copy).
+into the slots, ``tcp_iov_recvs``; every other mode receives into scratch + C row copy);
+P64 (session 12: R64 with runs up to 2 MiB packed instead of sent alone from 1 MiB, what
+``iovrx=1`` now asks for; both processes' module constant switched per push).
 (C16, iov in 16 MiB segments, was measured with a since-removed patch that made the
 sender ignore the receiver's seg=2m.)
 usage: inpair.py PAGE_BYTES ROUNDS MODES..."""
@@ -16,7 +18,7 @@ TOTAL = 256 << 20
 HARD = dict(UCX_TCP_PUT_ENABLE="n", UCX_RNDV_SCHEME="am", UCX_TCP_TX_SEG_SIZE="2m",
             UCX_TCP_RX_SEG_SIZE="2m")
 CFGS = {"A": {"UCX_RNDV_SCHEME": "put_zcopy"}, "H": HARD, "H64": dict(HARD, UCX_TCP_MAX_IOV="64")}
-MODE_CFG = {"A": "A", "B": "H", "C": "H", "C64": "H64", "R64": "H64"}
+MODE_CFG = {"A": "A", "B": "H", "C": "H", "C64": "H64", "R64": "H64", "P64": "H64"}
 KEYS = ["UCX_TCP_PUT_ENABLE", "UCX_RNDV_SCHEME", "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE",
         "UCX_TCP_MAX_IOV"]
 
@@ -71,7 +73,9 @@ def producer(pb, conn, cfgs):
             continue
         _, mode, endpoint, tid, src, dst = msg
         p = ps[MODE_CFG[mode]]
-        p.tcp_iov_sends = mode[0] in "CR"  # normally decided once, from the context
+        p.tcp_iov_sends = mode[0] in "CRP"  # normally decided once, from the context
+        import disagg.transport.ucx_plane as U
+        U.DIRECT_MIN = (2 << 20) + 1 if mode == "P64" else 1 << 20  # P64: runs <= 2 MiB packed
         before = p.stats["iov_sends"]
         c0 = time.process_time()
         pages = [(0, *push_source(p, rows, src, ((0, pb),), dst))]
@@ -129,7 +133,8 @@ def main():
                 p = ps[MODE_CFG[mode]]
                 src = rng.permutation(2 * n)[:n].astype(np.int64)
                 dst = rng.permutation(2 * n)[:n].astype(np.int64)
-                p.tcp_iov_recvs = mode.startswith("R")  # normally decided once
+                p.tcp_iov_recvs = mode[0] in "RP"  # normally decided once
+                p._direct_min = (2 << 20) + 1 if mode == "P64" else 1 << 20
                 rb = p.stats["iov_recvs"]
                 p.expect(tid, 1, b"bench", [n], 300)
                 c0 = time.process_time()
@@ -146,8 +151,8 @@ def main():
                 if r:
                     cpu[mode].append((ccpu / TOTAL * 1e9, pcpu / TOTAL * 1e9))
                 assert s.done, (s.error, err)
-                assert (iovs > 0) == (mode[0] in "CR"), (mode, iovs)
-                assert (p.stats["iov_recvs"] > rb) == (mode[0] == "R"), (mode, p.stats)
+                assert (iovs > 0) == (mode[0] in "CRP") or pb >= (1 << 20), (mode, iovs)
+                assert (p.stats["iov_recvs"] > rb) == (mode[0] in "RP") or pb >= (1 << 20), (mode, p.stats)
                 got = pool.numpy()[dst, :8].copy().view(np.int64).reshape(-1)
                 assert np.array_equal(got, src)
             if r:
