@@ -74,7 +74,8 @@ def _sender(pushes, q_out, q_go):
 def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
     """Random store rows into random slots, pushed once to the receiver's endpoint (it
     offers ``seg=2m``: headers under ``_HDR_TCP_SEG_TAG``, segments of at most
-    ``TCP_SEG_BYTES``) and once to the same endpoint without the segment offer, as a
+    ``TCP_SEG_BYTES``; its ``iovrx=1`` is left out here, as a sender before the twelfth
+    session ignored it: test_ucx_iovrecv.py covers the packed cut) and once to the same endpoint without the segment offer, as a
     receiver before the ninth session advertised it (``_HDR_TAG``, one ``SEG_BYTES``
     segment; ``tcpam=1`` kept, since a hardened sender refuses an endpoint without it):
     both land byte for byte."""
@@ -84,10 +85,15 @@ def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
     r = ctx.Process(target=_receiver, args=(q_r, q_rin))
     r.start()
     ep = q_r.get(timeout=30)
-    assert ep.split("?", 1)[1].split("&") == [ucx_plane._TCP_SEG_QUERY, ucx_plane._TCP_AM_QUERY]
+    assert ep.split("?", 1)[1].split("&") == [
+        ucx_plane._TCP_SEG_QUERY,
+        ucx_plane._TCP_AM_QUERY,
+        ucx_plane._TCP_IOV_RX_QUERY,  # it takes iov receives: runs up to 2 MiB packed
+    ]
     old_ep = ep.split("?", 1)[0] + "?" + ucx_plane._TCP_AM_QUERY  # no segment offer
     pushes = []
-    for tid, e in ((1, ep), (2, old_ep)):
+    seg_ep = ep.replace("&" + ucx_plane._TCP_IOV_RX_QUERY, "")  # a sender before iovrx
+    for tid, e in ((1, seg_ep), (2, old_ep)):
         rows = rng.permutation(2 * SLOTS)[:N]
         dst = rng.permutation(SLOTS)[:N]
         pushes.append((e, tid, rows.tolist(), dst.tolist()))
