@@ -1075,15 +1075,20 @@ def tcp_large_segments(config: Mapping[str, str]) -> bool:
     return seg is not None and seg >= TCP_SEG_BYTES
 
 
+def _switch_or_large_segments(env: str, config: Mapping[str, str]) -> bool:
+    """``env`` (``1``/``0``) when set, else ``tcp_large_segments(config)``."""
+    forced = os.environ.get(env, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return tcp_large_segments(config)
+
+
 def tcp_iov_default(config: Mapping[str, str]) -> bool:
     """Whether a tcp plane whose UCX context was made with ``config`` sends scattered
     StoreRows segments as iov messages (else gathers them into the send ring):
     ``DISAGG_UCX_TCP_IOV`` ``1``/``0`` when set, else ``tcp_large_segments(config)``.
     ``ucx_iov`` must also be available (``DISAGG_UCX_IOV=0`` turns it off everywhere)."""
-    forced = os.environ.get(_TCP_IOV_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return tcp_large_segments(config)
+    return _switch_or_large_segments(_TCP_IOV_ENV, config)
 
 
 def tcp_iov_recv_default(config: Mapping[str, str]) -> bool:
@@ -1094,10 +1099,7 @@ def tcp_iov_recv_default(config: Mapping[str, str]) -> bool:
     into the posted iov: "rendezvous data fetch into iov[32] ... zero-copy"). Safe by
     default since ``abort`` severs the producers' connections when such receives outlive
     its wait ("Severing"): a stalled producer that resumes cannot reach reused slots."""
-    forced = os.environ.get(_TCP_IOV_RECV_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return tcp_large_segments(config)
+    return _switch_or_large_segments(_TCP_IOV_RECV_ENV, config)
 
 
 def _net_device(host: str) -> str | None:
