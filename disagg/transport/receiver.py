@@ -113,6 +113,18 @@ def runs_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     return np.repeat(r[:, 0], r[:, 1]) + within
 
 
+def batch_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> tuple[np.ndarray | None, int]:
+    """A batch's destination slots (page order) and one past the highest, computed once
+    for ``ReceiverBook.accept_slots``; ``(None, 0)`` when a run is malformed (a start
+    below 0, a count below 1): the batch is refused unchecked."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if not r.size:
+        return runs_slots(r), 0
+    if bool((r[:, 0] < 0).any() or (r[:, 1] < 1).any()):
+        return None, 0
+    return runs_slots(r), int((r[:, 0] + r[:, 1]).max())
+
+
 @dataclass
 class Rx:
     """One expected transfer."""
@@ -319,11 +331,7 @@ class ReceiverBook:
         """Check every slot of the batch before a byte of it is written; on success the
         batch's pages count as announced (and its slots as written). On refusal the
         transfer fails (a late batch for a final transfer only counts)."""
-        runs = np.asarray(h.runs, dtype=np.int64).reshape(-1, 2)
-        ends = runs[:, 0] + runs[:, 1]
-        bad = bool((runs[:, 0] < 0).any() or (runs[:, 1] < 1).any())
-        hi = int(ends.max()) if runs.size else 0
-        slots = None if bad else runs_slots(runs)
+        slots, hi = batch_slots(h.runs)
         return self.accept_slots(rx, h.group, h.page_bytes, slots, hi)
 
     def accept_slots(

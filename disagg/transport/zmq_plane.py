@@ -135,6 +135,20 @@ slots against 6.7-7.2 between contiguous ones, while the ceiling is one contiguo
 buffer. The rest is per-push work the ceiling does not have (planning about 1.3 ms for
 4096 pages, one header check per 8 MiB batch) and the bench's own polling thread on a
 2-core box.
+
+TCP batches (``TCP_MSG_BYTES`` = 2 MiB, session 13): with 8 MiB batches the plain TCP
+stream sat at 0.74-0.92 of raw TCP. Timed per batch in a steady loop
+(``docs/spikes/tcp-64k/zloop.py``), the receiver's thread spent ~240 us between payloads
+(the next header's wait, read and checks) while its payload phase ran only at the
+sender's pace: an 8 MiB ``sendmsg`` outgrows the 4 MiB send buffer and blocks on it, so
+the receiver's pause stalled the sender too. A 2 MiB batch fits the buffer: the sender
+queues the next batch while the receiver checks a header, and the receiver then reads
+buffered bytes (its 2 MiB payload phase at ~6.6 GB/s, the sender's at ~4.9). A/B in the
+bench (6 alternating pairs, paired-median ratio, 8 MiB -> 2 MiB): 64 KiB 0.74-0.92 ->
+0.87-1.08, 256 KiB 0.76-0.86 -> 0.84-0.98, 1 MiB 0.79-1.07 -> 0.87-1.07 (5 of 6 pairs
+better at each), 4 MiB pages about even (0.73-0.89 -> 0.80-0.91); a sweep put 1 MiB batches below 2 MiB and 4 MiB between. AF_UNIX keeps
+8 MiB (its pipe path measured 0.96-1.19 with 8 MiB against 0.87-0.98 with 2 MiB at
+64 KiB). Measured on loopback only; ``DISAGG_STREAM_TCP_MSG_BYTES`` sets the TCP cut.
 """
 
 from __future__ import annotations
@@ -172,7 +186,7 @@ from .dataplane import (
     check_store_rows,
     gather_pages,
 )
-from .receiver import BookedReceiver, Group, ReceiverBook, Rx, runs_slots
+from .receiver import BookedReceiver, Group, ReceiverBook, Rx, batch_slots
 
 try:  # the iovec loops (_streamio.c, built at install; optional like the row copy)
     from . import _streamio
@@ -198,7 +212,12 @@ PIPED = 1 << 63  # payload length flag: this payload travels in the pipe (MODE_P
 PIPE_MIN_PAGE = 64 << 10  # smaller pages stay on the stream: see the module docstring
 MAX_HEADER = MAX_CONTROL_FRAME  # a longer header is skipped unread and counted TOO_LARGE
 
-MSG_BYTES = 8 << 20  # payload per batch message (one header check per this many bytes)
+MSG_BYTES = 8 << 20  # payload per batch message on AF_UNIX (one header check per this many)
+# TCP batches are smaller: 2 MiB batches moved 64 KiB-4 MiB pages at a paired median of
+# 0.90-1.02 of raw TCP against 0.81-0.87 with 8 MiB (6 A/B pairs; module docstring).
+# DISAGG_STREAM_TCP_MSG_BYTES overrides it (A/B switch, read per push).
+TCP_MSG_BYTES = 2 << 20
+TCP_MSG_ENV = "DISAGG_STREAM_TCP_MSG_BYTES"
 MAX_BATCH_PAGES = 1 << 16  # pages per batch (bounds a header's runs for tiny pages)
 PY_CHUNK = 4 << 20  # the Python path gathers / scatters this much per step
 
@@ -697,8 +716,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         mv = memoryview(buf)
         got = 0
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        poller = select.poll()
-        poller.register(conn.sock, select.POLLIN)
+        poller = None  # made on the first wait: a header is usually there already
         while got < n:
             try:
                 if fds is None or conn.sock.family != socket.AF_UNIX:
@@ -722,6 +740,9 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                 if left <= 0:
                     raise TimeoutError(f"{got} of {n} header bytes arrived in {timeout_s} s")
                 wait = min(wait, max(1, math.ceil(left * 1000)))
+            if poller is None:
+                poller = select.poll()
+                poller.register(conn.sock, select.POLLIN)
             poller.poll(wait)
         return bytes(buf)
 
@@ -871,9 +892,10 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                 else:
                     book.on_done(rx, msg)
             elif rx is not None and isinstance(msg, m.PageBatch):
-                if book.accept_batch(rx, msg) is None:
+                slots, end = batch_slots(msg.runs)
+                if book.accept_slots(rx, msg.group, msg.page_bytes, slots, end) is None:
+                    assert slots is not None  # checked: bounds and promises
                     grp = book.groups[msg.group]
-                    slots = runs_slots(msg.runs)  # bounds and promises were just checked
                     want = int(slots.size) * msg.page_bytes
                     if plen != want:
                         self.stats["rejected_batch"] += 1
@@ -987,8 +1009,11 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         ``poll_push`` is final. Malformed sources raise ValueError."""
         plan: list[_Source] = []
         npages = 0
+        per_msg = _msg_bytes(endpoint)
         for group, rows, dst_slots in pages:
-            src, n = _plan_group(transfer_id, lease_id, bytes(token), group, rows, dst_slots)
+            src, n = _plan_group(
+                transfer_id, lease_id, bytes(token), group, rows, dst_slots, per_msg
+            )
             plan.append(src)
             npages += n
         handle = PushHandle(
@@ -1345,6 +1370,25 @@ def _source(
     return src, np.arange(n, dtype=np.int64), ((0, int(src.shape[1])),)
 
 
+def _msg_bytes(endpoint: str) -> int:
+    """Payload bytes per batch message for a push to ``endpoint``: MSG_BYTES, and over
+    TCP at most TCP_MSG_BYTES (or what ``DISAGG_STREAM_TCP_MSG_BYTES`` says)."""
+    if not endpoint.startswith("tcp://"):
+        return MSG_BYTES
+    raw = os.environ.get(TCP_MSG_ENV, "")
+    if not raw:
+        return min(MSG_BYTES, TCP_MSG_BYTES)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{TCP_MSG_ENV}={raw!r}: give a positive byte count (default {TCP_MSG_BYTES})"
+        )
+    return min(MSG_BYTES, value)
+
+
 def _plan_group(
     transfer_id: int,
     lease_id: int,
@@ -1352,8 +1396,10 @@ def _plan_group(
     group: int,
     src: torch.Tensor | StoreRows,
     dst_slots: Sequence[int],
+    msg_bytes: int | None = None,
 ) -> tuple[_Source, int]:
-    """Split one group's pages into batches of at most MSG_BYTES (and MAX_BATCH_PAGES):
+    """Split one group's pages into batches of at most ``msg_bytes`` (default MSG_BYTES;
+    and MAX_BATCH_PAGES):
     each names its pages' destination runs (consecutive slots coalesced) and the source
     rows to send, in that order. Vectorised: loops over batches only."""
     slots = np.asarray(dst_slots, dtype=np.int64).reshape(-1)
@@ -1369,7 +1415,7 @@ def _plan_group(
         return out, 0
     dst = slots[idx]
     rows = np.ascontiguousarray(rows[idx], dtype=np.int64)
-    per_msg = max(1, min(MSG_BYTES // pb, MAX_BATCH_PAGES))
+    per_msg = max(1, min((msg_bytes or MSG_BYTES) // pb, MAX_BATCH_PAGES))
     brk = np.flatnonzero(np.diff(dst) != 1) + 1  # where destination runs break
     for m0 in range(0, int(idx.size), per_msg):
         m1 = min(m0 + per_msg, int(idx.size))

@@ -147,3 +147,51 @@ def test_factory_passes_checksum():
         plane.close()
     with pytest.raises(ValueError, match="only the zmq"):
         make_data_plane("ipc", checksum=True)
+
+
+def test_tcp_batches_are_cut_smaller(monkeypatch):
+    """Over TCP a push is cut into batches of TCP_MSG_BYTES (2 MiB: the faster cut
+    against raw TCP, see the module docstring), over AF_UNIX into MSG_BYTES; the env
+    switch sets TCP's, never above MSG_BYTES, and a bad value names the switch."""
+    monkeypatch.delenv(zmq_plane.TCP_MSG_ENV, raising=False)
+    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 2 << 20
+    assert zmq_plane._msg_bytes("ipc:///tmp/x.sock") == 8 << 20
+    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, str(4 << 20))
+    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 4 << 20
+    assert zmq_plane._msg_bytes("ipc:///tmp/x.sock") == 8 << 20
+    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, str(64 << 20))
+    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 8 << 20
+    for bad in ("2MiB", "0", "-1"):
+        monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, bad)
+        with pytest.raises(ValueError, match=zmq_plane.TCP_MSG_ENV):
+            zmq_plane._msg_bytes("tcp://127.0.0.1:5555")
+
+
+@pytest.mark.parametrize("cut_pages", [3, 7])
+def test_a_tcp_push_lands_in_tcp_sized_batches(planes, monkeypatch, cut_pages):
+    """A push over TCP goes out in batches of TCP_MSG_BYTES (here a few pages) and every
+    page lands in its slot: the receiver took one message per batch."""
+    rx, tx = planes
+    assert rx.endpoint.startswith("tcp://")
+    monkeypatch.delenv(zmq_plane.TCP_MSG_ENV, raising=False)
+    monkeypatch.setattr(zmq_plane, "TCP_MSG_BYTES", cut_pages * 256)
+    landed = []
+    real_land = zmq_plane.ZmqDataPlane._land
+
+    def land(self, conn, piped, rx_, h, grp, slots):
+        landed.append(int(slots.size))
+        return real_land(self, conn, piped, rx_, h, grp, slots)
+
+    monkeypatch.setattr(zmq_plane.ZmqDataPlane, "_land", land)
+    slab = slab_of(50, 256, seed=3)
+    rows = np.random.default_rng(4).permutation(50)[:20].astype(np.int64)
+    dst = np.random.default_rng(5).permutation(40)[:20].astype(np.int64)
+    pool = torch.zeros(40, 256, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(1, 1, b"t", [20], 10.0)
+    pages, slots = push_source(tx, slab, rows, ((0, 256),), dst)
+    h = tx.post_push(rx.endpoint, 1, 1, b"t", [(0, pages, slots)], 10.0)
+    assert tx.wait_push(h, 10.0).done
+    assert rx.wait(1, 10.0).done
+    assert landed == [cut_pages] * (20 // cut_pages) + ([20 % cut_pages] if 20 % cut_pages else [])
+    assert torch.equal(pool[torch.as_tensor(dst)], slab[torch.as_tensor(rows)])
