@@ -149,6 +149,13 @@ bench (6 alternating pairs, paired-median ratio, 8 MiB -> 2 MiB): 64 KiB 0.74-0.
 better at each), 4 MiB pages about even (0.73-0.89 -> 0.80-0.91); a sweep put 1 MiB batches below 2 MiB and 4 MiB between. AF_UNIX keeps
 8 MiB (its pipe path measured 0.96-1.19 with 8 MiB against 0.87-0.98 with 2 MiB at
 64 KiB). Measured on loopback only; ``DISAGG_STREAM_TCP_MSG_BYTES`` sets the TCP cut.
+For the same reason a TCP sender asks for a send buffer of ``TCP_SNDBUF`` (4 MiB, which
+the kernel doubles) where ``net.core.wmem_max`` grants it (an explicit size ends the
+kernel's autotuning, which would otherwise reach 4 MiB): a 4 MiB page is one batch, and
+with autotuning its ``sendmsg`` filled the buffer. A/B in the bench (8 alternating pairs
+of 64 KiB / 256 KiB / 4 MiB, 4 of 1 MiB; autotuned -> 8 MiB): 64 KiB 0.82-0.88 ->
+0.88-1.06, 256 KiB 0.82-0.92 -> 0.94-1.11, 1 MiB 0.87-0.96 -> 0.95-1.12, 4 MiB
+0.81-0.95 -> 0.88-0.99 (better in 4/4, 4/4, 3/4 and 7/8 pairs).
 """
 
 from __future__ import annotations
@@ -218,6 +225,12 @@ MSG_BYTES = 8 << 20  # payload per batch message on AF_UNIX (one header check pe
 # DISAGG_STREAM_TCP_MSG_BYTES overrides it (A/B switch, read per push).
 TCP_MSG_BYTES = 2 << 20
 TCP_MSG_ENV = "DISAGG_STREAM_TCP_MSG_BYTES"
+# A TCP sender asks for this send buffer (the kernel doubles it: 8 MiB), so that it can
+# queue a batch or a large page while the receiver checks a header (module docstring);
+# only where net.core.wmem_max grants all of it. DISAGG_STREAM_TCP_SNDBUF=0 keeps the
+# kernel's autotuning (A/B switch).
+TCP_SNDBUF = 4 << 20
+TCP_SNDBUF_ENV = "DISAGG_STREAM_TCP_SNDBUF"
 MAX_BATCH_PAGES = 1 << 16  # pages per batch (bounds a header's runs for tiny pages)
 PY_CHUNK = 4 << 20  # the Python path gathers / scatters this much per step
 
@@ -1120,6 +1133,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                     framed.finish_connect(sock)
                 if sock.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    _ask_tcp_sndbuf(sock)
                 elif UNIX_SNDBUF:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
                 pipe = self._tx_hello(sock, h)
@@ -1368,6 +1382,24 @@ def _source(
     if src.shape[1] > 1 and src.stride(1) != 1:
         src = src.contiguous()
     return src, np.arange(n, dtype=np.int64), ((0, int(src.shape[1])),)
+
+
+def _wmem_max() -> int:
+    """``net.core.wmem_max`` (the largest send buffer a process may ask for), 0 unknown."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _ask_tcp_sndbuf(sock: socket.socket) -> None:
+    """Give a TCP sender's socket TCP_SNDBUF, where the host grants all of it: a size
+    set by hand turns the kernel's autotuning off (it grows to ``tcp_wmem``'s max,
+    4 MiB by default), so an ask capped by a small ``wmem_max`` would shrink it."""
+    if os.environ.get(TCP_SNDBUF_ENV, "1") == "0" or _wmem_max() < TCP_SNDBUF:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TCP_SNDBUF)
 
 
 def _msg_bytes(endpoint: str) -> int:

@@ -195,3 +195,52 @@ def test_a_tcp_push_lands_in_tcp_sized_batches(planes, monkeypatch, cut_pages):
     assert rx.wait(1, 10.0).done
     assert landed == [cut_pages] * (20 // cut_pages) + ([20 % cut_pages] if 20 % cut_pages else [])
     assert torch.equal(pool[torch.as_tensor(dst)], slab[torch.as_tensor(rows)])
+
+
+def test_tcp_sender_asks_for_its_send_buffer_only_where_granted(monkeypatch):
+    """A TCP sender's socket gets TCP_SNDBUF (doubled by the kernel) when wmem_max grants
+    all of it; with a smaller wmem_max, or the switch at 0, the kernel's autotuning stays
+    (a capped ask would shrink the buffer)."""
+    import socket
+
+    monkeypatch.setattr(zmq_plane, "TCP_SNDBUF", 128 << 10)  # under any default wmem_max
+    monkeypatch.delenv(zmq_plane.TCP_SNDBUF_ENV, raising=False)
+
+    def fresh() -> socket.socket:
+        return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    with fresh() as s:
+        untouched = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
+    with fresh() as s:
+        zmq_plane._ask_tcp_sndbuf(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (128 << 10)
+    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 64 << 10)
+    with fresh() as s:
+        zmq_plane._ask_tcp_sndbuf(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
+    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
+    monkeypatch.setenv(zmq_plane.TCP_SNDBUF_ENV, "0")
+    with fresh() as s:
+        zmq_plane._ask_tcp_sndbuf(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
+
+
+def test_a_tcp_lane_socket_has_the_send_buffer(planes, monkeypatch):
+    """The sender's connection to a TCP peer carries the asked send buffer."""
+    import socket
+
+    rx, tx = planes
+    monkeypatch.setattr(zmq_plane, "TCP_SNDBUF", 96 << 10)
+    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
+    monkeypatch.delenv(zmq_plane.TCP_SNDBUF_ENV, raising=False)
+    pool = torch.zeros(4, 64, dtype=torch.uint8)
+    rx.register_regions([[pool]])
+    rx.expect(1, 1, b"t", [2], 10.0)
+    slab = slab_of(4, 64)
+    h = tx.post_push(rx.endpoint, 1, 1, b"t", [(0, slab[:2].clone(), [1, 3])], 10.0)
+    assert tx.wait_push(h, 10.0).done
+    assert rx.wait(1, 10.0).done
+    sock = tx._lanes[rx.endpoint].sock
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (96 << 10)
+    assert torch.equal(pool[[1, 3]], slab[:2])
