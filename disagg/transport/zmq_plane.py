@@ -146,9 +146,11 @@ queues the next batch while the receiver checks a header, and the receiver then 
 buffered bytes (its 2 MiB payload phase at ~6.6 GB/s, the sender's at ~4.9). A/B in the
 bench (6 alternating pairs, paired-median ratio, 8 MiB -> 2 MiB): 64 KiB 0.74-0.92 ->
 0.87-1.08, 256 KiB 0.76-0.86 -> 0.84-0.98, 1 MiB 0.79-1.07 -> 0.87-1.07 (5 of 6 pairs
-better at each), 4 MiB pages about even (0.73-0.89 -> 0.80-0.91); a sweep put 1 MiB batches below 2 MiB and 4 MiB between. AF_UNIX keeps
-8 MiB (its pipe path measured 0.96-1.19 with 8 MiB against 0.87-0.98 with 2 MiB at
-64 KiB). Measured on loopback only; ``DISAGG_STREAM_TCP_MSG_BYTES`` sets the TCP cut.
+better at each), 4 MiB pages about even (0.73-0.89 -> 0.80-0.91); a sweep put 1 MiB
+batches below 2 MiB and 4 MiB between. AF_UNIX keeps 8 MiB (its pipe path measured
+0.96-1.19 with 8 MiB against 0.87-0.98 with 2 MiB at 64 KiB). Measured on loopback (this
+2-core box; on a 16-core host the earlier settings already reached 0.90-1.06 and these
+0.89-1.11: docs/perf/h200-session13); ``DISAGG_STREAM_TCP_MSG_BYTES`` sets the TCP cut.
 For the same reason a TCP sender asks for a send buffer of ``TCP_SNDBUF`` (4 MiB, which
 the kernel doubles) where ``net.core.wmem_max`` grants it (an explicit size ends the
 kernel's autotuning, which would otherwise reach 4 MiB): a 4 MiB page is one batch, and
@@ -220,9 +222,10 @@ PIPE_MIN_PAGE = 64 << 10  # smaller pages stay on the stream: see the module doc
 MAX_HEADER = MAX_CONTROL_FRAME  # a longer header is skipped unread and counted TOO_LARGE
 
 MSG_BYTES = 8 << 20  # payload per batch message on AF_UNIX (one header check per this many)
-# TCP batches are smaller: 2 MiB batches moved 64 KiB-4 MiB pages at a paired median of
-# 0.90-1.02 of raw TCP against 0.81-0.87 with 8 MiB (6 A/B pairs; module docstring).
-# DISAGG_STREAM_TCP_MSG_BYTES overrides it (A/B switch, read per push).
+# TCP batches are smaller: with 2 MiB batches 64 KiB-1 MiB pages moved at paired medians
+# of 0.93-1.02 of raw TCP against 0.81-0.87 with 8 MiB (6 A/B pairs; module docstring).
+# DISAGG_STREAM_TCP_MSG_BYTES overrides it (A/B switch; checked when a plane starts, read
+# per push).
 TCP_MSG_BYTES = 2 << 20
 TCP_MSG_ENV = "DISAGG_STREAM_TCP_MSG_BYTES"
 # A TCP sender asks for this send buffer (the kernel doubles it: 8 MiB), so that it can
@@ -617,6 +620,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         self.checksum = checksum
         # same-host payloads on a pipe (offered as a sender, accepted as a receiver)
         self.pipe = os.environ.get(PIPE_ENV, "1") != "0"
+        _msg_bytes("tcp://")  # a malformed DISAGG_STREAM_TCP_MSG_BYTES fails here, not per push
         self.stats: Counter[str] = Counter()
         self._book = ReceiverBook(self.stats, checksum=checksum)
         self._stop = threading.Event()

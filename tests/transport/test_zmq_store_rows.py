@@ -244,3 +244,11 @@ def test_a_tcp_lane_socket_has_the_send_buffer(planes, monkeypatch):
     sock = tx._lanes[rx.endpoint].sock
     assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (96 << 10)
     assert torch.equal(pool[[1, 3]], slab[:2])
+
+
+def test_a_malformed_tcp_batch_switch_fails_the_plane_at_start(monkeypatch):
+    """A bad DISAGG_STREAM_TCP_MSG_BYTES is refused when the plane starts, by name, not
+    at every push."""
+    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, "two megabytes")
+    with pytest.raises(ValueError, match="DISAGG_STREAM_TCP_MSG_BYTES='two megabytes'"):
+        ZmqDataPlane()
