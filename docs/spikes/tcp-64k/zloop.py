@@ -1,6 +1,7 @@
 """Steady loop of one mode for profiling (session 12): ``zmq`` (the zmq tcp plane: N
 random 64 KiB store rows into N random slots, like the bench) or ``zmqpoll`` (the same,
-the consumer polling every 1 ms instead of waiting on the book's condition), or ``raw``
+the consumer polling every 1 ms instead of waiting on the book's condition), ``ucx``
+(session 13: the same through the UCX plane's tcp channel), or ``raw``
 (the bench's raw TCP ceiling: 256 MiB streamed producer -> consumer into a hugepage buffer).
 Prints GB/s (median) and each process's user/sys CPU seconds per GB, so two runs show
 which side spends more per byte than the ceiling. usage: zloop.py PAGE ROUNDS MODE"""
@@ -17,6 +18,14 @@ sys.path.insert(0, __file__.rsplit("/docs/", 1)[0])
 TOTAL = 256 << 20
 
 
+def make_plane(mode):
+    if mode == "ucx":
+        from disagg.transport.ucx_plane import UcxDataPlane
+        return UcxDataPlane(channel="tcp")
+    from disagg.transport.zmq_plane import ZmqDataPlane
+    return ZmqDataPlane("tcp://127.0.0.1:0")
+
+
 def cpu():
     t = os.times()
     return t.user, t.system
@@ -27,8 +36,6 @@ def producer(pb, mode, conn):
 
     from disagg import hostmem
     from disagg.transport.dataplane import push_source
-    from disagg.transport.zmq_plane import ZmqDataPlane
-
     n = TOTAL // pb
     store = hostmem.empty((2 * n, pb)).numpy()
     store.fill(5)
@@ -44,7 +51,7 @@ def producer(pb, mode, conn):
         c1 = cpu()
         conn.send((c1[0] - c0[0], c1[1] - c0[1]))
         return
-    plane = ZmqDataPlane("tcp://127.0.0.1:0")
+    plane = make_plane(mode)
     rows = torch.from_numpy(store)
     conn.send("ready")
     c0 = None
@@ -96,9 +103,7 @@ def main():
         c1 = cpu()
         c.sendall(b"q")
     else:
-        from disagg.transport.zmq_plane import ZmqDataPlane
-
-        plane = ZmqDataPlane("tcp://127.0.0.1:0")
+        plane = make_plane(mode)
         pool = hostmem.empty((2 * n, pb))
         pool.fill_(0)
         plane.register_regions([[pool]])
