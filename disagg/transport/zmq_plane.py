@@ -336,12 +336,17 @@ def open_pipe() -> tuple[int, int] | None:
     return None
 
 
-def _pipe_max() -> int:
+def _sysctl(name: str, default: int) -> int:
+    """An integer kernel setting (``/proc/sys/<name>``), or ``default`` when unreadable."""
     try:
-        with open("/proc/sys/fs/pipe-max-size") as f:
+        with open(f"/proc/sys/{name}") as f:
             return int(f.read())
     except (OSError, ValueError):
-        return 1 << 20
+        return default
+
+
+def _pipe_max() -> int:
+    return _sysctl("fs/pipe-max-size", 1 << 20)
 
 
 def _check(arr: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> int:
@@ -1390,11 +1395,7 @@ def _source(
 
 def _wmem_max() -> int:
     """``net.core.wmem_max`` (the largest send buffer a process may ask for), 0 unknown."""
-    try:
-        with open("/proc/sys/net/core/wmem_max") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return _sysctl("net/core/wmem_max", 0)
 
 
 def _ask_tcp_sndbuf(sock: socket.socket) -> None:
