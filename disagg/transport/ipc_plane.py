@@ -147,10 +147,11 @@ between pushes: 1393 -> 1059 us (waiter wake-up 59 -> 24 us, ack hop 96 -> 44, s
 inside post_push). A 64-page push back to back: 510 -> 370 us; after a 5 ms pause (longer
 than the window) 956 -> 941: an idle plane sleeps, and its first push pays the wake-ups.
 
-Parts (session 10). A push of a device store with at least three times ``PUSH_PARTS[0]``
-pages (4096: 12288 and more) of at least ``PARTS_MIN_PAGE_BYTES`` (32 KiB) each that
-finds its receiver idle leaves as two messages (``IpcPush.part`` / ``last``): the first
-4096 pages, then the rest. The receiver checks
+Parts (session 10). A push of a device store with at least ``PARTS_MIN_PAGES`` (12288)
+pages of at least ``PARTS_MIN_PAGE_BYTES`` (32 KiB) each that finds its receiver idle
+leaves as two messages (``IpcPush.part`` / ``last``): since session 14 its first half (at
+most ``PARTS_FIRST_MAX``, 8192 pages) and the rest (session 10: the first 4096 pages, then
+the rest). The receiver checks
 and launches the first part's copy while the second is still being sent and checked, so
 the GPU starts ~200 us earlier; the first part's copies are waited for with the last
 part's (one completion event: the landing thread does not wake mid-push), and only the
@@ -240,10 +241,16 @@ Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy]]]
 MAX_PREPARED = 256
 
 
-# Parts: a device push of many pages leaves as several messages, the first small, so the
-# receiver checks and launches the first copy while the rest are still being sent and
-# checked (see "Parts" above). Page counts of the leading parts; the rest is the last.
-PUSH_PARTS: tuple[int, ...] = (4096,)
+# Parts: a device push of many pages leaves as several messages, so the receiver checks
+# and launches the first copy while the rest are still being sent and checked (see
+# "Parts" above). By default a push of PARTS_MIN_PAGES or more leaves as two messages,
+# the first half of it (at most PARTS_FIRST_MAX pages) and the rest: the first copy then
+# outlasts the receiver's work on the rest even in the H200 VM's slow CPU phases
+# (session 14: a first part of 4096 pages left the GPU idle 50-120 us there), and a very
+# large push still starts its GPU copy early (a first half of 16384 pages was later).
+# ``push_parts`` / ``DISAGG_IPC_PARTS`` give explicit leading sizes instead.
+PARTS_MIN_PAGES = 12288
+PARTS_FIRST_MAX = 8192
 # Smaller pages are not cut: the GPU copies one in about the time the receiver checks
 # one, so the first part's copy is over long before the rest are checked (16 KiB pages:
 # one push 0.27-0.28 of d2d cut, 0.30-0.39 whole).
@@ -363,7 +370,8 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         push_parts: Sequence[int] | None = None,
     ) -> None:
         self.stats: Counter[str] = Counter()
-        # leading part sizes (pages) of a device push sent in parts ("Parts"); () never
+        # leading part sizes (pages) of a device push sent in parts ("Parts"); () never;
+        # None: the default (first half, at most PARTS_FIRST_MAX, from PARTS_MIN_PAGES)
         self._push_parts = _parts_setting(push_parts)
         self._parts_host = False  # tests: cut host pushes too
         self._parts_min_bytes = PARTS_MIN_PAGE_BYTES  # tests: 0 cuts pushes of small pages
@@ -559,7 +567,9 @@ class IpcDataPlane(BookedReceiver, DataPlane):
             count += rows.size
             nbytes += rows.size * sr.page_bytes
         deadline = time.monotonic() + deadline_s
-        leading = self._push_parts if (device_only or self._parts_host) and not small else ()
+        leading: tuple[int, ...] | None = ()  # () never cuts; None: the default (see _part_sizes)
+        if (device_only or self._parts_host) and not small:
+            leading = self._push_parts
         peer = self._peers.get(endpoint)  # read without the lock: a hint only
         if not endpoint.endswith(_PARTS_SUFFIX) or (
             peer is not None and (peer.inflight or peer.waiting)
@@ -1574,13 +1584,13 @@ def _pieces(
     return out
 
 
-def _parts_setting(push_parts: Sequence[int] | None) -> tuple[int, ...]:
+def _parts_setting(push_parts: Sequence[int] | None) -> tuple[int, ...] | None:
     """The leading part sizes: the argument, else ``DISAGG_IPC_PARTS`` (comma-separated
-    page counts; empty or 0: never cut), else ``PUSH_PARTS``."""
+    page counts; empty or 0: never cut), else None (the default: see ``_part_sizes``)."""
     if push_parts is None:
         env = os.environ.get("DISAGG_IPC_PARTS")
         if env is None:
-            return PUSH_PARTS
+            return None
         try:
             push_parts = [int(x) for x in env.replace(" ", "").split(",") if x]
         except ValueError:
@@ -1593,10 +1603,17 @@ def _parts_setting(push_parts: Sequence[int] | None) -> tuple[int, ...]:
     return () if out in ((), (0,)) else tuple(n for n in out if n > 0)
 
 
-def _part_sizes(total: int, leading: Sequence[int]) -> list[int]:
-    """Pages per part of a push of ``total`` pages: each leading size in turn while at
-    least twice as many pages would remain after it (a short last part would cost more
-    than it overlaps), then the rest as the last part."""
+def _part_sizes(total: int, leading: Sequence[int] | None) -> list[int]:
+    """Pages per part of a push of ``total`` pages. ``leading`` None (the default): from
+    PARTS_MIN_PAGES pages, the first half (at most PARTS_FIRST_MAX) and the rest; fewer
+    pages travel whole. Else each leading size in turn while at least twice as many pages
+    would remain after it (a short last part would cost more than it overlaps), then the
+    rest as the last part."""
+    if leading is None:
+        if total < PARTS_MIN_PAGES:
+            return [total]
+        first = min(total - total // 2, PARTS_FIRST_MAX)
+        return [first, total - first]
     out, left = [], total
     for n in leading:
         if left < 3 * n:

@@ -21,7 +21,8 @@ from disagg.protocol import ipc as wire
 from disagg.transport import ipc_plane
 from disagg.transport.dataplane import StoreRows, TransferState
 from disagg.transport.ipc_plane import (
-    PUSH_PARTS,
+    PARTS_FIRST_MAX,
+    PARTS_MIN_PAGES,
     IpcDataPlane,
     _cut,
     _Landing,
@@ -62,6 +63,14 @@ def test_part_sizes_cut_while_twice_as_much_remains():
     assert _part_sizes(0, (2, 4)) == [0]
 
 
+def test_default_parts_are_halves_from_the_minimum_with_a_capped_first():
+    assert _part_sizes(16384, None) == [8192, 8192]
+    assert _part_sizes(PARTS_MIN_PAGES + 1, None) == [6145, 6144]
+    assert _part_sizes(32768, None) == [PARTS_FIRST_MAX, 32768 - PARTS_FIRST_MAX]
+    assert _part_sizes(PARTS_MIN_PAGES - 1, None) == [PARTS_MIN_PAGES - 1]
+    assert _part_sizes(0, None) == [0]
+
+
 def test_cut_spans_batches_in_order_with_no_empty_piece():
     assert _cut([3, 5], [2, 4, 2]) == [[(0, 0, 2)], [(0, 2, 3), (1, 0, 3)], [(1, 3, 5)]]
     assert _cut([4], [4]) == [[(0, 0, 4)]]
@@ -70,7 +79,7 @@ def test_cut_spans_batches_in_order_with_no_empty_piece():
 
 def test_parts_setting_from_argument_and_environment(monkeypatch):
     monkeypatch.delenv("DISAGG_IPC_PARTS", raising=False)
-    assert _parts_setting(None) == PUSH_PARTS
+    assert _parts_setting(None) is None  # the default: a capped first half
     assert _parts_setting([0]) == () and _parts_setting([]) == ()
     monkeypatch.setenv("DISAGG_IPC_PARTS", "512, 1024")
     assert _parts_setting(None) == (512, 1024)
@@ -226,7 +235,45 @@ def test_module_default_cuts_only_device_pushes(planes):
     h = tx.post_push(rx.endpoint, 9, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])])
     assert tx.wait_push(h, 10).done and rx.wait(9, 10).done
     assert tx.stats["push_parts_sent"] == 0
-    assert ipc_plane.PUSH_PARTS  # the default cuts device pushes
+
+
+def test_default_cut_is_two_halves_that_land_exactly(planes, monkeypatch):
+    """With no part sizes given, a push of PARTS_MIN_PAGES pages leaves as two halves
+    (the first half's copy outlasts the checks of the second); one page fewer travels
+    whole. Every page lands in its slot either way."""
+    monkeypatch.delenv("DISAGG_IPC_PARTS", raising=False)
+    seen: list[tuple[int, int, int]] = []  # (transfer, part, pages) as the receiver got them
+    rx_push = ipc_plane.IpcDataPlane._rx_push
+
+    def record(self, msg, conn):
+        pages = sum(len(b.slots) // b.index_bytes for b in msg.batches)
+        seen.append((msg.transfer_id, msg.part, pages))
+        return rx_push(self, msg, conn)
+
+    monkeypatch.setattr(ipc_plane.IpcDataPlane, "_rx_push", record)
+    rx, tx = planes(), planes()
+    n = PARTS_MIN_PAGES
+    slab = tx.register_source(_store(2 * n))
+    pool = torch.zeros((2 * n, WIDTH), dtype=torch.uint8, device=DEVICE)
+    rx.register_regions([[pool]])
+    rng = np.random.default_rng(3)
+    sent = []
+    for tid, count in ((1, n), (2, n - 1)):
+        rows, slots = (
+            rng.choice(2 * n, count, replace=False),
+            rng.choice(2 * n, count, replace=False),
+        )
+        rx.expect(tid, 1, b"t", [count], 30.0, [slots.tolist()])
+        h = tx.post_push(
+            rx.endpoint, tid, 1, b"t", [(0, StoreRows(slab, rows, ((0, WIDTH),)), slots)]
+        )
+        assert tx.wait_push(h, 30).done, tx.poll_push(h)
+        assert rx.wait(tid, 30).done, rx.poll(tid)
+        got = pool[torch.from_numpy(slots).to(DEVICE)]
+        assert torch.equal(got, slab[torch.from_numpy(rows).to(DEVICE)])
+        sent.append(tx.stats["push_parts_sent"])
+    assert sent == [1, 1]  # the first push: one part beyond the first; the second: none
+    assert seen == [(1, 0, n // 2), (1, 1, n // 2), (2, 0, n - 1)]
 
 
 @pytest.mark.parametrize("end", ["abort", "deadline"])
