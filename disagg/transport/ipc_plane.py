@@ -176,6 +176,14 @@ one push / four in flight: no parts .48/.77 .49/.75 .43/.76 and .57/.80 .51/.80 
 .53/.73 .49/.77 .61/.76: the bench's five-push median moves more between runs than the
 change (raw output in docs/perf/h200-ipc-session10/). 16 KiB pages cut: 0.27-0.28
 against 0.30-0.39 whole, hence ``PARTS_MIN_PAGE_BYTES``.
+
+First part size (session 14, docs/perf/h200-session14/). The H200 VM's vCPUs run the same
+code 1.8x slower in some phases (host sharing); there the receiver's work on the rest of
+a push (~280 us) outlasted a 4096-page first part's copy (~200 us) and the GPU sat idle
+44-118 us. Interleaved, pushes 2-6 of 1 GiB of 64 KiB pages: first part 4096
+.56/.45/.43/.59 of d2d, 8192 .56/.54/.54/.57; on a VM that stayed fast, halves equalled
+4096 except for 32768-page pushes (a 16384-page first part starts the GPU later), hence
+PARTS_FIRST_MAX.
 """
 
 from __future__ import annotations
