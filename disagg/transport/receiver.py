@@ -113,11 +113,24 @@ def runs_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     return np.repeat(r[:, 0], r[:, 1]) + within
 
 
+def runs_array(runs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray | None:
+    """(start, count) pairs as an int64 ``[n, 2]`` array; None when a number does not
+    fit in int64 (the wire's integers go up to 2**64 - 1)."""
+    try:
+        return np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    except (OverflowError, ValueError):
+        return None
+
+
 def batch_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> tuple[np.ndarray | None, int]:
     """A batch's destination slots (page order) and one past the highest, computed once
     for ``ReceiverBook.accept_slots``; ``(None, 0)`` when a run is malformed (a start
-    below 0, a count below 1): the batch is refused unchecked."""
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    below 0, a count below 1, a number beyond int64): the batch is refused unchecked.
+    Expands every run: a header from the wire goes through ``ReceiverBook.accept_runs``,
+    which bounds the runs first."""
+    r = runs_array(runs)
+    if r is None:
+        return None, 0
     if not r.size:
         return runs_slots(r), 0
     if bool((r[:, 0] < 0).any() or (r[:, 1] < 1).any()):
@@ -331,8 +344,26 @@ class ReceiverBook:
         """Check every slot of the batch before a byte of it is written; on success the
         batch's pages count as announced (and its slots as written). On refusal the
         transfer fails (a late batch for a final transfer only counts)."""
-        slots, hi = batch_slots(h.runs)
-        return self.accept_slots(rx, h.group, h.page_bytes, slots, hi)
+        return self.accept_runs(rx, h)[0]
+
+    def accept_runs(self, rx: Rx, h: m.PageBatch) -> tuple[str | None, np.ndarray | None, int]:
+        """``accept_batch`` that also hands back, once accepted, the batch's slots (int64,
+        page order) and one past the highest: ``(None, slots, end)``, or ``(why, None,
+        0)``. The runs are checked as numbers before they are expanded into slots (each
+        inside the group, no more pages than the transfer still expects): a header that
+        names billions of pages is refused by name, never expanded (nor cut into
+        segments by a plane that asks first)."""
+        if rx.state.final:
+            self.stats["rejected_late"] += 1
+            return "late", None, 0
+        error = self._check_runs(rx, h.group, h.page_bytes, h.runs)
+        if error is not None:
+            self.stats["rejected_batch"] += 1
+            self.fail(rx, error)
+            return error, None, 0
+        slots, end = batch_slots(h.runs)
+        error = self.accept_slots(rx, h.group, h.page_bytes, slots, end)
+        return (error, None, 0) if error is not None else (None, slots, end)
 
     def accept_slots(
         self,
@@ -446,6 +477,29 @@ class ReceiverBook:
         if slots is None:
             return f"batch for group {group} addresses slots outside [0, {self.groups[group].num_slots})"
         return self._check_slots(rx, group, slots, end)
+
+    def _check_runs(
+        self, rx: Rx, group: int, page_bytes: int, runs: Sequence[tuple[int, int]]
+    ) -> str | None:
+        """What a batch's runs decide without expanding them: group and page size, each
+        run a start and a count inside the group's slots, and the pages in all against
+        what the transfer still expects."""
+        error = self._check_header(rx, group, page_bytes, 0)
+        if error is not None:
+            return error
+        num_slots = self.groups[group].num_slots
+        r = runs_array(runs)
+        if r is None or not r.size:
+            return f"batch for group {group} has malformed runs (start, count pairs in int64)"
+        starts, counts = r[:, 0], r[:, 1]
+        if bool((counts < 1).any()):
+            return f"batch for group {group} has a run of {int(counts.min())} pages"
+        # starts and counts bounded first, so their sums cannot overflow
+        if bool((starts < 0).any() or (starts >= num_slots).any() or (counts > num_slots).any()):
+            return f"batch for group {group} addresses slots outside [0, {num_slots})"
+        if bool((starts + counts > num_slots).any()):
+            return f"batch for group {group} addresses slots outside [0, {num_slots})"
+        return self._check_header(rx, group, page_bytes, int(counts.sum()))
 
     def _check_header(self, rx: Rx, group: int, page_bytes: int, count: int) -> str | None:
         """What a batch's header alone decides: its group, page size and page count."""

@@ -745,7 +745,6 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -2393,11 +2392,17 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 return
             assert isinstance(msg, m.PageBatch)
-            slots = None
+            # Checked before it is cut into segments: the runs are bounded by the group
+            # and by the pages still due, so a forged count cannot make it expand forever.
+            why, slots, _ = book.accept_runs(rx, msg)
+            if why is not None:
+                # refused (the transfer is over): its segments arrive under unknown
+                # tags and are discarded
+                book.cond.notify_all()
+                return
+            assert slots is not None
+            pages = int(slots.size)
             if whole:  # the whole batch in one message (the sender's rows are on a GPU)
-                flat = chain.from_iterable(msg.runs)
-                ra = np.fromiter(flat, dtype=np.int64, count=2 * len(msg.runs)).reshape(-1, 2)
-                pages = int(ra[:, 1].sum())
                 segs = [Segment(tuple(msg.runs[:1]), 0, pages, len(msg.runs) == 1)]
                 if pages > 1 and pages * msg.page_bytes > BATCH_BYTES:
                     rx.seq += 1
@@ -2408,15 +2413,13 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 dmin = self._direct_min if direct_min is None else direct_min
                 segs = segments(msg.runs, msg.page_bytes, dmin, seg_bytes)
             seq0 = rx.seq
-            rx.seq += len(segs)  # keep numbering in step with the sender even if refused
-            if book.accept_batch(rx, msg) is not None:
-                return  # refused: its segments arrive under unknown tags, discarded
+            rx.seq += len(segs)
             rx.queued += len(segs)
             key = _tag_key(rx.token)
-            if whole and len(msg.runs) > 1:
-                slots = runs_slots(ra)
             grp = book.groups[msg.group]
-            iov = self._batch_iov(grp, msg) if self.tcp_iov_recvs and not whole else None
+            iov = self._batch_iov(grp, msg, slots) if self.tcp_iov_recvs and not whole else None
+            if not whole or len(msg.runs) == 1:
+                slots = None  # the pending segment keeps slots only for a scattered whole batch
             for i, seg in enumerate(segs):
                 tag = _data_tag(key, rx.transfer_id, seq0 + i)
                 p = _PendingSeg(rx, msg.group, tag, seg, seg.pages * msg.page_bytes, whole, slots)
@@ -2909,17 +2912,16 @@ class UcxDataPlane(BookedReceiver, DataPlane):
             if self._held or not self._post(probe, pend):
                 self._held.append((probe, pend))  # the message waits in UCX for a buffer
 
-    def _batch_iov(self, grp: Group, msg: m.PageBatch) -> np.ndarray | None:
+    def _batch_iov(self, grp: Group, msg: m.PageBatch, slots: np.ndarray) -> np.ndarray | None:
         """The iov entries (``ucx_iov.page_iov``: [pages, regions, 2]) of an accepted
         batch's slots, in page order, when its group is host memory (else None: device
         slots keep the scratch path). One vectorised call per batch; each packed segment
-        takes a view of its pages. The book has just checked every slot against the
-        group (``accept_batch``): the addresses are computed from checked slots only."""
+        takes a view of its pages. ``slots``: the batch's slots, just checked against the
+        group by the book (``accept_runs``): addresses are computed from checked slots only."""
         if any(r.tensor.device.type != "cpu" for r in grp.regions):
             return None
         if grp.page_bytes != msg.page_bytes:
             return None
-        slots = runs_slots(msg.runs)
         regions = [(r.tensor.data_ptr(), r.tensor.stride(0), r.size) for r in grp.regions]
         return ucx_iov.page_iov(regions, slots)
 

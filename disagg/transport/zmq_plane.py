@@ -195,7 +195,7 @@ from .dataplane import (
     check_store_rows,
     gather_pages,
 )
-from .receiver import BookedReceiver, Group, ReceiverBook, Rx, batch_slots
+from .receiver import BookedReceiver, Group, ReceiverBook, Rx
 
 try:  # the iovec loops (_streamio.c, built at install; optional like the row copy)
     from . import _streamio
@@ -914,9 +914,9 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
                 else:
                     book.on_done(rx, msg)
             elif rx is not None and isinstance(msg, m.PageBatch):
-                slots, end = batch_slots(msg.runs)
-                if book.accept_slots(rx, msg.group, msg.page_bytes, slots, end) is None:
-                    assert slots is not None  # checked: bounds and promises
+                why, slots, _ = book.accept_runs(rx, msg)
+                if why is None:
+                    assert slots is not None  # checked: bounds, counts and promises
                     grp = book.groups[msg.group]
                     want = int(slots.size) * msg.page_bytes
                     if plen != want:
