@@ -356,12 +356,12 @@ class ReceiverBook:
         if rx.state.final:
             self.stats["rejected_late"] += 1
             return "late", None, 0
-        error = self._check_runs(rx, h.group, h.page_bytes, h.runs)
+        error, r, end = self._check_runs(rx, h.group, h.page_bytes, h.runs)
         if error is not None:
             self.stats["rejected_batch"] += 1
             self.fail(rx, error)
             return error, None, 0
-        slots, end = batch_slots(h.runs)
+        slots = runs_slots(r)  # runs checked above: expanded once
         error = self.accept_slots(rx, h.group, h.page_bytes, slots, end)
         return (error, None, 0) if error is not None else (None, slots, end)
 
@@ -480,26 +480,32 @@ class ReceiverBook:
 
     def _check_runs(
         self, rx: Rx, group: int, page_bytes: int, runs: Sequence[tuple[int, int]]
-    ) -> str | None:
+    ) -> tuple[str | None, np.ndarray, int]:
         """What a batch's runs decide without expanding them: group and page size, each
         run a start and a count inside the group's slots, and the pages in all against
-        what the transfer still expects."""
+        what the transfer still expects. Returns the error (or None), the runs as an int64
+        ``[n, 2]`` array and one past the highest slot (a handful of reductions: this
+        runs for every header)."""
+        none = np.empty((0, 2), np.int64)
         error = self._check_header(rx, group, page_bytes, 0)
         if error is not None:
-            return error
+            return error, none, 0
         num_slots = self.groups[group].num_slots
         r = runs_array(runs)
         if r is None or not r.size:
-            return f"batch for group {group} has malformed runs (start, count pairs in int64)"
-        starts, counts = r[:, 0], r[:, 1]
-        if bool((counts < 1).any()):
-            return f"batch for group {group} has a run of {int(counts.min())} pages"
-        # starts and counts bounded first, so their sums cannot overflow
-        if bool((starts < 0).any() or (starts >= num_slots).any() or (counts > num_slots).any()):
-            return f"batch for group {group} addresses slots outside [0, {num_slots})"
-        if bool((starts + counts > num_slots).any()):
-            return f"batch for group {group} addresses slots outside [0, {num_slots})"
-        return self._check_header(rx, group, page_bytes, int(counts.sum()))
+            why = f"batch for group {group} has malformed runs (start, count pairs in int64)"
+            return why, none, 0
+        (start_lo, count_lo), (start_hi, count_hi) = r.min(axis=0), r.max(axis=0)
+        if count_lo < 1:
+            return f"batch for group {group} has a run of {int(count_lo)} pages", r, 0
+        outside = f"batch for group {group} addresses slots outside [0, {num_slots})"
+        # starts and counts bounded first, so neither sum below can overflow
+        if start_lo < 0 or start_hi >= num_slots or count_hi > num_slots:
+            return outside, r, 0
+        end = int((r[:, 0] + r[:, 1]).max())
+        if end > num_slots:
+            return outside, r, 0
+        return self._check_header(rx, group, page_bytes, int(r[:, 1].sum())), r, end
 
     def _check_header(self, rx: Rx, group: int, page_bytes: int, count: int) -> str | None:
         """What a batch's header alone decides: its group, page size and page count."""
