@@ -122,22 +122,6 @@ def runs_array(runs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray | Non
         return None
 
 
-def batch_slots(runs: Sequence[tuple[int, int]] | np.ndarray) -> tuple[np.ndarray | None, int]:
-    """A batch's destination slots (page order) and one past the highest, computed once
-    for ``ReceiverBook.accept_slots``; ``(None, 0)`` when a run is malformed (a start
-    below 0, a count below 1, a number beyond int64): the batch is refused unchecked.
-    Expands every run: a header from the wire goes through ``ReceiverBook.accept_runs``,
-    which bounds the runs first."""
-    r = runs_array(runs)
-    if r is None:
-        return None, 0
-    if not r.size:
-        return runs_slots(r), 0
-    if bool((r[:, 0] < 0).any() or (r[:, 1] < 1).any()):
-        return None, 0
-    return runs_slots(r), int((r[:, 0] + r[:, 1]).max())
-
-
 @dataclass
 class Rx:
     """One expected transfer."""
@@ -498,13 +482,13 @@ class ReceiverBook:
         (start_lo, count_lo), (start_hi, count_hi) = r.min(axis=0), r.max(axis=0)
         if count_lo < 1:
             return f"batch for group {group} has a run of {int(count_lo)} pages", r, 0
-        outside = f"batch for group {group} addresses slots outside [0, {num_slots})"
-        # starts and counts bounded first, so neither sum below can overflow
+        # starts and counts bounded first, so the sum of a start and a count cannot overflow
         if start_lo < 0 or start_hi >= num_slots or count_hi > num_slots:
-            return outside, r, 0
-        end = int((r[:, 0] + r[:, 1]).max())
+            end = num_slots + 1
+        else:
+            end = int((r[:, 0] + r[:, 1]).max())
         if end > num_slots:
-            return outside, r, 0
+            return f"batch for group {group} addresses slots outside [0, {num_slots})", r, 0
         return self._check_header(rx, group, page_bytes, int(r[:, 1].sum())), r, end
 
     def _check_header(self, rx: Rx, group: int, page_bytes: int, count: int) -> str | None:

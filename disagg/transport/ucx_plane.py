@@ -2401,8 +2401,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
                 book.cond.notify_all()
                 return
             assert slots is not None
-            pages = int(slots.size)
             if whole:  # the whole batch in one message (the sender's rows are on a GPU)
+                pages = int(slots.size)
                 segs = [Segment(tuple(msg.runs[:1]), 0, pages, len(msg.runs) == 1)]
                 if pages > 1 and pages * msg.page_bytes > BATCH_BYTES:
                     rx.seq += 1
