@@ -43,7 +43,7 @@ Schema (all sections are plain mappings; unknown keys are refused)::
                                              # or list its ranks: [[rank0_ep, rank1_ep], ...]
       data: endpoint to bind                 # incoming pages, default tcp://127.0.0.1:0
       advertise_host: str | null             # host producers use to reach a wildcard bind
-      load_mode: async | sync                # default async
+      load_mode: auto | async | sync         # default auto (async where safe, see below)
       on_load_failure: auto | fail_request | stop_instance   # default auto (see below)
       claim_timeout_s: 1.0
       load_timeout_s: 30
@@ -105,7 +105,9 @@ ROLES: tuple[str, ...] = ("producer", "consumer")
 TRANSPORTS: tuple[str, ...] = ("zmq", "ucx", "ipc")
 UCX_CHANNELS: tuple[str, ...] = ("tcp", "shm", "auto")
 STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
-LOAD_MODES: tuple[str, ...] = ("async", "sync")
+# auto: async where the runtime keeps a cancelled request's pages while its load is
+# pending (TensorRT-LLM lines with has_pending_transfers), else sync (layer by layer)
+LOAD_MODES: tuple[str, ...] = ("auto", "async", "sync")
 # What a failed load does (after the claim: the tokens were already offered). fail_request:
 # that request ends with an error naming it. stop_instance: the engine stops (an error
 # TensorRT-LLM treats as fatal). auto: stop_instance where the engine would keep the
@@ -409,7 +411,7 @@ class ConsumerConfig:
     producers: tuple[str | tuple[str, ...], ...]
     data: str = "tcp://127.0.0.1:0"
     advertise_host: str | None = None
-    load_mode: str = "async"
+    load_mode: str = "auto"
     on_load_failure: str = "auto"
     claim_timeout_s: float = 1.0
     load_timeout_s: float = 30.0

@@ -35,14 +35,13 @@ def model_id_of(llm_args: Any, configured: str | None) -> str:
 
 
 def tp_of(llm_args: Any) -> tuple[int, int]:
-    """``(tp_size, tp_rank)``: ``tensor_parallel_size``, and the rank from ``tp_rank`` or,
-    failing that, ``rank`` (the reference engine's per-worker stand-in for ``mpi_rank()``;
-    with TP only, the global rank is the TP rank)."""
+    """``(tp_size, tp_rank)``: ``tensor_parallel_size`` from ``llm_args``, the rank from the
+    runtime (``engine.runtime.runtime_rank``: TensorRT-LLM's ``mpi_rank()``). ``llm_args``
+    is one object for every rank, so it never says which rank this process is."""
+    from .engine.runtime import runtime_rank
+
     size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
-    rank = getattr(llm_args, "tp_rank", None)
-    if rank is None:
-        rank = getattr(llm_args, "rank", 0)
-    return size, int(rank or 0)
+    return size, runtime_rank()
 
 
 def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) -> Fingerprint:
@@ -73,18 +72,39 @@ class RequestIdentity:
     token. Coarse on purpose for multimodal requests: the digest covers every input of the
     request, so such requests share blocks only with requests of the same inputs."""
 
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # the salt's id (``salt_token``), decimal
     lora_id: int | None = None
     mm_digest: str | None = None
 
 
+def cache_salt_id(salt: str) -> int:
+    """TensorRT-LLM's id of a cache salt (``get_cache_salt_id``: the first 8 bytes of its
+    BLAKE3 digest, little-endian). The C++-bound request a V1 engine hands the scheduler
+    carries only this id; the Python request and ``RequestData`` carry the string."""
+    import blake3
+
+    return int.from_bytes(blake3.blake3(salt.encode("utf-8")).digest(length=8), "little")
+
+
+def salt_token(request: Any) -> str | None:
+    """The request's cache salt as its id (decimal), from ``cache_salt_id`` or
+    ``cache_salt``, whichever the object carries: both forms key the same blocks."""
+    sid = _attr(request, "cache_salt_id")
+    if sid is None:
+        salt = _attr(request, "cache_salt")
+        if salt is None:
+            return None
+        sid = cache_salt_id(str(salt))
+    return str(int(sid))
+
+
 def request_identity(request: Any) -> RequestIdentity:
     """The identity of an engine request, from the attributes TensorRT-LLM's ``LlmRequest``
-    binds (``cache_salt``, ``lora_task_id``, ``multimodal_hashes``/``_positions``/
-    ``_lengths``); absent or None attributes count as "none"."""
+    binds (``cache_salt_id`` or ``cache_salt``, ``lora_task_id``, ``multimodal_hashes``/
+    ``_positions``/``_lengths``); absent or None attributes count as "none"."""
     lora = _attr(request, "lora_task_id")
     return RequestIdentity(
-        cache_salt=_attr(request, "cache_salt"),
+        cache_salt=salt_token(request),
         lora_id=None if lora is None else int(lora),
         mm_digest=multimodal_digest(
             _attr(request, "multimodal_hashes"),

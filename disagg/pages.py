@@ -52,20 +52,26 @@ class PagePool:
         self.keepalive: object = None
         self.layout = layout
         self.tokens_per_block = layout.tokens_per_block
-        self.dtype = layout.dtype
+        # one TensorRT-LLM line's layout has no dtype: pages are bytes either way
+        self.dtype = getattr(layout, "dtype", None) or torch.uint8
+        # a group page covers every region of the group, replicated ones too (roles equal
+        # on every TP rank, described apart where the layout has them: each rank moves
+        # its own copy, or the model runs on missing KV)
+        self._group_regions = [_regions_of(g) for g in layout.groups]
         # [num_slots, size] uint8 views, one per region, per group.
         self.regions: list[list[torch.Tensor]] = [
-            [r.as_tensor(torch.uint8) for r in g.regions] for g in layout.groups
+            [r.as_tensor(torch.uint8) for r in regions] for regions in self._group_regions
         ]
         self.groups: list[GroupGeometry] = [
             GroupGeometry(
                 group_id=g.layer_group_id,
                 layer_ids=tuple(g.layer_ids),
                 window=g.window_size,
-                region_sizes=tuple(r.size for r in g.regions),
-                num_slots=g.num_slots,
+                region_sizes=tuple(r.size for r in regions),
+                # the layout states slots per region only (its group has no count)
+                num_slots=min((int(r.num_slots) for r in regions), default=0),
             )
-            for g in layout.groups
+            for g, regions in zip(layout.groups, self._group_regions, strict=True)
         ]
         self.page_offsets = _offsets([g.page_bytes for g in self.groups])
         self.block_bytes = sum(g.page_bytes for g in self.groups)
@@ -111,7 +117,7 @@ class PagePool:
             if layer not in g.layer_ids:
                 continue
             spans, region_off = [], 0
-            for ri, r in enumerate(g.regions):
+            for ri, r in enumerate(self._group_regions[gi]):
                 if r.buffers:
                     each = r.size // len(r.buffers)
                     for bi, b in enumerate(r.buffers):
@@ -258,6 +264,11 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _is_run(idx: torch.Tensor) -> bool:
     return idx.numel() < 2 or bool((idx[1:] - idx[:-1] == 1).all())
+
+
+def _regions_of(group: object) -> tuple[KvCacheRegion, ...]:
+    regions = tuple(getattr(group, "regions", ()))
+    return regions + tuple(getattr(group, "replicated_regions", ()) or ())
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from .config import DisaggConfig
-from .identity import RequestIdentity, fingerprint_of, model_id_of, namespace_of, tp_of
+from .identity import RequestIdentity, cache_salt_id, fingerprint_of, model_id_of, namespace_of, tp_of
 from .pages import PagePool
 from .protocol.fingerprint import Fingerprint
 
@@ -146,7 +146,8 @@ class ConnectorService:
         salt) on rank ``tp_rank`` (default: ours). Keys differ per rank and per identity
         (DESIGN §3). Cached, except for multimodal identities (one per request)."""
         if not isinstance(ident, RequestIdentity):
-            ident = RequestIdentity(cache_salt=ident)
+            token = None if ident is None else str(cache_salt_id(ident))
+            ident = RequestIdentity(cache_salt=token)
         rank = self.tp_rank if tp_rank is None else tp_rank
         seed = self._seeds.get((ident, rank))
         if seed is None:

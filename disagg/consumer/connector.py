@@ -73,8 +73,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from ..engine import runtime
 from ..identity import request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_key_blob, tokens_array
@@ -150,6 +152,24 @@ class ConsumerMeta:
     prefix_dropped: list[int] = field(default_factory=list)
 
 
+def loads_async(load_mode: str) -> bool:
+    """``consumer.load_mode`` against the runtime: ``auto`` loads asynchronously where the
+    runtime keeps a cancelled request's pages while its load is pending, else layer by
+    layer (a synchronous load ends inside the forward that reads it); ``async`` on a
+    runtime that frees them at once is refused: a load still landing would write into
+    pages another request owns."""
+    feats = runtime.current()
+    if load_mode == "auto":
+        return feats.keeps_cancelled_pages
+    if load_mode == "async" and not feats.keeps_cancelled_pages:
+        raise ConfigError(
+            f"consumer.load_mode: async loads need a runtime that keeps a cancelled "
+            f"request's pages while its load is pending, and TensorRT-LLM's {feats.line} "
+            "frees them at once (no has_pending_transfers): set load_mode: sync (or auto)"
+        )
+    return load_mode == "async"
+
+
 class ConsumerScheduler(KvCacheConnectorScheduler):
     """Leader side of the consumer: claims remote prefixes and plans their loads."""
 
@@ -157,7 +177,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = self.service.ccfg.load_mode == "async"
+        self.is_async = loads_async(self.service.ccfg.load_mode)
         self._dropped: list[int] = []  # TP > 1: told to the other ranks in the next metadata
         self._prefix_dropped: list[int] = []  # TP > 1: reservations abandoned while loading
 
@@ -375,25 +395,56 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         )
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
-        """Right after allocation: remember where the claimed blocks must land."""
+        """Right after allocation (leader only, once per allocation, never waits): remember
+        where the claimed blocks must land. A line that passes layer groups as a dict
+        calls this flat form first for every cache; with several groups it carries
+        nothing (the per-group call follows)."""
+        pool = self.service.pool
+        if pool is not None and pool.num_groups > 1:
+            return
         self.update_state_after_alloc_by_layer_group(request, [list(block_ids)])
 
     def update_state_after_alloc_by_layer_group(
-        self, request: Any, block_ids_by_layer_group: list[list[int]]
+        self, request: Any, block_ids_by_layer_group: list[list[int]] | dict[int, list[int]]
     ) -> None:
-        """Per-group form: slot ``[g][i]`` of block ordinal ``i``; ``-1`` (outside a sliding
-        window) means that group's page is not wanted and is skipped."""
+        """Per-group form (a list indexed by group id, or a dict keyed by it): slot
+        ``[g][i]`` of block ordinal ``i``; ``-1`` (outside a sliding window) means that
+        group's page is not wanted and is skipped. Only what the runtime honoured
+        (``py_num_connector_matched_tokens``, set by its commit before this call) is
+        loaded; the rest of the lease goes back at once."""
         load = self.service.loads.get(request.request_id)
         if load is None or load.dispatched:
             return
-        first, n = load.first_block, load.claimed.num_blocks
+        groups = block_ids_by_layer_group
+        if isinstance(groups, dict):
+            groups = [groups[g] for g in sorted(groups)]
+        honoured = getattr(request, "py_num_connector_matched_tokens", None)
+        if isinstance(honoured, int) and not isinstance(honoured, bool):
+            self._honour(load, honoured // self.service.pool.tokens_per_block)  # type: ignore[union-attr]
+            if self.service.loads.get(request.request_id) is not load:
+                return  # nothing honoured: dropped
+        first, n = load.first_block, load.blocks
         dst = []
-        for ids in block_ids_by_layer_group:
+        for ids in groups:
             part = [int(s) for s in ids[first : first + n]]
             dst.append(part + [-1] * (n - len(part)))
         if all(s < 0 for g in dst for s in g):
             self.service.fail(load, "the engine allocated no page for the claimed blocks")
         load.dst_slots = dst
+
+    def _honour(self, load: Load, blocks: int) -> None:
+        """Keep only the first ``blocks`` of a load not yet dispatched (a short honour or a
+        ``cancel_load`` of the tail): the rest of the lease goes back now; none left drops
+        the load (a parked request is still reported once, as loaded nothing)."""
+        if load.dispatched or blocks >= load.blocks:
+            return
+        if blocks <= 0:
+            self._drop(load.request_id)
+            return
+        self.service.release_blocks(load.claimed, blocks, load.blocks - blocks)
+        load.push_blocks = blocks
+        if load.dst_slots is not None:
+            load.dst_slots = [g[:blocks] for g in load.dst_slots]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConsumerMeta:
         """Rank 0, once per iteration (the result is pickled and broadcast to every rank):
@@ -439,7 +490,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                             rid,
                             c.link.index,
                             [r.lease_id for r in c.all_ranks()],
-                            c.num_blocks,
+                            load.blocks,
                             load.first_block,
                             load.dst_slots,
                             load.uid,
@@ -467,10 +518,16 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         return self.request_finished(request, [])
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
-        """V2: the runtime will not consume the offer; give the lease back."""
+        """Leader, from the runtime's scheduling pass (never waits): it will not consume
+        ``[start, end)`` of the offer (a short honour, or the local cache overtook it).
+        The load keeps the blocks before ``start`` and gives the rest back; nothing left
+        drops it. A load already dispatched is left to land (the runtime recomputes and
+        overwrites that range after it)."""
         load = self.service.loads.get(request.request_id)
-        if load is not None and not load.dispatched:
-            self._drop(request.request_id)
+        if load is None or load.dispatched:
+            return
+        tpb = self.service.pool.tokens_per_block  # type: ignore[union-attr]
+        self._honour(load, start // tpb - load.first_block)
 
     def request_reset(self, request: Any) -> None:
         """V2: the request will replay from scratch and be queried again."""
@@ -494,7 +551,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = self.service.ccfg.load_mode == "async"
+        self.is_async = loads_async(self.service.ccfg.load_mode)
         self._loading: set[int] = set()  # ids handed in through get_finished
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []
@@ -506,6 +563,9 @@ class ConsumerWorker(KvCacheConnectorWorker):
         # ids to report at the next get_finished_prefix_loads (refused before dispatch)
         self._prefix: dict[int, tuple[Load, bool]] = {}
         self._prefix_over: list[int] = []
+        # failed loads reported to a runtime that restarts their requests
+        self._failed_report: set[int] = set()
+        self._failed_async_report: set[int] = set()
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -660,19 +720,55 @@ class ConsumerWorker(KvCacheConnectorWorker):
         if self._tp:
             self._wait_layer_all_ranks(layer_idx)
         else:
+            keep = []
             for load in self._sync_pending:
                 self.service.wait_layer(load, layer_idx)
                 if load.error:
                     self._failed[load.request_id] = load.error
-            self._sync_pending = [ld for ld in self._sync_pending if not ld.done and not ld.error]
+                if load.done or load.error:
+                    self._settle(load)
+                else:
+                    keep.append(load)
+            self._sync_pending = keep
         if not self._failed:
             return
         meta = self._metadata
         scheduled = meta.scheduled if isinstance(meta, ConsumerMeta) else []
         bad = [rid for rid in scheduled if rid in self._failed]
-        if bad:
+        if bad and self._reports_failures:
+            # the runtime restarts exactly these requests after this forward
+            # (take_failed_load_requests), instead of every active request failing
+            for rid in bad:
+                log.warning("KV load of request %d failed (%s): reported for a restart",
+                            rid, self._failed.pop(rid))
+                self._failed_report.add(rid)
+        elif bad:
             msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)
             raise self._load_failed(msg)
+
+    @property
+    def _reports_failures(self) -> bool:
+        """The runtime takes failed-load reports (one TensorRT-LLM line), and a failure
+        need not stop the instance (``stop_on_failure``: the pages would be reused)."""
+        return runtime.current().failed_load_reports and not self.service.stop_on_failure
+
+    def take_failed_load_requests(self) -> set[int]:
+        """After each forward (lines that ask): requests whose synchronous load failed in
+        it; the runtime drops their allocation and admits them again. Cleared on return."""
+        out, self._failed_report = self._failed_report, set()
+        return out
+
+    def take_failed_async_load_requests(self) -> set[int]:
+        """After ``get_finished`` (lines that ask): parked requests reported loaded whose
+        load failed; the runtime restarts them instead of running them. Cleared."""
+        out, self._failed_async_report = self._failed_async_report, set()
+        return out
+
+    def _settle(self, load: Load) -> None:
+        """The load's outcome is recorded: its lease goes back now (``settle``), also for a
+        request that ends without ``request_finished`` (cancelled)."""
+        if load.reservation_id is None:
+            self.service.settle(load)
 
     def _wait_layer_all_ranks(self, layer_idx: int) -> None:
         svc, keep = self.service, []
@@ -688,8 +784,11 @@ class ConsumerWorker(KvCacheConnectorWorker):
             err = svc.rank_decision(load, need, wait=True)
             if err:
                 self._failed[load.request_id] = err
+                self._settle(load)
             elif need is not None:  # more layers to come
                 keep.append(load)
+            else:
+                self._settle(load)
         self._sync_pending = keep
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
@@ -724,17 +823,26 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 self._cancelled.discard(rid)
                 done.append(rid)
                 continue
+            err: str | None = None
             if self._tp:
                 self.service.poll(load)  # our own news first (the bus thread polls too)
                 err = self.service.rank_decision(load, None, wait=False)
-                if err is not None:
-                    done.append(rid)
-                    if err:
-                        self._failed[rid] = err
+                if err is None:
+                    continue
             elif self.service.poll(load):
-                done.append(rid)
-                if load.error:
-                    self._failed[rid] = load.error
+                err = load.error or ""
+            else:
+                continue
+            done.append(rid)
+            self._settle(load)
+            if err and self._reports_failures:
+                self._failed_async_report.add(rid)
+            elif err and self.service.stop_on_failure:
+                # the engine may free (and publish for reuse) these pages without ever
+                # scheduling the request again (it was cancelled): stop it now
+                raise self._load_failed(f"request {rid}: {err}")
+            elif err:
+                self._failed[rid] = err
         self._loading.difference_update(done)
         return self._released(), done
 

@@ -189,6 +189,8 @@ class Claimed:
     ttl_s: float = 30.0  # as granted: the producer may cap what we asked for
     # TP > 1, on the leader: the same blocks leased on the producer's ranks 1..N-1
     ranks: list[Claimed] = field(default_factory=list)
+    released: bool = False  # given back (once: a second Release would name a dead lease)
+    at: float = field(default_factory=time.monotonic)  # when it was granted
 
     def all_ranks(self) -> list[Claimed]:
         return [self, *self.ranks]
@@ -224,6 +226,11 @@ class Load:
     decided: str | None = None
     # a prefix reservation's load (TensorRT-LLM main): its reservation id, else None
     reservation_id: int | None = None
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks of the lease this load pushes (from ``push_first``)."""
+        return self.claimed.num_blocks if self.push_blocks is None else self.push_blocks
 
 
 class ConsumerService(ConnectorService):
@@ -500,8 +507,11 @@ class ConsumerService(ConnectorService):
 
     def release(self, claimed: Claimed) -> None:
         """Queue the release (of every rank's lease, TP > 1); the keepalive thread sends it
-        (never the engine thread)."""
+        (never the engine thread). Once per lease: later calls do nothing."""
         with self._lock:
+            if claimed.released:
+                return
+            claimed.released = True
             for c in claimed.all_ranks():
                 if c.lease_id:
                     self._releases.append((c.link, c.lease_id, None))
@@ -598,6 +608,13 @@ class ConsumerService(ConnectorService):
             self._publish(load)
         log.warning("KV load for request %d failed: %s", load.request_id, why)
 
+    def _peer_failed(self, load: Load, why: str) -> None:
+        """The producer's transfer failed: it is passed over for ``DOWN_BACKOFF_S``, so a
+        request the runtime restarts after this is not claimed from it again at once."""
+        link = load.claimed.link
+        link.down_until = max(link.down_until, time.monotonic() + DOWN_BACKOFF_S)
+        self.fail(load, why)
+
     def abandon(self, load: Load, why: str) -> None:
         """The request ended, or will replay, while its load may still be landing (engine
         thread: ``request_finished``, ``request_reset``; ranks > 0 when the leader's plan
@@ -637,7 +654,7 @@ class ConsumerService(ConnectorService):
                 self.metrics["pages_loaded"] += sum(_pages(g) for g in load.dst_slots or [])
                 self._publish(load)
             elif st.state is TransferState.FAILED:
-                self.fail(load, st.error or "transfer failed")
+                self._peer_failed(load, st.error or "transfer failed")
             elif self.bus is not None and load.layer_marks is not None:
                 marks = list(load.layer_marks.values())[:-1]  # the last counts when DONE
                 landed = bisect.bisect_right(marks, st.pages)
@@ -645,7 +662,7 @@ class ConsumerService(ConnectorService):
                     load.progress = landed
                     self._publish(load)
                 if time.monotonic() > load.deadline:
-                    self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                    self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
             return load.done
 
     # -- TP > 1: the ranks' common decision (rank_bus) -----------------------------------
@@ -742,7 +759,7 @@ class ConsumerService(ConnectorService):
             if not last and st.pages >= need:
                 return
             if time.monotonic() > load.deadline:
-                self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
                 return
             time.sleep(delay)
             delay = min(delay * 2, 0.001)
@@ -752,7 +769,7 @@ class ConsumerService(ConnectorService):
         deadline = time.monotonic() + self.ccfg.load_timeout_s
         while not self.poll(load):
             if time.monotonic() > deadline:
-                self.fail(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
                 return
             time.sleep(0.0002)
 
@@ -776,12 +793,36 @@ class ConsumerService(ConnectorService):
             except Exception:
                 log.exception("keepalive pass failed")
 
+    def settle(self, load: Load) -> None:
+        """The load is over and its outcome recorded (the worker reported it, or its last
+        layer landed): its lease protects nothing any more, so it goes back now rather than
+        at ``request_finished``, which a cancelled request never gets. Leader only (it
+        holds every rank's lease); the record is dropped once the outcome is taken."""
+        if self.tp_rank == 0 and load.reservation_id is None:
+            self.release(load.claimed)
+        if self.loads.get(load.request_id) is load:
+            del self.loads[load.request_id]
+
+    def _expire_undispatched(self) -> None:
+        """A claim whose load was never dispatched within ``lease_ttl_s`` belongs to a
+        request the engine dropped without telling us (cancelled before its allocation):
+        give its lease back instead of renewing it forever."""
+        limit = time.monotonic() - self.ccfg.lease_ttl_s
+        for load in list(self.loads.values()):
+            if not load.dispatched and not load.claimed.released and load.claimed.at < limit:
+                self.metrics["claims_expired_undispatched"] += 1
+                self.fail(load, "never dispatched within consumer.lease_ttl_s")
+                self.release(load.claimed)
+
     def _renew_held(self) -> None:
         if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
             return
+        self._expire_undispatched()
         held: dict[ProducerLink, list[int]] = {}
         loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
         for load in loads:
+            if load.claimed.released:
+                continue
             for c in load.claimed.all_ranks():
                 held.setdefault(c.link, []).append(c.lease_id)
         for link, ids in held.items():

@@ -172,6 +172,16 @@ class KvCacheConnectorWorker(ABC):
         """Every iteration: returns ``(finished_saving_ids, finished_loading_ids)``. An id
         may be returned only after it was handed in, and only once."""
 
+    def take_failed_load_requests(self) -> set[int]:
+        """After each forward (one line): requests whose load in it failed; the runtime
+        drops their allocation and admits them again. Cleared on return."""
+        return set()
+
+    def take_failed_async_load_requests(self) -> set[int]:
+        """After ``get_finished`` (one line): parked requests reported loaded whose load
+        failed; the runtime restarts them. Cleared on return."""
+        return set()
+
     # Opt-in prefix reservations (contract §4.3): all three hooks or none.
     def get_finished_prefix_loads(self) -> list[int]:
         """Every iteration (prefix-aware scheduling): reservation ids whose loads finished

@@ -15,7 +15,7 @@ from harness import (
 )
 
 from disagg.engine.reference import Engine, EngineConfig
-from disagg.identity import RequestIdentity, multimodal_digest, request_identity
+from disagg.identity import cache_salt_id, RequestIdentity, multimodal_digest, request_identity
 from disagg.protocol.keys import Namespace
 
 CFG = EngineConfig(**SHAPE, capture_pages=True)
@@ -89,7 +89,16 @@ def test_request_identity_reads_the_bound_attributes():
             raise RuntimeError("not bound")
 
     ident = request_identity(Req())
-    assert ident == RequestIdentity("s", 3, multimodal_digest([[1, 2], [3, 4]], [0, 40], [16, 16]))
+    mm = multimodal_digest([[1, 2], [3, 4]], [0, 40], [16, 16])
+    assert ident == RequestIdentity(str(cache_salt_id("s")), 3, mm)
+
+    class CppReq(Req):  # the C++-bound request of a V1 query: the salt's id, no string
+        cache_salt = None
+        cache_salt_id = cache_salt_id("s")
+
+    assert request_identity(CppReq()) == ident  # both forms key the same blocks
+    other = type("O", (Req,), {"cache_salt": "t"})()
+    assert request_identity(other).cache_salt != ident.cache_salt
     assert request_identity(object()) == RequestIdentity()
     # where the images sit matters, and so does each image
     assert multimodal_digest([[1, 2]], [0], [16]) != multimodal_digest([[1, 2]], [8], [16])

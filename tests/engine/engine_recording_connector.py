@@ -17,6 +17,7 @@ import copy
 from typing import Any
 
 from disagg.engine import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from disagg.engine.runtime import runtime_rank
 
 REC: dict[str, list[Any]] = {}
 CONTROL: dict[str, Any] = {}
@@ -88,7 +89,7 @@ class RecGroupedScheduler(RecScheduler):
 class RecWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any):
         super().__init__(llm_args)
-        self.rank = llm_args.rank
+        self.rank = runtime_rank()
         self.handed_saving: list[int] = []
         self.handed_loading: list[int] = []
 

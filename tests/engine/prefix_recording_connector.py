@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.engine import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from disagg.engine.runtime import runtime_rank
 
 CALLS: list[tuple[Any, ...]] = []
 CONTROL: dict[str, Any] = {}
@@ -52,6 +53,7 @@ class PrefixWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any):
         super().__init__(llm_args)
         self.started: list[int] = []
+        self.rank = runtime_rank()
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         pass
@@ -74,9 +76,7 @@ class PrefixWorker(KvCacheConnectorWorker):
         return list(saving), list(loading)
 
     def get_finished_prefix_loads(self) -> list[int]:
-        if CONTROL.get("hold") or getattr(self._llm_args, "rank", 0) in CONTROL.get(
-            "hold_ranks", ()
-        ):
+        if CONTROL.get("hold") or self.rank in CONTROL.get("hold_ranks", ()):
             return list(CONTROL.get("extra_ids", []))
         out, self.started = self.started, []
         return out + list(CONTROL.get("extra_ids", []))

@@ -57,7 +57,7 @@ def run(
 @pytest.mark.parametrize("kv_manager", ["v1", "v2"])
 def test_call_counts_one_request(kv_manager: str) -> None:
     T = 5
-    eng, _ = run(EngineConfig(kv_manager=kv_manager), FLAT, [prompt(40)], T)
+    eng, _ = run(EngineConfig(kv_manager=kv_manager, overlap=False), FLAT, [prompt(40)], T)
     assert count("build") == T and count("start_load_kv") == T and count("wait_for_save") == T
     assert count("wait_for_layer_load") == L * T and count("save_kv_layer") == L * T
     layers = [c[2] for c in rc.REC["calls"] if c[0] == "wait_for_layer_load"]
@@ -105,7 +105,7 @@ def test_call_counts_overlap() -> None:
 def test_async_load_parks_then_unparks() -> None:
     T = 4
     rc.reset(match=(32, True))
-    eng = Engine(EngineConfig(), FLAT)
+    eng = Engine(EngineConfig(overlap=False), FLAT)
     rid = eng.add_request(prompt(48), T)
     eng.step()  # queried, parked: absent from the output, handed in as started loading
     out0 = rc.REC["outputs"][0]
@@ -154,7 +154,7 @@ def test_sync_first_report_excludes_matched_tokens() -> None:
 
 
 def test_chunked_prefill_v1_exact() -> None:
-    eng, _ = run(EngineConfig(chunk_size=128, tokens_per_block=32), FLAT, [prompt(256)], 3)
+    eng, _ = run(EngineConfig(chunk_size=128, tokens_per_block=32, overlap=False), FLAT, [prompt(256)], 3)
     outs = rc.REC["outputs"]
     a = outs[0].new_requests[0]
     assert (
@@ -272,7 +272,7 @@ def test_tp2_get_finished_intersection() -> None:
         return out, []
 
     rc.reset(keep=True, finish=finish)
-    cfg = EngineConfig(tp=2, num_blocks=16)
+    cfg = EngineConfig(tp=2, num_blocks=16, overlap=False)
     eng = Engine(cfg, FLAT)
     free0 = eng.kv.groups[0].available()
     rid = eng.add_request(prompt(40), 2)

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from disagg.engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots
+from disagg.engine.runtime import runtime_rank
+from disagg.identity import salt_token
 
 ENV_DIR = "DISAGG_FS_CONNECTOR_DIR"
 ENV_ASYNC = "DISAGG_FS_CONNECTOR_ASYNC"
@@ -123,7 +125,7 @@ class _SchedulerBase:
             return 0, False
         tokens = list(request.get_tokens(0))[: request.prompt_len]
         max_blocks = (len(tokens) - 1) // self.tpb  # never offer the last prompt token
-        keys = self._keys(tokens, request.cache_salt, max_blocks, [])
+        keys = self._keys(tokens, salt_token(request), max_blocks, [])
         first = num_computed_tokens // self.tpb
         got: list[str] = []
         for b in range(first, max_blocks):
@@ -169,7 +171,7 @@ class _SchedulerBase:
                 # i.e. computed (and saved) by an earlier request: start saving after them.
                 st = self.state[rd.request_id] = _ReqState(
                     pages=[[] for _ in range(self.num_groups)],
-                    salt=getattr(rd, "cache_salt", None),
+                    salt=salt_token(rd),  # the string, or the id on one line
                     saved_upto=rd.computed_position // self.tpb,
                 )
             st.tokens += list(rd.new_tokens)
@@ -241,7 +243,7 @@ class FsGroupedConnectorScheduler(_SchedulerBase, KvCacheConnectorScheduler):
 class _WorkerBase:
     def _init(self, llm_args: Any) -> None:
         self.dir = _cache_dir(llm_args)
-        self.rank = int(getattr(llm_args, "rank", 0) or 0)
+        self.rank = runtime_rank()  # the runtime's (mpi_rank), never llm_args
         self.world = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
         self.pages: dict[int, Any] = {}  # group -> callable(slot) -> uint8 view of that page
         self.loaded: set[int] = set()

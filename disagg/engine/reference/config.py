@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,25 @@ def parse_windows(text: str) -> tuple[int | None, ...]:
     if not out:
         raise ValueError("windows: empty list")
     return tuple(out)
+
+
+# How each TensorRT-LLM line's executor treats a connector where the lines differ (the
+# connector package variants of that line; see disagg.engine.runtime.RuntimeFeatures).
+RUNTIMES: dict[str, dict[str, Any]] = {
+    # 1.1/1.2-era flat module: flat block ids, no pending-transfer guard on cancellation
+    "flat": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
+                 grouped=None),
+    "saltid": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
+                   grouped=None),
+    "groups": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
+                   grouped="list"),
+    "main": dict(keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False,
+                 grouped="list"),
+    "reservations": dict(keeps_cancelled_pages=True, cancel_load=False,
+                         failed_load_reports=False, grouped="list"),
+    "cancel": dict(keeps_cancelled_pages=True, cancel_load=True, failed_load_reports=True,
+                   grouped="dict"),
+}
 
 
 @dataclass(frozen=True)
@@ -47,7 +65,25 @@ class EngineConfig:
     kv_manager: str = "v1"
     chunk_size: int | None = None
     tp: int = 1
-    overlap: bool = False
+    # TensorRT-LLM runs the overlap scheduler unless told otherwise
+    overlap: bool = True
+    # Which TensorRT-LLM line's executor this engine behaves as where the lines differ
+    # (cancellation, failed loads, how layer groups are passed: ``RUNTIMES``); None: the
+    # line of the TensorRT-LLM connector package in use, else "main".
+    runtime: str | None = None
+    # V2: the runtime honours at most this many of a connector's offered tokens
+    # (``commit_new_matched_tokens``), standing for a chunked allocation that cannot
+    # reserve pages for the whole offer; None honours all of it.
+    honour_cap_tokens: int | None = None
+    # Describe each layer group's last layer as a replicated region (a layout field of
+    # one TensorRT-LLM line: buffers equal on every TP rank, listed apart from regions).
+    replicated_regions: bool = False
+    # "reference": our own manager-side bookkeeping; "trtllm": TensorRT-LLM's own
+    # KvCacheConnectorManager of the loaded line (trtllm_driver), in py_executor's order.
+    connector_manager: str = "reference"
+    # Forwards that may fail (a connector hook raising fails every active request) before
+    # the executor shuts down, as TensorRT-LLM's error budget; None: never.
+    error_budget: int | None = None
     num_blocks: int = 512
     max_seq_len: int = 8192
     device: str = "cpu"
@@ -111,6 +147,18 @@ class EngineConfig:
         need(
             self.prefix_load_cap_tokens is None or self.prefix_load_cap_tokens >= 0,
             "prefix_load_cap_tokens must be >= 0 or None",
+        )
+        need(
+            self.runtime is None or self.runtime in RUNTIMES,
+            f"runtime must be one of {sorted(RUNTIMES)} or None, not {self.runtime!r}",
+        )
+        need(
+            self.connector_manager in ("reference", "trtllm"),
+            f"connector_manager must be 'reference' or 'trtllm', not {self.connector_manager!r}",
+        )
+        need(
+            self.honour_cap_tokens is None or self.honour_cap_tokens >= 0,
+            "honour_cap_tokens must be >= 0 or None",
         )
         need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
         need(len(self.windows) > 0, "windows must not be empty")
@@ -188,10 +236,8 @@ class KvCacheConnectorConfigLike(_Obj):
 
 class LlmArgs(_Obj):
     """What a connector's ``llm_args`` exposes (the subset of ``TorchLlmArgs`` connectors
-    read, contract §13), plus ``disagg`` (the spec's ``extra`` dict) and ``rank`` (our
-    stand-in for ``mpi_rank()``: each worker gets a copy carrying its own rank)."""
-
-    rank: int = 0
+    read), plus ``disagg`` (the spec's ``extra`` dict). One object for every rank, as in
+    TensorRT-LLM: the rank comes from the runtime (``disagg.engine.runtime``)."""
 
 
 def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
@@ -227,11 +273,4 @@ def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
         dtype=cfg.dtype,
         disagg=dict(spec.extra) if spec is not None else {},
         engine_config=cfg,
-        rank=0,
     )
-
-
-def llm_args_for_rank(args: LlmArgs, rank: int) -> LlmArgs:
-    out = copy.copy(args)
-    out.rank = rank
-    return out

@@ -43,7 +43,9 @@ import torch
 
 from .. import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from .._contract import prefix_reservation_capability, reject_flat_only_scheduler
-from .config import ConnectorSpec, EngineConfig, LlmArgs, llm_args_for_rank
+from ..runtime import RuntimeFeatures, set_rank
+from ..runtime import current as current_features
+from .config import ConnectorSpec, EngineConfig, LlmArgs
 from .kv_cache import KvCacheManager
 
 # TensorRT-LLM's error classification (error_classification.py): an error whose message
@@ -157,6 +159,8 @@ class Driver:
     """Owns the scheduler (rank 0) and one worker per rank held here: every rank in the
     one-process simulation (``comm`` None), this process's own with ``comm``."""
 
+    builds_scheduler_output = False  # the engine builds it (TrtllmDriver: the manager)
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -165,8 +169,10 @@ class Driver:
         kv: KvCacheManager,
         calls: Counter[str],
         comm: TpComm | None = None,
+        features: RuntimeFeatures | None = None,
     ):
         self.cfg, self.spec, self.kv, self.calls, self.comm = cfg, spec, kv, calls, comm
+        self.features = features or current_features()
         self.ranks: list[int] = list(kv.ranks)
         self.leader = 0 in self.ranks
         self.stream = current_stream(cfg.device)
@@ -179,12 +185,10 @@ class Driver:
         self.workers: list[Any] = []
         try:
             with ThreadPoolExecutor(max_workers=2) as pool:
-                sched_f = (
-                    pool.submit(sched_cls, llm_args_for_rank(llm_args, 0)) if self.leader else None
-                )
-                worker_fs = [
-                    pool.submit(worker_cls, llm_args_for_rank(llm_args, r)) for r in self.ranks
-                ]
+                # one llm_args for every rank, as TensorRT-LLM has: a connector learns its
+                # rank from the runtime (set for the constructing thread here)
+                sched_f = pool.submit(_on_rank, 0, sched_cls, llm_args) if self.leader else None
+                worker_fs = [pool.submit(_on_rank, r, worker_cls, llm_args) for r in self.ranks]
                 self.workers = [f.result() for f in worker_fs]
                 self.scheduler = sched_f.result() if sched_f is not None else None
             err: BaseException | None = None
@@ -219,8 +223,8 @@ class Driver:
             for r, w in zip(self.ranks, self.workers, strict=True):
                 self._count("register_kv_cache_layout", rank0=r == self.ranks[0])
                 w.register_kv_cache_layout(kv.layout(r))
-        if self.leader:
-            self._count("wait_for_initialization")
+        if self.leader and hasattr(self.scheduler, "wait_for_initialization"):
+            self._count("wait_for_initialization")  # the 1.1-era ABC has no such hook
             self.scheduler.wait_for_initialization()
         # get_finished bookkeeping, per rank held here (§7.5).
         # ids handed in and not yet returned, per rank; saving and loading apart, as the
@@ -231,6 +235,87 @@ class Driver:
         self.pending_loading: list[set[int]] = [set() for _ in range(n)]
         self.local_saving: list[set[int]] = [set() for _ in range(n)]
         self.local_loading: list[set[int]] = [set() for _ in range(n)]
+
+    # ----- the calls whose form depends on the TensorRT-LLM line (``features``) ---------
+    def query(self, req: Any, num_computed: int) -> tuple[int, bool]:
+        """The connector's offer: V1 asks with the C++-bound request (C++ ``addSequence``
+        calls the manager), V2 with the Python one (``query_num_new_matched_tokens``)."""
+        view = req.cpp_view() if self.cfg.kv_manager == "v1" else req
+        n, is_async = self.sched("get_num_new_matched_tokens", view, num_computed)
+        return int(n), bool(is_async)
+
+    def commit(self, req: Any, start: int, offered: int, honoured: int) -> None:
+        """``commit_new_matched_tokens``: the request carries what is honoured; a line with
+        ``cancel_load`` hears the rest handed back as ``[start + honoured, start + offered)``."""
+        req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = honoured
+        if honoured < offered and self.features.cancel_load:
+            self.sched(
+                "cancel_load", req, start + honoured, start + offered, broadcast=False
+            )
+
+    def after_alloc(self, req: Any) -> None:
+        """``update_state_after_alloc`` in the form the line passes the allocation: flat
+        (V1, or a line without layer groups), a list per group, or (one line) the flat hook
+        first (``[]`` for several groups) and then a dict keyed by group id."""
+        pages = [list(p) for p in req.pages]
+        grouped = self.features.grouped
+        if self.cfg.kv_manager == "v1" or grouped is None:
+            self.sched("update_state_after_alloc", req, pages[0], broadcast=False)
+        elif grouped == "dict":
+            flat = pages[0] if len(pages) == 1 else []
+            self.sched("update_state_after_alloc", req, flat, broadcast=False)
+            self.sched(
+                "update_state_after_alloc_by_layer_group",
+                req,
+                dict(enumerate(pages)),
+                broadcast=False,
+            )
+        else:
+            self.sched(
+                "update_state_after_alloc_by_layer_group", req, pages, broadcast=False
+            )
+
+    def finish(self, req: Any) -> bool:
+        """``request_finished`` in the line's form; True keeps the pages for a save."""
+        pages = [list(p) for p in req.pages]
+        if self.cfg.kv_manager == "v2" and self.features.grouped == "list":
+            return bool(self.sched("request_finished_by_layer_group", req, pages))
+        return bool(self.sched("request_finished", req, pages[0] if len(pages) == 1 else []))
+
+    def reset(self, req: Any) -> None:
+        """The allocation was dropped and the request starts again (``forget_request`` /
+        ``reset_request_state``): lines with ``request_reset`` tell the scheduler."""
+        if self.features.cancel_load:
+            self.sched("request_reset", req, broadcast=False)
+
+    def pending_transfer(self, request_id: int) -> bool:
+        """``has_pending_transfers``: a load or save of it handed in and not yet reported
+        by every rank."""
+        return any(
+            request_id in s
+            for sets in (
+                self.pending_saving,
+                self.pending_loading,
+                self.local_saving,
+                self.local_loading,
+            )
+            for s in sets
+        )
+
+    def take_failed_loads(self, parked: bool) -> set[int]:
+        """Lines with failed-load reports: the requests whose load failed (this pass's, or
+        parked ones'), any rank's."""
+        if not self.features.failed_load_reports:
+            return set()
+        name = "take_failed_async_load_requests" if parked else "take_failed_load_requests"
+        out: set[int] = set()
+        for r, w in zip(self.ranks, self.workers, strict=True):
+            self._count(name, rank0=r == self.ranks[0])
+            take = getattr(w, name, None)  # a base class without it reports nothing
+            out |= {int(i) for i in (take() if take is not None else ())}
+        if self.comm is not None:
+            out = set().union(*self.comm.allgather(out, name))
+        return out
 
     def _count(self, name: str, rank0: bool = True) -> None:
         if rank0:
@@ -394,6 +479,11 @@ class Driver:
             self.local_saving[i] -= fin_save
             self.local_loading[i] -= fin_load
         return fin_save, fin_load
+
+
+def _on_rank(rank: int, cls: Any, llm_args: Any) -> Any:
+    set_rank(rank)
+    return cls(llm_args)
 
 
 def _portable(exc: BaseException | None) -> BaseException | None:

@@ -56,145 +56,34 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .. import PrefixLoad, RequestData, SchedulerOutput
-from .config import ConnectorSpec, EngineConfig, build_llm_args
+from .. import USING_TRTLLM, PrefixLoad, RequestData, SchedulerOutput, runtime
+from ..runtime import RuntimeFeatures
+from .config import RUNTIMES, ConnectorSpec, EngineConfig, build_llm_args
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
-
-
-@dataclass
-class RequestResult:
-    """``tokens``: generated ids; ``error``: message if the request failed; ``finished``:
-    no more tokens will come. Page snapshots are filled only with ``capture_pages``:
-    ``loaded_pages[(group, ordinal)]`` right after the connector's load,
-    ``computed_pages[(group, ordinal)]`` when the block's KV was computed here."""
-
-    tokens: list[int] = field(default_factory=list)
-    error: str | None = None
-    finished: bool = False
-    device_matched_tokens: int = 0
-    connector_matched_tokens: int = 0
-    loaded_pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    computed_pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
-
-
-@dataclass
-class EngineStats:
-    calls: Counter[str] = field(default_factory=Counter)  # connector calls (rank 0 / leader)
-    iterations: int = 0
-    forward_passes: int = 0
-    device_matched_tokens: int = 0
-    connector_matched_tokens: int = 0
-    computed_tokens: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["calls"] = dict(self.calls)
-        return d
-
-
-@dataclass
-class _PrefixState:
-    """An accepted reservation load until every rank reported it (then it is retired)."""
-
-    load: Any  # PrefixLoad
-    req: Request
-    dispatched: bool = False
-    reported: set[int] = field(default_factory=set)  # rank indices
-
-
-class Request:
-    """The ``LlmRequest`` attributes connectors read (contract §6)."""
-
-    def __init__(
-        self,
-        rid: int,
-        prompt: list[int],
-        max_tokens: int,
-        salt: str | None,
-        groups: int,
-        lora_task_id: int | None = None,
-        multimodal_hashes: list[list[int]] | None = None,
-    ):
-        self.request_id = self.py_request_id = rid
-        self.prompt_len = len(prompt)
-        self.tokens = list(prompt)
-        self.max_new_tokens = max_tokens
-        self.cache_salt = salt
-        self.cache_salt_id = None
-        self.lora_task_id = lora_task_id
-        self.multimodal_hashes = multimodal_hashes
-        self.multimodal_positions = [0] * len(multimodal_hashes) if multimodal_hashes else None
-        self.multimodal_lengths = (
-            [len(prompt)] * len(multimodal_hashes) if multimodal_hashes else None
-        )
-        self.kv_cache_retention_config = None
-        self.py_draft_tokens: list[int] = []
-        self.is_dummy_request = False
-        self.is_generation_only_request = False
-        self.state = "waiting"  # waiting|context|loading|generation|finishing|saving|done
-        self.context_current_position = 0
-        self.context_chunk_size = 0
-        self.py_num_connector_matched_tokens = self.num_connector_matched_tokens = 0
-        self.pages: list[list[int]] = [[] for _ in range(groups)]
-        self.hashes: list[bytes] = []
-        self.queried = False
-        self.forwarded = False
-        self.P = self.N = 0
-        self.external_load: int | None = None
-        self.reported = False
-        self.rep_tokens = 0
-        self.rep_pages = [0] * groups
-        self.sampled_iter = -1
-        self.finished_iter = -1
-        self.generated: list[int] = []
-        self.prefix_load: int | None = None  # its reservation load, until retired
-        self.end_after_load = False  # ended while its load was outstanding: handed back later
-
-    @property
-    def adapter(self) -> str | None:
-        """What besides the tokens changes this request's KV in the model (its LoRA task
-        and multimodal inputs), or None: the model embeds with it, block hashes cover it."""
-        if self.lora_task_id is None and not self.multimodal_hashes:
-            return None
-        return repr((self.lora_task_id, self.multimodal_hashes))
-
-    def get_tokens(self, beam: int = 0) -> list[int]:
-        return list(self.tokens)
-
-    @property
-    def context_remaining_length(self) -> int:
-        return max(0, self.prompt_len - self.context_current_position)
-
-    @property
-    def is_first_context_chunk(self) -> bool:
-        return not self.forwarded
-
-    def __repr__(self) -> str:
-        return f"Request(id={self.request_id}, state={self.state}, prompt_len={self.prompt_len})"
-
-
-def _check_reservation(answer: Any) -> tuple[int, bool]:
-    """``reserve_prefix``'s answer as TensorRT-LLM validates it (UT-RES): a non-bool int
-    >= 0 and a bool, never ``(0, True)``; else ``ValueError`` naming what is wrong."""
-    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-        raise ValueError(f"reserve_prefix must return (tokens, is_async), not {answer!r}")
-    n, is_async = answer
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"reserve_prefix returned token count {n!r}: not an int >= 0")
-    if not isinstance(is_async, bool):
-        raise ValueError(f"reserve_prefix returned is_async {is_async!r}: not a bool")
-    if n == 0 and is_async:
-        raise ValueError("reserve_prefix returned (0, True): an async load of no tokens")
-    return n, is_async
+from .requests import EngineStats, Request, RequestResult, PrefixState, check_reservation
 
 
 def _request_data(**kw: Any) -> Any:
     names = {f.name for f in fields(RequestData)}
     return RequestData(**{k: v for k, v in kw.items() if k in names})
+
+
+def features_for(cfg: EngineConfig) -> RuntimeFeatures:
+    """The TensorRT-LLM line this engine behaves as: the loaded connector package's own
+    when TensorRT-LLM (or a source tree of it) is in use, else ``cfg.runtime``."""
+    if USING_TRTLLM:
+        feats = runtime.current()
+    else:
+        name = cfg.runtime or "main"
+        feats = runtime.use_features(line=f"reference:{name}", **RUNTIMES[name])
+    if cfg.kv_manager == "v2" and feats.grouped is None:
+        raise ValueError(
+            f"EngineConfig: the TensorRT-LLM line {feats.line} has no KV cache manager V2 "
+            "connector path (no layer groups): use kv_manager='v1'"
+        )
+    return feats
 
 
 class Engine:
@@ -221,11 +110,25 @@ class Engine:
         self.model = TinyLlama(cfg, tp=comm)
         self.kv = KvCacheManager(cfg, ranks=None if comm is None else [comm.rank])
         self.llm_args = build_llm_args(cfg, connector)
-        self.driver: Driver | None = (
-            Driver(cfg, connector, self.llm_args, self.kv, self.stats.calls, comm)
-            if connector
-            else None
-        )
+        self.features = features_for(cfg)
+        self.driver: Driver | None = None
+        if connector and cfg.connector_manager == "trtllm":
+            from .trtllm_driver import TrtllmDriver
+
+            self.driver = TrtllmDriver(
+                cfg,
+                connector,
+                self.llm_args,
+                self.kv,
+                self.stats.calls,
+                comm,
+                self.features,
+                hashes=self._int_hashes,
+            )
+        elif connector:
+            self.driver = Driver(
+                cfg, connector, self.llm_args, self.kv, self.stats.calls, comm, self.features
+            )
         self.results: dict[int, RequestResult] = {}
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count(1)
@@ -246,7 +149,7 @@ class Engine:
         )
         self._reservation_ids = itertools.count(1)
         self._prefix_accepted: list[Any] = []  # authorised this iteration, not dispatched
-        self._prefix_loads: dict[int, _PrefixState] = {}  # reservation id -> until retired
+        self._prefix_loads: dict[int, PrefixState] = {}  # reservation id -> until retired
 
     # ----- public API -----------------------------------------------------------------
     @property
@@ -299,12 +202,14 @@ class Engine:
         return rid
 
     def cancel(self, request_id: int) -> None:
-        """Cancel a request (a client going away), as TensorRT-LLM's executor does: the
-        request ends at the start of the next iteration with the error ``cancelled``. One
-        the connector was asked about gets ``request_finished`` (its pages are then freed
-        at once unless the connector keeps them), also while it is parked on an async
-        load; a connector that reports such a load finished later is tolerated (the id
-        was handed in). Finished or unknown requests are ignored."""
+        """Cancel a request (a client going away), as TensorRT-LLM's executor does
+        (``_handle_canceled_requests``): it ends at the start of the next iteration with the
+        error ``cancelled``, and the connector is not told (no ``request_finished``). Its
+        pages are freed at once, unless the line keeps a cancelled request's pages while a
+        transfer of it is pending (``has_pending_transfers``: a parked load not yet
+        reported by every rank): then they are freed once it is. A reservation load
+        drains first (``defer_load_termination``). Finished or unknown requests are
+        ignored."""
         if request_id in self.requests:
             self._cancels.append(request_id)
 
@@ -312,11 +217,26 @@ class Engine:
         cancels, self._cancels = self._cancels, []
         for rid in cancels:
             req = self.requests[rid]
-            if req.state in ("done", "saving", "draining") or self.results[rid].finished:
+            if req.state in ("done", "saving", "draining", "cancelled"):
+                continue
+            if self.results[rid].finished:
                 continue
             if req in self._waiting:
                 self._waiting.remove(req)
-            self._fail(req, "cancelled")
+            res = self.results[rid]
+            res.error, res.finished = "cancelled", True
+            self.stats.requests_failed += 1
+            if self._defer_end(req):
+                continue
+            if (
+                self.driver is not None
+                and self.features.keeps_cancelled_pages
+                and self.driver.pending_transfer(rid)
+            ):
+                req.state = "cancelled"  # freed when every rank reported the transfer
+                continue
+            self._release(req)  # free_resources (V1: its blocks stored for reuse, as C++ does)
+            self._drop(req)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
@@ -398,7 +318,10 @@ class Engine:
         scheduled = sched_ctx + gen
         batch = [r for r in sched_ctx if r.state == "context"] + gen
         accepted, self._prefix_accepted = self._prefix_accepted, []
-        if drv is not None and (scheduled or accepted):
+        if drv is not None and drv.builds_scheduler_output and scheduled:
+            lags = {r.request_id: int(cfg.overlap and r.sampled_iter == it - 1) for r in gen}
+            drv.start_batch(sched_ctx, gen, lags)  # type: ignore[attr-defined]
+        elif drv is not None and (scheduled or accepted):
             out = SchedulerOutput()
             for req in batch:
                 (out.cached_requests if req.reported else out.new_requests).append(
@@ -417,6 +340,11 @@ class Engine:
             self.stats.forward_passes += 1
             if not self._forward(batch):
                 batch = []
+        if drv is not None and batch:
+            failed = drv.take_failed_loads(parked=False)
+            for req in [r for r in batch if r.request_id in failed]:
+                self._restart(req)  # its output of this pass is discarded
+            batch = [r for r in batch if r.request_id not in failed]
         # Loaded pages are snapshotted after the forward: a synchronous load lands inside
         # wait_for_layer_load, and the forward never writes below P + N.
         if cfg.capture_pages:
@@ -448,6 +376,13 @@ class Engine:
                 req = self.requests[rid]
                 if req.state == "loading":  # not if it ended while parked (cancelled)
                     req.state = "context"
+                elif req.state == "cancelled" and not drv.pending_transfer(rid):
+                    self._release(req)
+                    self._drop(req)
+            for rid in sorted(drv.take_failed_loads(parked=True)):
+                req = self.requests[rid]
+                if req.state == "context":  # reported loaded, but not every page landed
+                    self._restart(req)
             for rid in sorted(fin_save):
                 req = self.requests[rid]
                 self._release(req)
@@ -498,8 +433,7 @@ class Engine:
                 return False
             N, is_async, reservation = got
         elif drv is not None:
-            N, is_async = drv.sched("get_num_new_matched_tokens", req, P)
-            N, is_async = int(N), bool(is_async)
+            N, is_async = drv.query(req, P)
             if N == 0 and is_async:
                 self._fail(req, "load_kv_async must be False when num_tokens is 0!")
                 return False
@@ -512,6 +446,9 @@ class Engine:
                 )
                 return False
         req.queried = True
+        if drv is not None and reservation is None:
+            offered, N = N, self._honour(N)
+            drv.commit(req, P, offered, N)
         req.P, req.N = P, N
         req.external_load = N
         req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = N
@@ -523,15 +460,7 @@ class Engine:
         upto = req.prompt_len if cfg.kv_manager == "v1" else P + N + self._chunk(req)
         self.kv.extend(req.pages, upto, P + N, hashes, P // cfg.tokens_per_block)
         if drv is not None:
-            if cfg.kv_manager == "v1":
-                drv.sched("update_state_after_alloc", req, list(req.pages[0]), broadcast=False)
-            else:
-                drv.sched(
-                    "update_state_after_alloc_by_layer_group",
-                    req,
-                    [list(p) for p in req.pages],
-                    broadcast=False,
-                )
+            drv.after_alloc(req)
             if reservation is not None:
                 load = PrefixLoad(
                     reservation_id=reservation,
@@ -544,7 +473,7 @@ class Engine:
                     cache_salt=req.cache_salt,
                 )
                 self._prefix_accepted.append(load)
-                self._prefix_loads[reservation] = _PrefixState(load, req)
+                self._prefix_loads[reservation] = PrefixState(load, req)
                 req.prefix_load = reservation
                 if is_async:  # parked until every rank reported the reservation
                     req.state = "loading"
@@ -564,7 +493,7 @@ class Engine:
         rid = next(self._reservation_ids)  # a fresh identity per attempt
         answer = drv.sched("reserve_prefix", req, P, rid)
         try:
-            n, is_async = _check_reservation(answer)
+            n, is_async = check_reservation(answer)
         except ValueError as exc:
             promised = answer[0] if isinstance(answer, (tuple, list)) and answer else 0
             if isinstance(promised, int) and not isinstance(promised, bool) and promised > 0:
@@ -643,11 +572,14 @@ class Engine:
         req.rep_tokens = len(visible)
         deltas = [list(p[req.rep_pages[g] :]) for g, p in enumerate(req.pages)]
         req.rep_pages = [len(p) for p in req.pages]
+        grouped: Any
         if cfg.kv_manager == "v1":
-            flat, grouped = deltas[0], []
+            flat, grouped = deltas[0], ({} if self.features.grouped == "dict" else [])
             hashes = [int.from_bytes(h[:8], "big") for h in self._extend_hashes(req, len(visible))]
         else:
             flat, grouped = (deltas[0] if len(deltas) == 1 else []), deltas
+            if self.features.grouped == "dict":
+                grouped = dict(enumerate(deltas))
             hashes = []
         if req.state == "generation":
             cp, nst = len(req.tokens) - 1, 1
@@ -663,6 +595,7 @@ class Engine:
             block_hashes=hashes,
             priorities=None,
             cache_salt=req.cache_salt,
+            cache_salt_id=req.cache_salt_id,
             new_block_ids_by_layer_group=grouped,
         )
 
@@ -696,12 +629,23 @@ class Engine:
                 drv.each_worker("wait_for_save", stream)
         except RankDivergenceError as e:  # the ranks would hang: the engine is dead
             raise e.with_requests([r.request_id for r in batch]) from e
-        except Exception as e:  # _handle_errors: fail the batch, keep serving
+        except Exception as e:  # _handle_errors(requests=None): fail every active request
             msg = f"{type(e).__name__}: {e}"
             if any(p in msg.lower() for p in IMMEDIATE_FATAL_PATTERNS):
                 raise  # newer executors stop on these (error_classification.py)
-            for r in batch:
-                self._fail(r, msg)
+            self.stats.forward_errors += 1
+            ended = ("saving", "draining", "cancelled", "done")
+            for r in [r for r in self._active if r.state not in ended]:
+                if not self.results[r.request_id].finished:
+                    self._fail(r, msg)
+            if (
+                self.config.error_budget is not None
+                and self.stats.forward_errors > self.config.error_budget
+            ):
+                raise RuntimeError(
+                    f"the executor's error budget ({self.config.error_budget}) is spent: "
+                    f"shutting down after: {msg}"
+                ) from e
             return False
         self._hidden = hidden
         self._spans = spans
@@ -773,18 +717,51 @@ class Engine:
         keep = False
         drv = self.driver
         if drv is not None:
-            if self.config.kv_manager == "v1":
-                keep = bool(drv.sched("request_finished", req, list(req.pages[0])))
-            else:
-                keep = bool(
-                    drv.sched("request_finished_by_layer_group", req, [list(p) for p in req.pages])
-                )
+            keep = drv.finish(req)
         if keep:
             req.state = "saving"
             self._new_saving.append(req.request_id)
         else:
             self._release(req)
             self._drop(req)
+
+    def _restart(self, req: Request) -> None:
+        """A load the connector reported failed (lines with failed-load reports): the
+        allocation is dropped, none of it registered for reuse (pages that never landed),
+        the connector forgets the request (``request_reset``), and the request is admitted
+        again from scratch, asked again (``_recover_failed_connector_loads``)."""
+        self.stats.load_restarts += 1
+        self.kv.free(req.pages)
+        groups = len(req.pages)
+        req.pages = [[] for _ in range(groups)]
+        req.tokens = req.tokens[: req.prompt_len]
+        req.generated = []
+        req.hashes = []
+        req.queried = req.forwarded = req.reported = False
+        req.rep_tokens, req.rep_pages = 0, [0] * groups
+        req.P = req.N = 0
+        req.external_load = None
+        req.context_current_position = 0
+        req.state = "waiting"
+        res = self.results[req.request_id]
+        res.tokens, res.loaded_pages, res.computed_pages = [], {}, {}
+        if req in self._active:
+            self._active.remove(req)
+        self._waiting.appendleft(req)
+        if self.driver is not None:
+            self.driver.reset(req)
+
+    def _int_hashes(self, req: Request) -> list[int]:
+        """V1 block hashes of the request's full blocks, as ints (``block_hashes``)."""
+        return [int.from_bytes(h[:8], "big") for h in self._extend_hashes(req, len(req.tokens))]
+
+    def _honour(self, offered: int) -> int:
+        """How much of an offer the runtime consumes: all of it, except V2 under
+        ``honour_cap_tokens`` (block-aligned)."""
+        cap, tpb = self.config.honour_cap_tokens, self.config.tokens_per_block
+        if cap is None or self.config.kv_manager == "v1":
+            return offered
+        return min(offered, cap // tpb * tpb)
 
     def _fail(self, req: Request, msg: str) -> None:
         res = self.results[req.request_id]
@@ -798,14 +775,7 @@ class Engine:
         keep = False
         if self.driver is not None and req.queried:
             try:
-                if self.config.kv_manager == "v1":
-                    keep = bool(self.driver.sched("request_finished", req, list(req.pages[0])))
-                else:
-                    keep = bool(
-                        self.driver.sched(
-                            "request_finished_by_layer_group", req, [list(p) for p in req.pages]
-                        )
-                    )
+                keep = self.driver.finish(req)
             except RankDivergenceError:  # the ranks parted ways (MPI mode): fatal
                 raise
             except Exception:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -125,26 +126,47 @@ class KvCacheManager:
         return self.groups[0].pools[self.local(rank)]
 
     def layout(self, rank: int) -> _layout_mod.KvCacheLayout:
-        """The V2 ``register_kv_cache_layout`` description of ``rank``'s pools."""
+        """The V2 ``register_kv_cache_layout`` description of ``rank``'s pools, in the layout
+        classes of the TensorRT-LLM line in use (fields it lacks are left out). With
+        ``replicated_regions`` each group's last layer is described as a replicated region
+        (where the line's classes have them)."""
         from .. import KvCacheBufferRef, KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion
+
+        region_fields = getattr(KvCacheRegion, "__dataclass_fields__", {})
+        group_fields = getattr(KvCacheLayerGroupLayout, "__dataclass_fields__", {})
+        layout_fields = getattr(KvCacheLayout, "__dataclass_fields__", {})
+        split = self.cfg.replicated_regions and "replicated_regions" in group_fields
+
+        def region(t: torch.Tensor, layers: tuple[int, ...], first: int) -> Any:
+            per_layer = t[0, 0].numel() * t.element_size()  # one layer's K and V
+            bufs = tuple(
+                KvCacheBufferRef(layer_id=layer, role=role)
+                for layer in layers
+                for role in ("key", "value")
+            )
+            kw = {"device": str(t.device)} if "device" in region_fields else {}
+            page = t[0].numel() * t.element_size()
+            return KvCacheRegion(
+                t.data_ptr() + first * per_layer,
+                per_layer * len(layers),
+                page,
+                t.shape[0],
+                bufs,
+                **kw,
+            )
 
         groups = []
         for gid, g in enumerate(self.groups):
             t = g.pools[self.local(rank)]
-            page = t[0].numel() * t.element_size()
-            bufs = tuple(
-                KvCacheBufferRef(layer_id=layer, role=role)
-                for layer in g.layer_ids
-                for role in ("key", "value")
-            )
-            kw = (
-                {"device": str(t.device)}
-                if "device" in getattr(KvCacheRegion, "__dataclass_fields__", {})
-                else {}
-            )
-            region = KvCacheRegion(t.data_ptr(), page, page, t.shape[0], bufs, **kw)
-            groups.append(KvCacheLayerGroupLayout(gid, tuple(g.layer_ids), g.window, (region,)))
-        return KvCacheLayout(self.tpb, tuple(groups), dtype=self.cfg.torch_dtype)
+            layers = tuple(g.layer_ids)
+            if split and len(layers) > 1:
+                main = (region(t, layers[:-1], 0),)
+                extra = {"replicated_regions": (region(t, layers[-1:], len(layers) - 1),)}
+            else:
+                main, extra = (region(t, layers, 0),), {}
+            groups.append(KvCacheLayerGroupLayout(gid, layers, g.window, main, **extra))
+        kw = {"dtype": self.cfg.torch_dtype} if "dtype" in layout_fields else {}
+        return KvCacheLayout(self.tpb, tuple(groups), **kw)
 
     # ----- reuse ----------------------------------------------------------------------
     def match_prefix(self, hashes: list[bytes], prompt_len: int) -> int:

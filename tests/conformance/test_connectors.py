@@ -1,0 +1,276 @@
+"""Producer and consumer connectors driven the way TensorRT-LLM drives them.
+
+With a TensorRT-LLM connector package loaded (``DISAGG_TRTLLM_SRC``), the reference engine
+calls the connectors through that line's own ``KvCacheConnectorManager``
+(``connector_manager="trtllm"``), in ``py_executor.py``'s order, with the line's own
+``RequestData``/``SchedulerOutput``/layout classes; without one, through our bookkeeping and
+fallback classes, as each line's executor behaves (``runtime``). Every case checks tokens
+against a monolithic run, loaded pages byte for byte against the producer's, and that no
+lease is left behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from harness import (
+    SHAPE,
+    check_against_monolithic,
+    close_all_services,
+    make_consumer,
+    make_producer,
+    prompts,
+    rank_endpoints,
+    run,
+    wait_for,
+)
+
+from disagg.config import ConfigError
+from disagg.consumer.connector import KvLoadFailedError
+from disagg.engine import FEATURES, USING_TRTLLM
+from disagg.engine.reference import Engine, EngineConfig
+from disagg.engine.reference.config import RUNTIMES
+from disagg.transport import zmq_plane
+
+MANAGER = "trtllm" if USING_TRTLLM else "reference"
+# the fallback copies stand for every line, each as its executor behaves
+LINES = [None] if USING_TRTLLM else ["main", "cancel", "groups", "flat"]
+
+
+@pytest.fixture(autouse=True)
+def _cleanup():
+    yield
+    close_all_services()
+
+
+@pytest.fixture(params=LINES, ids=lambda x: x or "loaded")
+def line(request: pytest.FixtureRequest) -> str | None:
+    return request.param
+
+
+def features(line: str | None) -> Any:
+    if line is None:
+        return FEATURES
+    from disagg.engine.runtime import RuntimeFeatures
+
+    return RuntimeFeatures(line=line, **RUNTIMES[line])
+
+
+def cfg_for(line: str | None, **kw: Any) -> EngineConfig:
+    if kw.get("kv_manager") == "v2" and features(line).grouped is None:
+        pytest.skip(f"the {features(line).line} line has no KV cache manager V2 path")
+    return EngineConfig(
+        **{**SHAPE, **kw}, capture_pages=True, connector_manager=MANAGER, runtime=line
+    )
+
+
+def no_lease_left(psvc: Any) -> None:
+    assert wait_for(lambda: psvc.leases.active() == 0, 10), "a lease outlived its request"
+    assert psvc.store.pinned_blocks() == 0
+
+
+SHAPES = {
+    "v1": dict(kv_manager="v1"),
+    "v1-chunked": dict(kv_manager="v1", chunk_size=48),
+    "v2": dict(kv_manager="v2"),
+    "v2-vswa": dict(kv_manager="v2", windows=(32, None)),
+    "v2-vswa-chunked": dict(kv_manager="v2", windows=(32, None), chunk_size=64),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tokens_and_pages_match_monolithic(line, shape):
+    """Default load mode (``auto``): async where the line keeps a cancelled request's
+    pages while its load is pending, layer by layer where it does not."""
+    cfg = cfg_for(line, **SHAPES[shape])
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=5)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode="auto")
+    # the line's own manager drives the connector when a line is loaded
+    assert type(cons.driver).__name__ == ("TrtllmDriver" if USING_TRTLLM else "Driver")
+    consumed = run(cons, ps, max_tokens=5)
+    check_against_monolithic(produced, consumed, mono)
+    layerwise = not features(line).keeps_cancelled_pages
+    assert wait_for(lambda: psvc.metrics["pushes_done"] >= len(ps))
+    assert (psvc.metrics["pushes_layerwise"] > 0) == layerwise
+    no_lease_left(psvc)
+
+
+def test_sync_loads_match_monolithic(line):
+    cfg = cfg_for(line, kv_manager="v1", chunk_size=64)
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint], load_mode="sync")
+    check_against_monolithic(produced, run(cons, ps, max_tokens=4), mono)
+    no_lease_left(psvc)
+
+
+def test_async_loads_refused_where_cancelled_pages_are_freed(line):
+    cfg = cfg_for(line, kv_manager="v1")
+    prod, psvc = make_producer(cfg)
+    if features(line).keeps_cancelled_pages:
+        make_consumer(cfg, [psvc.endpoint], load_mode="async")  # accepted
+        return
+    with pytest.raises(ConfigError, match="load_mode: async loads need a runtime"):
+        make_consumer(cfg, [psvc.endpoint], load_mode="async")
+
+
+def test_salted_requests_through_the_bound_request(line):
+    """V1 queries carry the C++-bound request (``cache_salt_id`` only); the producer saw
+    the Python one (``cache_salt``): both must key the same blocks, and other salts none."""
+    cfg = cfg_for(line, kv_manager="v1")
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1, salt="tenant-a")
+    cons, _ = make_consumer(cfg, [psvc.endpoint])
+    (other,) = run(cons, ps, 4, salt="tenant-b")
+    assert other.connector_matched_tokens == 0, "tenant b was offered tenant a's blocks"
+    (plain,) = run(cons, [ps[0][:-1] + [5]], 4)
+    assert plain.connector_matched_tokens == 0
+    (same,) = run(cons, [ps[0][:-1] + [7]], 4, salt="tenant-a")
+    assert same.connector_matched_tokens > 0
+    assert same.tokens == Engine(cfg).generate([ps[0][:-1] + [7]], 4, cache_salt="tenant-a")[0]
+    no_lease_left(psvc)
+
+
+@pytest.mark.parametrize("cap", [16, 0])
+def test_short_honour_loads_only_what_is_honoured(line, cap):
+    """V2 may consume less than offered (``commit_new_matched_tokens``; one line also calls
+    ``cancel_load`` for the rest): only honoured pages are pushed, the rest of the lease
+    goes back, the tail is computed here."""
+    cfg = cfg_for(line, kv_manager="v2", chunk_size=32, honour_cap_tokens=cap)
+    ps = prompts(n=2)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint], load_mode="auto")
+    consumed = run(cons, ps, max_tokens=4)
+    assert [r.tokens for r in consumed] == mono
+    assert [r.connector_matched_tokens for r in consumed] == [cap] * len(ps)
+    for p, c in zip(produced, consumed, strict=True):
+        assert sorted(c.loaded_pages) == [(0, b) for b in range(cap // 16)]
+        for where, data in c.loaded_pages.items():
+            assert data == p.computed_pages[where]
+    # bytes, not pages: a layer-wise push counts a page once per layer
+    pushed = sum(r.connector_matched_tokens // 16 for r in consumed) * psvc.pool.block_bytes
+    assert wait_for(lambda: psvc.metrics["bytes_pushed"] == pushed)
+    time.sleep(0.2)
+    assert psvc.metrics["bytes_pushed"] == pushed, "pages past the honoured part were pushed"
+    no_lease_left(psvc)
+
+
+def test_cancelled_request_pages_are_never_written_after_release(line, monkeypatch):
+    """A request parked on a load is cancelled (the executor calls no connector hook) and
+    another request takes the freed pages at once: the load never writes into them, its
+    lease goes back within a bound, and the next request's tokens and pages are right."""
+    from chaos_role import slow_pushes
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes sets it
+    cfg = cfg_for(line, kv_manager="v1", num_blocks=24)
+    ps = prompts(n=1, length=300)
+    fresh = prompts(n=1, length=300, seed=99)  # no producer holds it
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    parks = features(line).keeps_cancelled_pages  # async loads (auto); else layer-wise
+    started, go = threading.Event(), threading.Event()
+    if parks:  # the push stalls mid-way until the cancel has been handled
+        slow_pushes(psvc, 0.0, on_start=lambda tid: (started.set(), go.wait(30)))
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode="auto", load_timeout_s=10.0)
+    rid = cons.add_request(ps[0], 4)
+    cons.step()  # claimed, allocated, load dispatched (async: parked; sync: landed)
+    if parks:
+        assert started.wait(10), "the push never started"
+    cons.cancel(rid)
+    cons.step()
+    if parks:  # the line keeps the pages while the load is pending: nothing freed yet
+        assert cons.requests[rid].state == "cancelled"
+    go.set()
+    for _ in range(500):
+        if not cons.has_work():
+            break
+        cons.step()
+        time.sleep(0.01)
+    assert cons.results[rid].error == "cancelled"
+    # the next request takes the freed pages (a small pool: it must reuse them)
+    c_id = cons.add_request(fresh[0], 4)
+    snapshot: dict[tuple[int, int], bytes] = {}
+    while cons.has_work():
+        cons.step()
+    time.sleep(0.5)  # a stray push would land now
+    res = cons.results[c_id]
+    assert res.error is None and res.tokens == Engine(cfg).generate(fresh, 4)[0]
+    pages = cons.request_pages(c_id) if c_id in cons.requests else []
+    for g, slots in enumerate(pages):
+        for b, s in enumerate(slots):
+            if (g, b) in res.computed_pages and s >= 0:
+                snapshot[(g, b)] = cons.page_bytes(g, s)
+    for where, data in snapshot.items():
+        assert data == res.computed_pages[where], f"page {where} was overwritten"
+    no_lease_left(psvc)
+    assert csvc.health() == (True, "")
+
+
+def test_failed_load_fails_as_few_requests_as_the_line_allows(line):
+    """The producer's data plane dies after it granted the claim. Lines that take
+    failed-load reports restart just that request (it then recomputes: right tokens); on
+    the V2 lines without them the forward's error fails it by name; on V1 with block reuse
+    the engine would publish the unfilled pages, so the instance stops. Never a wrong
+    token."""
+    v2 = features(line).grouped is not None
+    cfg = cfg_for(line, kv_manager="v2" if v2 else "v1")
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    psvc.data.close()
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=1.0, load_mode="sync")
+    if not v2:
+        with pytest.raises(KvLoadFailedError, match="unrecoverable"):
+            run(cons, ps, 4)
+        return
+    (res,) = run(cons, ps, 4)
+    if features(line).failed_load_reports:
+        assert res.error is None and res.tokens == Engine(cfg).generate(ps, 4)[0]
+        assert cons.stats.load_restarts == 1
+    else:
+        assert res.error is not None and "KV cache load failed" in res.error
+        assert res.tokens == []
+    assert csvc.metrics["loads_failed"] == 1
+
+
+def test_tp2_ranks_from_the_runtime(line):
+    """One llm_args for both ranks (as TensorRT-LLM has): each rank's connector takes its
+    rank from the runtime, binds its own port and moves its own shard."""
+    cfg = cfg_for(line, kv_manager="v1", tp=2)
+    ps = prompts(n=2)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    eps = rank_endpoints(psvc)
+    assert len(set(eps)) == 2
+    cons, _ = make_consumer(cfg, [eps], load_mode="sync")
+    check_against_monolithic(produced, run(cons, ps, max_tokens=4), mono)
+    no_lease_left(psvc)
+
+
+def test_replicated_regions_are_moved(line):
+    """A layout whose groups list replicated regions apart (one line): those bytes are part
+    of every page moved, or the model runs on missing KV."""
+    from disagg.engine import KvCacheLayerGroupLayout
+
+    if "replicated_regions" not in getattr(KvCacheLayerGroupLayout, "__dataclass_fields__", {}):
+        pytest.skip("this line's layout has no replicated regions")
+    cfg = cfg_for(line, kv_manager="v2", replicated_regions=True)
+    ps = prompts(n=2)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, ps, max_tokens=4), mono)
+    no_lease_left(psvc)
