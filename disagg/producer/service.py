@@ -18,7 +18,9 @@ the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
   reports a failure and unpins its blocks. So neither the engine, nor the control thread,
   nor a push worker ever waits on a transfer: a dead or stalled consumer holds only its
   own pushes (until their deadline), never the workers that serve other consumers;
-- a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT.
+- a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT. It
+  judges by its own clock: after a gap in its own loop of ``max(1 s, 4 periods)`` (this
+  process was stopped or starved) every owner and lease gets a fresh grace (leases.py).
 
 Every waiting state and the named timeout that ends it (config ``producer.*``):
 
@@ -43,6 +45,7 @@ push's ``push_timeout_s`` runs from its Push's arrival (queueing counts).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -91,6 +94,12 @@ _WATCH_MAX_S = 0.005
 _WATCH_STORED_S = 0.05
 
 
+def _stall_after(period: float) -> float:
+    """A gap between two sweeps this long means the producer itself was stalled (its own
+    loop missed several periods): owners get a fresh grace instead of being judged."""
+    return max(1.0, 4 * period)
+
+
 @dataclass(eq=False)
 class _PushJob:
     """One accepted Push, from the control thread's PushOk until it is final and unpinned:
@@ -136,6 +145,12 @@ class ProducerService(ConnectorService):
         # cannot touch another's leases by claiming its name or reusing its identity.
         self._owner_keys: dict[str, bytes] = {}
         self._curve = server_keys_from(config.security)
+        # This process's incarnation (HelloOk, ClaimOk, events): a request naming another
+        # one was meant for a process that is gone and is refused before it touches state.
+        self.incarnation = m.new_incarnation()
+        # TP=1 owner -> the consumer incarnation that last said Hello as it: a Hello from a
+        # new one means that consumer restarted, and the old process's leases are freed.
+        self._owner_incarnations: dict[str, int] = {}
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
         self.data: DataPlane | None = None
@@ -158,7 +173,12 @@ class ProducerService(ConnectorService):
         """Called by the worker's registration: size the store and start serving."""
         self._attach_pool(pool)
         if self.pcfg.events and self.tp_rank == 0:
-            self.events = EventPublisher(self.pcfg.events, producer=self.name, curve=self._curve)
+            self.events = EventPublisher(
+                self.pcfg.events,
+                producer=self.name,
+                curve=self._curve,
+                incarnation=self.incarnation,
+            )
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
@@ -172,6 +192,10 @@ class ProducerService(ConnectorService):
             max_ttl_s=self.pcfg.lease_ttl_s,
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
             max_hold_s=self.pcfg.lease_max_hold_s,
+            # a random base per incarnation: even a peer that names no incarnation (an
+            # older one) cannot hit a live lease with an id of the process before
+            first_id=secrets.randbits(40) + 1,
+            stall_after_s=_stall_after(self._sweep_period()),
         )
         self.data = make_data_plane(
             self.config.transport,
@@ -289,6 +313,7 @@ class ProducerService(ConnectorService):
         self.metrics[_CONTROL_METRIC.get(kind) or f"control_{kind.__name__}"] += 1
         if isinstance(msg, m.Hello):
             return self._hello(identity, msg)
+        m.check_incarnation(msg, self.incarnation)  # first: a restart is named as such
         owner = self._peers.get(identity)
         if owner is None:
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "say Hello before any other request")
@@ -307,12 +332,19 @@ class ProducerService(ConnectorService):
             lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1
             if lease is None:
-                return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=msg.ttl_s)
+                return m.ClaimOk(
+                    v=PROTOCOL_VERSION,
+                    lease_id=0,
+                    num_blocks=0,
+                    ttl_s=msg.ttl_s,
+                    incarnation=self.incarnation,
+                )
             return m.ClaimOk(
                 v=PROTOCOL_VERSION,
                 lease_id=lease.lease_id,
                 num_blocks=len(lease.entries),  # one per leased key
                 ttl_s=lease.ttl_s,
+                incarnation=self.incarnation,
             )
         if isinstance(msg, m.Heartbeat):
             self.leases.heartbeat(owner)
@@ -332,7 +364,13 @@ class ProducerService(ConnectorService):
         if isinstance(msg, m.SnapshotRequest):
             keys = self.store.keys()
             seq = self.events.seq if self.events is not None else 0
-            return m.SnapshotOk(v=PROTOCOL_VERSION, producer=self.name, seq=seq, keys=keys)
+            return m.SnapshotOk(
+                v=PROTOCOL_VERSION,
+                producer=self.name,
+                seq=seq,
+                keys=keys,
+                incarnation=self.incarnation,
+            )
         raise ProtocolError(
             ErrorCode.UNKNOWN_KIND, f"a producer does not serve {type(msg).__name__}"
         )
@@ -361,6 +399,7 @@ class ProducerService(ConnectorService):
                     ErrorCode.UNAUTHENTICATED,
                     f"owner {msg.instance_id!r} is bound to another client key",
                 )
+        self._note_owner_incarnation(msg)
         self._peers[identity] = msg.instance_id
         self.leases.heartbeat(msg.instance_id)
         return m.HelloOk(
@@ -370,6 +409,31 @@ class ProducerService(ConnectorService):
             data_endpoint="",
             transport=self.config.transport,
             features=list(self.features),
+            incarnation=self.incarnation,
+        )
+
+    def _note_owner_incarnation(self, msg: Any) -> None:
+        """A TP=1 consumer's Hello from a new incarnation: the process that held the
+        owner's leases is gone, so they are freed now (not at OWNER_DEAD_AFTER: the new
+        process heartbeats under the same name) and its connections must say Hello again.
+        TP > 1 consumers are skipped: their ranks are processes sharing one owner name."""
+        owner, inc = msg.instance_id, msg.incarnation
+        if not inc or msg.fingerprint.tp_size != 1:
+            return
+        before = self._owner_incarnations.get(owner)
+        self._owner_incarnations[owner] = inc
+        if before is None or before == inc:
+            return
+        self.metrics["owner_restarts"] += 1
+        for ident in [i for i, o in self._peers.items() if o == owner]:
+            del self._peers[ident]
+        freed = self.leases.free_owner(owner)
+        log.warning(
+            "consumer %s restarted (incarnation %#x -> %#x): freed its %d lease(s)",
+            owner,
+            before,
+            inc,
+            freed,
         )
 
     def _caller_key(self) -> bytes:
@@ -628,12 +692,23 @@ class ProducerService(ConnectorService):
         return pages
 
     # -- timeouts -----------------------------------------------------------------------
+    def _sweep_period(self) -> float:
+        return min(0.5, self.pcfg.lease_ttl_s / 4)
+
     def _sweep_loop(self) -> None:
-        period = min(0.5, self.pcfg.lease_ttl_s / 4)
+        period = self._sweep_period()
         while not self._stop.wait(period):
             try:
                 self.poll()  # an idle engine no longer calls get_finished: commit anyway
+                stalls = self.leases.stats.stalls_forgiven
                 self.metrics["leases_expired"] += self.leases.sweep()
+                if self.leases.stats.stalls_forgiven != stalls:
+                    self.metrics["sweeper_stalls"] += 1
+                    log.warning(
+                        "the lease sweeper was stalled past %.1f s: every owner gets a fresh "
+                        "grace period before any is declared dead",
+                        self.leases.stall_after_s,
+                    )
                 self.metrics["saves_timed_out"] += self.store.sweep_stale_saves()
             except Exception:  # the sweeper must outlive any one bad pass
                 log.exception("sweep failed")

@@ -196,6 +196,7 @@ class EventFeeds:
             producer=d["producer"],
             seq=int(d["seq"]),
             keys=[bytes.fromhex(k) for k in d["keys"]],
+            incarnation=int(d.get("incarnation", 0)),
         )
 
     def close(self) -> None:

@@ -269,6 +269,7 @@ def build_app(
                 events=events,
                 control=svc.endpoint,
                 namespace_seed=svc.namespace_seed(None).hex(),
+                incarnation=svc.incarnation,
             )
         return web.json_response(out)
 
@@ -287,7 +288,9 @@ def build_app(
         # idempotently (set semantics), so nothing is lost.
         seq = svc.events.seq if svc.events is not None else 0
         keys = [k.hex() for k in svc.store.keys()]
-        return web.json_response({"producer": instance_id, "seq": seq, "keys": keys})
+        return web.json_response(
+            {"producer": instance_id, "seq": seq, "keys": keys, "incarnation": svc.incarnation}
+        )
 
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
