@@ -11,7 +11,8 @@ keys and accounts its own saves in flight. Consumers claim on every rank and pus
 r to rank r. Only rank 0 publishes store events (``producer.events``): the ranks' stores hold
 the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
 
-- the control server answers peers (handshake, lookup, claim, renew, release, push);
+- the control server answers peers (handshake, lookup, claim, renew, release, push:
+  ``control.py``; requests naming another incarnation of this process are refused);
 - a push pool builds each push's pages and posts them on the data plane; it never waits;
 - one push watcher waits (bounded) for every push's leased blocks to be STORED (woken by
   the store's commits) and for every posted push to be final, then accounts for it,
@@ -60,7 +61,6 @@ from ..config import DisaggConfig
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
-from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
@@ -68,6 +68,7 @@ from ..transport.dataplane import DataPlane, TransferStatus, push_source
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
+from .control import ControlPlane
 from .leases import LeaseTable
 from .saving import PassCopy, land
 from .store import BlockStore
@@ -75,8 +76,6 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
-# message type -> its request counter ("control_Claim", ...), built once per type
-_CONTROL_METRIC: dict[type, str] = {cls: f"control_{cls.__name__}" for cls in m.ALL_MESSAGES}
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
@@ -122,7 +121,7 @@ def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
     return _registry.get(ProducerService, config, llm_args)
 
 
-class ProducerService(ConnectorService):
+class ProducerService(ControlPlane, ConnectorService):
     role = "producer"
     shard_hint = "prefill instances"
 
@@ -306,142 +305,6 @@ class ProducerService(ConnectorService):
                 if copy is not None:
                     land(copy, self.store.slab)  # the copies have landed
                 self._commit(keys, counts)
-
-    # -- control plane (server thread) --------------------------------------------------
-    def _handle(self, identity: bytes, msg: Any) -> Any:
-        kind = type(msg)
-        self.metrics[_CONTROL_METRIC.get(kind) or f"control_{kind.__name__}"] += 1
-        if isinstance(msg, m.Hello):
-            return self._hello(identity, msg)
-        m.check_incarnation(msg, self.incarnation)  # first: a restart is named as such
-        owner = self._peers.get(identity)
-        if owner is None:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "say Hello before any other request")
-        if self._curve is not None and self._caller_key() != self._owner_keys.get(owner):
-            raise ProtocolError(
-                ErrorCode.UNAUTHENTICATED,
-                f"this connection's CURVE key is not the one that said Hello as {owner!r}",
-            )
-        if getattr(msg, "owner", owner) != owner:
-            raise ProtocolError(
-                ErrorCode.UNAUTHENTICATED,
-                f"this connection said Hello as {owner!r}, not {msg.owner!r}",
-            )
-        if isinstance(msg, m.Claim):  # the hot path: first
-            # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
-            lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
-            self.metrics["claims_hit" if lease else "claims_miss"] += 1
-            if lease is None:
-                return m.ClaimOk(
-                    v=PROTOCOL_VERSION,
-                    lease_id=0,
-                    num_blocks=0,
-                    ttl_s=msg.ttl_s,
-                    incarnation=self.incarnation,
-                )
-            return m.ClaimOk(
-                v=PROTOCOL_VERSION,
-                lease_id=lease.lease_id,
-                num_blocks=len(lease.entries),  # one per leased key
-                ttl_s=lease.ttl_s,
-                incarnation=self.incarnation,
-            )
-        if isinstance(msg, m.Heartbeat):
-            self.leases.heartbeat(owner)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.Lookup):
-            return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
-        if isinstance(msg, m.Renew):
-            return m.RenewOk(v=PROTOCOL_VERSION, unknown=self.leases.renew(owner, msg.lease_ids))
-        if isinstance(msg, m.Release):
-            self.leases.release(owner, msg.lease_id)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.ReleaseRange):
-            self.leases.release_range(owner, msg.lease_id, msg.first_block, msg.num_blocks)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.Push):
-            return self._push(owner, msg)
-        if isinstance(msg, m.SnapshotRequest):
-            keys = self.store.keys()
-            seq = self.events.seq if self.events is not None else 0
-            return m.SnapshotOk(
-                v=PROTOCOL_VERSION,
-                producer=self.name,
-                seq=seq,
-                keys=keys,
-                incarnation=self.incarnation,
-            )
-        raise ProtocolError(
-            ErrorCode.UNKNOWN_KIND, f"a producer does not serve {type(msg).__name__}"
-        )
-
-    def _hello(self, identity: bytes, msg: Any) -> Any:
-        if self.fingerprint is None:
-            raise ProtocolError(
-                ErrorCode.NOT_READY, "the producer has not registered its KV cache yet"
-            )
-        try:
-            check_compatible(self.fingerprint, msg.fingerprint)
-            if msg.transport != self.config.transport:
-                raise ProtocolError(
-                    ErrorCode.INCOMPATIBLE_PEER,
-                    f"the consumer pushes over transport {msg.transport!r}, this producer over "
-                    f"{self.config.transport!r}: set the same `transport:` on both sides",
-                )
-        except ProtocolError:
-            self.metrics["handshake_refused"] += 1
-            raise
-        if self._curve is not None:
-            key = self._caller_key()
-            if self._owner_keys.setdefault(msg.instance_id, key) != key:
-                self.metrics["owner_key_mismatch"] += 1
-                raise ProtocolError(
-                    ErrorCode.UNAUTHENTICATED,
-                    f"owner {msg.instance_id!r} is bound to another client key",
-                )
-        self._note_owner_incarnation(msg)
-        self._peers[identity] = msg.instance_id
-        self.leases.heartbeat(msg.instance_id)
-        return m.HelloOk(
-            v=PROTOCOL_VERSION,
-            instance_id=self.name,
-            fingerprint=self.fingerprint,
-            data_endpoint="",
-            transport=self.config.transport,
-            features=list(self.features),
-            incarnation=self.incarnation,
-        )
-
-    def _note_owner_incarnation(self, msg: Any) -> None:
-        """A TP=1 consumer's Hello from a new incarnation: the process that held the
-        owner's leases is gone, so they are freed now (not at OWNER_DEAD_AFTER: the new
-        process heartbeats under the same name) and its connections must say Hello again.
-        TP > 1 consumers are skipped: their ranks are processes sharing one owner name."""
-        owner, inc = msg.instance_id, msg.incarnation
-        if not inc or msg.fingerprint.tp_size != 1:
-            return
-        before = self._owner_incarnations.get(owner)
-        self._owner_incarnations[owner] = inc
-        if before is None or before == inc:
-            return
-        self.metrics["owner_restarts"] += 1
-        for ident in [i for i, o in self._peers.items() if o == owner]:
-            del self._peers[ident]
-        freed = self.leases.free_owner(owner)
-        log.warning(
-            "consumer %s restarted (incarnation %#x -> %#x): freed its %d lease(s)",
-            owner,
-            before,
-            inc,
-            freed,
-        )
-
-    def _caller_key(self) -> bytes:
-        """The CURVE key of the peer whose request is being handled (server thread)."""
-        key = self.server.peer_key if self.server is not None else None
-        if key is None:  # CURVE is on, so ZAP always names the peer; refuse if it didn't
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "no authenticated CURVE key")
-        return key
 
     def _push(self, owner: str, msg: Any) -> Any:
         lease = self.leases.get(owner, msg.lease_id)
