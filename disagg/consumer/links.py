@@ -138,10 +138,10 @@ class ProducerLink:
                     ch.ready = False
                     self.down_until = time.monotonic() + DOWN_BACKOFF_S
                     raise
-                if exc.code not in _RE_HELLO:
+                if exc.code not in _RE_HELLO or not sent:  # not sent: refused here, or Hello
                     raise
                 ch.ready = False  # e.g. the producer restarted: say Hello again
-                if not sent or attempt or time.monotonic() >= deadline:
+                if attempt or time.monotonic() >= deadline:
                     raise
         raise AssertionError("unreachable")
 

@@ -709,8 +709,7 @@ class ConsumerService(ConnectorService):
                 held.setdefault((c.link, c.incarnation), []).append(c.lease_id)
         for (link, inc), ids in held.items():
             if link.stale(inc):  # the producer restarted: these ids mean nothing there
-                self.metrics["leases_lost"] += len(ids)
-                continue
+                continue  # (counted once, when the restart was found; dropped at release)
             try:
                 ok = self._call(
                     link,
