@@ -100,6 +100,7 @@ class LoadPlan:
     first_block: int
     dst_slots: list[list[int]]
     uid: int = 0  # the load's id on the ranks' outcome bus (chosen by the leader)
+    incarnations: list[int] = field(default_factory=list)  # per producer rank, rank order
 
 
 @dataclass
@@ -120,6 +121,7 @@ class PrefixPlan:
     dst_slots: list[list[int]]
     is_async: bool
     uid: int  # the load's id on the ranks' outcome bus
+    incarnations: list[int] = field(default_factory=list)  # per producer rank, rank order
 
 
 @dataclass
@@ -392,6 +394,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             load.dst_slots,
             bool(is_async),
             load.uid,
+            [r.incarnation for r in c.all_ranks()],
         )
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
@@ -494,6 +497,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                             load.first_block,
                             load.dst_slots,
                             load.uid,
+                            [r.incarnation for r in c.all_ranks()],
                         )
                     )
         return meta
@@ -673,7 +677,12 @@ class ConsumerWorker(KvCacheConnectorWorker):
         for plan in meta.prefix_plans:
             if plan.reservation_id in self._prefix or plan.reservation_id in svc.prefix_loads:
                 continue  # seen already
-            claimed = Claimed(svc.links[plan.producer], plan.lease_ids[rank], plan.lease_blocks)
+            claimed = Claimed(
+                svc.links[plan.producer],
+                plan.lease_ids[rank],
+                plan.lease_blocks,
+                incarnation=plan.incarnations[rank] if plan.incarnations else 0,
+            )
             load = Load(
                 plan.request_id,
                 claimed,
@@ -703,7 +712,12 @@ class ConsumerWorker(KvCacheConnectorWorker):
             if old is not None and old.claimed.lease_id == plan.lease_ids[rank]:
                 continue  # seen already
             link = svc.links[plan.producer]
-            claimed = Claimed(link, plan.lease_ids[rank], plan.num_blocks)
+            claimed = Claimed(
+                link,
+                plan.lease_ids[rank],
+                plan.num_blocks,
+                incarnation=plan.incarnations[rank] if plan.incarnations else 0,
+            )
             svc.loads[plan.request_id] = Load(
                 plan.request_id,
                 claimed,

@@ -9,8 +9,9 @@ Rules it keeps (DESIGN §5):
 No call on the engine's thread waits without a deadline (config ``consumer.*``):
 
     wait                                     bounded by
-    claim / lookup / Push request            claim_timeout_s per call (Hello + call; the
-                                             link's lock is also taken with this timeout)
+    claim / lookup / Push request            claim_timeout_s per call (Hello + call, and
+                                             one retry after a producer restart: links.py;
+                                             the link's lock is also taken with it)
     async load (parked until get_finished)   load_timeout_s (the data plane's deadline)
     sync load (wait_for_layer_load)          load_timeout_s
     a producer that failed a call            skipped for DOWN_BACKOFF_S, then retried
@@ -63,37 +64,20 @@ from ..config import DisaggConfig
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
-from ..protocol.fingerprint import Fingerprint
 from ..protocol.keys import KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
-from ..transport.control import ControlClient
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
-from ..transport.security import CurveClientKeys, client_keys_from
+from ..transport.security import client_keys_from
+from .links import _PEER_FAULTS, DOWN_BACKOFF_S, ProducerLink
 from .rank_bus import PEER_GRACE_S, RankBus
+
+__all__ = ["DOWN_BACKOFF_S", "_PEER_FAULTS", "Claimed", "ConsumerService", "Load", "ProducerLink"]
 
 log = logging.getLogger("disagg.consumer")
 
 V = PROTOCOL_VERSION
-# A producer that failed a call is skipped for this long, then tried again (a dead peer
-# must not be cached forever, nor retried on every query).
-DOWN_BACKOFF_S = 2.0
-# Errors about one request (a lease that expired, a bad field) say nothing about the
-# producer's health: only these mark a link down (and force a new Hello).
-_PEER_FAULTS = frozenset(
-    {
-        ErrorCode.TIMEOUT,
-        ErrorCode.PEER_GONE,
-        ErrorCode.NOT_READY,
-        ErrorCode.BUSY,
-        ErrorCode.INTERNAL,
-        ErrorCode.BAD_FRAME,
-        ErrorCode.BAD_VERSION,
-        ErrorCode.INCOMPATIBLE_PEER,
-    }
-)
-
 _registry: Registry[ConsumerService] = Registry()
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
@@ -103,77 +87,6 @@ _services = _registry.services
 def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
     """The process's service for this instance id, created on first use."""
     return _registry.get(ConsumerService, config, llm_args)
-
-
-class _Channel:
-    """One DEALER socket to a producer, greeted with Hello before its first request."""
-
-    def __init__(self, endpoint: str, timeout_s: float, curve: CurveClientKeys | None):
-        self.client = ControlClient(endpoint, default_timeout_s=timeout_s, curve=curve)
-        self.ready = False
-        self.lock = threading.Lock()
-
-
-class ProducerLink:
-    """One producer's control channels: ``fg`` for the engine thread's claims, lookups
-    and pushes, ``bg`` for the keepalive's renewals and releases, so a claim never queues
-    behind a release (a release's unpin of a long prefix takes a while)."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        owner: str,
-        timeout_s: float,
-        curve: CurveClientKeys | None = None,
-        index: int = 0,
-        tp_rank: int = 0,
-        transport: str = "zmq",
-    ):
-        self.endpoint = endpoint
-        self.owner = owner
-        self.transport = transport  # our data plane: the producer refuses another one
-        self.index = index  # which configured producer
-        self.tp_rank = tp_rank  # which of its ranks (greeted with that rank's fingerprint)
-        self.fg = _Channel(endpoint, timeout_s, curve)
-        self.bg = _Channel(endpoint, timeout_s, curve)
-        self.down_until = 0.0
-        # the optional requests the producer announced (HelloOk.features); None until the
-        # first Hello answered
-        self.features: frozenset[str] | None = None
-
-    def usable(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-    def call(
-        self, ch: _Channel, msg: Any, fingerprint: Fingerprint, data_endpoint: str, timeout_s: float
-    ) -> Any:
-        try:
-            if not ch.ready:  # first use, or after any failure (the socket may be new)
-                ok = ch.client.call(
-                    m.Hello(
-                        v=V,
-                        instance_id=self.owner,
-                        role="consumer",
-                        fingerprint=fingerprint,
-                        data_endpoint=data_endpoint,
-                        transport=self.transport,
-                    ),
-                    timeout_s=timeout_s,
-                )
-                self.features = frozenset(getattr(ok, "features", ()) or ())
-                ch.ready = True
-            return ch.client.call(msg, timeout_s=timeout_s)
-        except ProtocolError as exc:
-            if exc.code in _PEER_FAULTS:
-                ch.ready = False
-                self.down_until = time.monotonic() + DOWN_BACKOFF_S
-            elif exc.code is ErrorCode.UNAUTHENTICATED:
-                ch.ready = False  # e.g. the producer restarted: say Hello again
-            raise
-
-    def close(self) -> None:
-        self.fg.client.close()
-        self.bg.client.close()
 
 
 def _pages(slots: list[int]) -> int:
@@ -187,6 +100,7 @@ class Claimed:
     lease_id: int
     num_blocks: int
     ttl_s: float = 30.0  # as granted: the producer may cap what we asked for
+    incarnation: int = 0  # the producer's that granted it (0: not named)
     # TP > 1, on the leader: the same blocks leased on the producer's ranks 1..N-1
     ranks: list[Claimed] = field(default_factory=list)
     released: bool = False  # given back (once: a second Release would name a dead lease)
@@ -242,6 +156,9 @@ class ConsumerService(ConnectorService):
         assert config.consumer is not None  # validated: role consumer has the section
         self.ccfg = config.consumer
         self.owner = self.name  # the owner of our leases, as producers know us
+        # this process's incarnation (in every Hello): a producer that sees a new one for
+        # our name frees the leases our previous process held
+        self.incarnation = m.new_incarnation()
         curve = client_keys_from(config.security)  # one key pair for every producer
         timeout = self.ccfg.claim_timeout_s
         # rank_links[p][r]: producer p's rank r. Every rank links to its own rank; rank 0
@@ -263,6 +180,9 @@ class ConsumerService(ConnectorService):
             for p, ep in enumerate(self.ccfg.producers)
         ]
         self.links = [rl[self.tp_rank] for rl in self.rank_links]
+        for rl in self.rank_links:
+            for link in rl.values():
+                link.consumer_incarnation = self.incarnation
         self.data: DataPlane | None = None
         self.loads: dict[int, Load] = {}
         # prefix reservations (reservation id -> the connector's record, with ``.load``):
@@ -272,8 +192,8 @@ class ConsumerService(ConnectorService):
         # worker reported it (polled by the bus thread's ``tick`` like ``loads``)
         self.prefix_loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
-        # (link, lease id, None: the whole lease | (first block, count): part of it)
-        self._releases: list[tuple[ProducerLink, int, tuple[int, int] | None]] = []
+        # (lease, None: the whole lease | (first block, count): part of it)
+        self._releases: list[tuple[Claimed, tuple[int, int] | None]] = []
         self._lock = threading.Lock()
         self._lookups = ThreadPoolExecutor(
             max(1, len(self.links) * len(ranks)), thread_name_prefix="disagg-lookup"
@@ -408,7 +328,7 @@ class ConsumerService(ConnectorService):
                 if ok.ttl_s < self._renew_ttl_s:  # renew often enough for the granted TTL
                     self._renew_ttl_s = ok.ttl_s
                     self._wake.set()
-                return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s)
+                return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
         self.metrics["claims_miss"] += 1
         return None
 
@@ -443,7 +363,9 @@ class ConsumerService(ConnectorService):
                     self._renew_ttl_s = ttl
                     self._wake.set()
                 first = grants[0]
-                return Claimed(first.link, first.lease_id, n, ttl, ranks=grants[1:])
+                return Claimed(
+                    first.link, first.lease_id, n, ttl, first.incarnation, ranks=grants[1:]
+                )
             for g in grants:
                 if g.lease_id:
                     self.release(g)
@@ -477,7 +399,7 @@ class ConsumerService(ConnectorService):
             exc = f.exception() if f.done() else TimeoutError("no answer within the deadline")
             if exc is None:
                 ok = f.result()
-                grants.append(Claimed(lk, ok.lease_id, ok.num_blocks, ok.ttl_s))
+                grants.append(Claimed(lk, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation))
                 continue
             failed = True
             self.metrics["claims_failed"] += 1
@@ -514,7 +436,7 @@ class ConsumerService(ConnectorService):
             claimed.released = True
             for c in claimed.all_ranks():
                 if c.lease_id:
-                    self._releases.append((c.link, c.lease_id, None))
+                    self._releases.append((c, None))
         self._wake.set()
 
     def release_blocks(self, claimed: Claimed, first: int, n: int) -> None:
@@ -526,7 +448,7 @@ class ConsumerService(ConnectorService):
         with self._lock:
             for c in claimed.all_ranks():
                 if c.lease_id:
-                    self._releases.append((c.link, c.lease_id, (first, n)))
+                    self._releases.append((c, (first, n)))
         self._wake.set()
 
     # -- loads (engine thread; never waits past a deadline) ------------------------------
@@ -585,6 +507,7 @@ class ConsumerService(ConnectorService):
                     ),
                     dst_slots=load.dst_slots,
                     layerwise=layerwise,
+                    incarnation=load.claimed.incarnation,
                 ),
             )
             self.metrics["loads_started"] += 1
@@ -818,42 +741,68 @@ class ConsumerService(ConnectorService):
         if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
             return
         self._expire_undispatched()
-        held: dict[ProducerLink, list[int]] = {}
+        held: dict[tuple[ProducerLink, int], list[int]] = {}
         loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
         for load in loads:
             if load.claimed.released:
                 continue
             for c in load.claimed.all_ranks():
-                held.setdefault(c.link, []).append(c.lease_id)
-        for link, ids in held.items():
+                held.setdefault((c.link, c.incarnation), []).append(c.lease_id)
+        for (link, inc), ids in held.items():
+            if link.stale(inc):  # the producer restarted: these ids mean nothing there
+                continue  # (counted once, when the restart was found; dropped at release)
             try:
                 ok = self._call(
-                    link, m.Renew(v=V, owner=self.owner, lease_ids=ids), background=True
+                    link,
+                    m.Renew(v=V, owner=self.owner, lease_ids=ids, incarnation=inc),
+                    background=True,
                 )
                 self.metrics["leases_renewed"] += len(ids) - len(ok.unknown)
                 # a lost lease fails its push (UNKNOWN_LEASE) if the load is not over yet
                 self.metrics["leases_lost"] += len(ok.unknown)
             except ProtocolError as exc:
+                if exc.code is ErrorCode.STALE_INCARNATION:
+                    self.metrics["leases_lost"] += len(ids)
+                    continue
                 self.metrics["renew_failed"] += 1
                 log.info("renewing leases on %s failed: %s", link.endpoint, exc)
 
     def _send_releases(self) -> None:
+        """Send the queued releases. One of a lease whose producer has restarted since is
+        dropped, never sent (its id is meaningless there, or another lease's):
+        ``releases_dropped_restart``."""
         with self._lock:
             todo, self._releases = self._releases, []
-        for link, lease_id, part in todo:
+        for c, part in todo:
+            if c.link.stale(c.incarnation):
+                self.metrics["releases_dropped_restart"] += 1
+                continue
             if part is not None:
-                self._send_release_range(link, lease_id, *part)
+                self._send_release_range(c, *part)
                 continue
             try:
                 self._call(
-                    link, m.Release(v=V, owner=self.owner, lease_id=lease_id), background=True
+                    c.link,
+                    m.Release(
+                        v=V, owner=self.owner, lease_id=c.lease_id, incarnation=c.incarnation
+                    ),
+                    background=True,
                 )
                 self.metrics["leases_released"] += 1
+            except ProtocolError as exc:
+                if exc.code is ErrorCode.STALE_INCARNATION:
+                    self.metrics["releases_dropped_restart"] += 1
+                    continue
+                self._release_failed(c.lease_id, exc)
             except Exception as exc:  # the producer's TTL frees it anyway
-                self.metrics["release_failed"] += 1
-                log.info("release of lease %d failed: %s", lease_id, exc)
+                self._release_failed(c.lease_id, exc)
 
-    def _send_release_range(self, link: ProducerLink, lease_id: int, first: int, n: int) -> None:
+    def _release_failed(self, lease_id: int, exc: Exception) -> None:
+        self.metrics["release_failed"] += 1
+        log.info("release of lease %d failed: %s", lease_id, exc)
+
+    def _send_release_range(self, c: Claimed, first: int, n: int) -> None:
+        link, lease_id = c.link, c.lease_id
         if link.features is not None and m.FEATURE_RELEASE_RANGE not in link.features:
             self.metrics["release_range_unsupported"] += 1  # kept until the whole release
             return
@@ -861,13 +810,20 @@ class ConsumerService(ConnectorService):
             self._call(
                 link,
                 m.ReleaseRange(
-                    v=V, owner=self.owner, lease_id=lease_id, first_block=first, num_blocks=n
+                    v=V,
+                    owner=self.owner,
+                    lease_id=lease_id,
+                    first_block=first,
+                    num_blocks=n,
+                    incarnation=c.incarnation,
                 ),
                 background=True,
             )
             self.metrics["blocks_released_in_part"] += n
         except ProtocolError as exc:
-            if exc.code is ErrorCode.UNKNOWN_KIND:  # an older producer: by name, not misread
+            if exc.code is ErrorCode.STALE_INCARNATION:
+                self.metrics["releases_dropped_restart"] += 1
+            elif exc.code is ErrorCode.UNKNOWN_KIND:  # an older producer: by name, not misread
                 link.features = (link.features or frozenset()) - {m.FEATURE_RELEASE_RANGE}
                 self.metrics["release_range_unsupported"] += 1
                 log.warning(

@@ -17,6 +17,12 @@ A push in flight holds pins of its own, so freeing its lease cannot pull the
 rows from under it; the consumer learns the lease is gone at its next renewal (reported
 unknown) or push (UNKNOWN_LEASE), and its failure rule applies.
 Deadlines are not ordered (renewals move them), so ``sweep`` looks at every lease.
+
+Liveness is judged by the judge's own clock: a sweep that comes more than ``stall_after_s``
+after the previous one means this process was itself stalled (stopped, starved), so the
+silence it would count was partly its own. That sweep frees nothing; it gives every owner
+a fresh OWNER_DEAD_AFTER and every lease a fresh TTL from now (LEASE_MAX_HOLD is kept), so
+an owner really gone is freed at most one such period later than it would have been.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class LeaseStats:
     max_hold_exceeded: int = 0
     renewed: int = 0
     owners_declared_dead: int = 0
+    stalls_forgiven: int = 0  # sweeps after a stall of our own: grace, nothing freed
+    freed_owner_restart: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,6 +95,8 @@ class LeaseTable:
         max_ttl_s: float = DEFAULT_LEASE_TTL_S,
         owner_dead_after_s: float = DEFAULT_OWNER_DEAD_AFTER_S,
         max_hold_s: float = DEFAULT_LEASE_MAX_HOLD_S,
+        first_id: int = 1,
+        stall_after_s: float | None = None,
     ):
         if max_hold_s < max_ttl_s:
             raise ValueError(
@@ -98,7 +108,9 @@ class LeaseTable:
         self.max_hold_s = max_hold_s
         self._leases: dict[int, Lease] = {}
         self._last_seen: dict[str, float] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
+        self.stall_after_s = stall_after_s
+        self._last_sweep: float | None = None
         self._lock = threading.Lock()
         self.stats = LeaseStats()
 
@@ -244,6 +256,11 @@ class LeaseTable:
         now = time.monotonic() if now is None else now
         freed: list[Lease] = []
         with self._lock:
+            last, self._last_sweep = self._last_sweep, now
+            if self.stall_after_s is not None and last is not None:
+                if now - last > self.stall_after_s:
+                    self._forgive(now)
+                    return 0
             dead = {
                 o for o, seen in self._last_seen.items() if now - seen > self.owner_dead_after_s
             }
@@ -263,6 +280,24 @@ class LeaseTable:
         for lease in freed:
             self._unpin_held(lease)
         return len(freed)
+
+    def _forgive(self, now: float) -> None:
+        """We were stalled: every owner and lease starts a fresh grace period (lock held)."""
+        self.stats.stalls_forgiven += 1
+        for o in self._last_seen:
+            self._last_seen[o] = now
+        for lease in self._leases.values():
+            lease.deadline = max(lease.deadline, min(now + lease.ttl_s, lease.hold_until))
+
+    def free_owner(self, owner: str) -> int:
+        """Free every lease of ``owner`` now (its process restarted); returns how many."""
+        with self._lock:
+            freed = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+            leases = [self._leases.pop(lid) for lid in freed]
+            self.stats.freed_owner_restart += len(leases)
+        for lease in leases:
+            self._unpin_held(lease)
+        return len(leases)
 
     def active(self) -> int:
         with self._lock:

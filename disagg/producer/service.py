@@ -11,14 +11,17 @@ keys and accounts its own saves in flight. Consumers claim on every rank and pus
 r to rank r. Only rank 0 publishes store events (``producer.events``): the ranks' stores hold
 the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
 
-- the control server answers peers (handshake, lookup, claim, renew, release, push);
+- the control server answers peers (handshake, lookup, claim, renew, release, push:
+  ``control.py``; requests naming another incarnation of this process are refused);
 - a push pool builds each push's pages and posts them on the data plane; it never waits;
 - one push watcher waits (bounded) for every push's leased blocks to be STORED (woken by
   the store's commits) and for every posted push to be final, then accounts for it,
   reports a failure and unpins its blocks. So neither the engine, nor the control thread,
   nor a push worker ever waits on a transfer: a dead or stalled consumer holds only its
   own pushes (until their deadline), never the workers that serve other consumers;
-- a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT.
+- a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT. It
+  judges by its own clock: after a gap in its own loop of ``max(1 s, 4 periods)`` (this
+  process was stopped or starved) every owner and lease gets a fresh grace (leases.py).
 
 Every waiting state and the named timeout that ends it (config ``producer.*``):
 
@@ -43,6 +46,7 @@ push's ``push_timeout_s`` runs from its Push's arrival (queueing counts).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -57,7 +61,6 @@ from ..config import DisaggConfig
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
-from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.control import ControlServer
@@ -65,6 +68,7 @@ from ..transport.dataplane import DataPlane, TransferStatus, push_source
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
+from .control import ControlPlane
 from .leases import LeaseTable
 from .saving import PassCopy, land
 from .store import BlockStore
@@ -72,8 +76,6 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
-# message type -> its request counter ("control_Claim", ...), built once per type
-_CONTROL_METRIC: dict[type, str] = {cls: f"control_{cls.__name__}" for cls in m.ALL_MESSAGES}
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
@@ -89,6 +91,12 @@ PUSH_GRACE_S = 2.0
 _WATCH_MIN_S = 0.0002
 _WATCH_MAX_S = 0.005
 _WATCH_STORED_S = 0.05
+
+
+def _stall_after(period: float) -> float:
+    """A gap between two sweeps this long means the producer itself was stalled (its own
+    loop missed several periods): owners get a fresh grace instead of being judged."""
+    return max(1.0, 4 * period)
 
 
 @dataclass(eq=False)
@@ -113,7 +121,7 @@ def service_for(config: DisaggConfig, llm_args: Any) -> ProducerService:
     return _registry.get(ProducerService, config, llm_args)
 
 
-class ProducerService(ConnectorService):
+class ProducerService(ControlPlane, ConnectorService):
     role = "producer"
     shard_hint = "prefill instances"
 
@@ -136,6 +144,12 @@ class ProducerService(ConnectorService):
         # cannot touch another's leases by claiming its name or reusing its identity.
         self._owner_keys: dict[str, bytes] = {}
         self._curve = server_keys_from(config.security)
+        # This process's incarnation (HelloOk, ClaimOk, events): a request naming another
+        # one was meant for a process that is gone and is refused before it touches state.
+        self.incarnation = m.new_incarnation()
+        # TP=1 owner -> the consumer incarnation that last said Hello as it: a Hello from a
+        # new one means that consumer restarted, and the old process's leases are freed.
+        self._owner_incarnations: dict[str, int] = {}
         self.server: ControlServer | None = None
         self.events: EventPublisher | None = None
         self.data: DataPlane | None = None
@@ -158,7 +172,12 @@ class ProducerService(ConnectorService):
         """Called by the worker's registration: size the store and start serving."""
         self._attach_pool(pool)
         if self.pcfg.events and self.tp_rank == 0:
-            self.events = EventPublisher(self.pcfg.events, producer=self.name, curve=self._curve)
+            self.events = EventPublisher(
+                self.pcfg.events,
+                producer=self.name,
+                curve=self._curve,
+                incarnation=self.incarnation,
+            )
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
@@ -172,6 +191,10 @@ class ProducerService(ConnectorService):
             max_ttl_s=self.pcfg.lease_ttl_s,
             owner_dead_after_s=self.pcfg.owner_dead_after_s or 15.0,
             max_hold_s=self.pcfg.lease_max_hold_s,
+            # a random base per incarnation: even a peer that names no incarnation (an
+            # older one) cannot hit a live lease with an id of the process before
+            first_id=secrets.randbits(40) + 1,
+            stall_after_s=_stall_after(self._sweep_period()),
         )
         self.data = make_data_plane(
             self.config.transport,
@@ -282,102 +305,6 @@ class ProducerService(ConnectorService):
                 if copy is not None:
                     land(copy, self.store.slab)  # the copies have landed
                 self._commit(keys, counts)
-
-    # -- control plane (server thread) --------------------------------------------------
-    def _handle(self, identity: bytes, msg: Any) -> Any:
-        kind = type(msg)
-        self.metrics[_CONTROL_METRIC.get(kind) or f"control_{kind.__name__}"] += 1
-        if isinstance(msg, m.Hello):
-            return self._hello(identity, msg)
-        owner = self._peers.get(identity)
-        if owner is None:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "say Hello before any other request")
-        if self._curve is not None and self._caller_key() != self._owner_keys.get(owner):
-            raise ProtocolError(
-                ErrorCode.UNAUTHENTICATED,
-                f"this connection's CURVE key is not the one that said Hello as {owner!r}",
-            )
-        if getattr(msg, "owner", owner) != owner:
-            raise ProtocolError(
-                ErrorCode.UNAUTHENTICATED,
-                f"this connection said Hello as {owner!r}, not {msg.owner!r}",
-            )
-        if isinstance(msg, m.Claim):  # the hot path: first
-            # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
-            lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
-            self.metrics["claims_hit" if lease else "claims_miss"] += 1
-            if lease is None:
-                return m.ClaimOk(v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=msg.ttl_s)
-            return m.ClaimOk(
-                v=PROTOCOL_VERSION,
-                lease_id=lease.lease_id,
-                num_blocks=len(lease.entries),  # one per leased key
-                ttl_s=lease.ttl_s,
-            )
-        if isinstance(msg, m.Heartbeat):
-            self.leases.heartbeat(owner)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.Lookup):
-            return m.LookupOk(v=PROTOCOL_VERSION, num_blocks=self.store.longest_prefix(msg.keys))
-        if isinstance(msg, m.Renew):
-            return m.RenewOk(v=PROTOCOL_VERSION, unknown=self.leases.renew(owner, msg.lease_ids))
-        if isinstance(msg, m.Release):
-            self.leases.release(owner, msg.lease_id)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.ReleaseRange):
-            self.leases.release_range(owner, msg.lease_id, msg.first_block, msg.num_blocks)
-            return m.Ok(v=PROTOCOL_VERSION)
-        if isinstance(msg, m.Push):
-            return self._push(owner, msg)
-        if isinstance(msg, m.SnapshotRequest):
-            keys = self.store.keys()
-            seq = self.events.seq if self.events is not None else 0
-            return m.SnapshotOk(v=PROTOCOL_VERSION, producer=self.name, seq=seq, keys=keys)
-        raise ProtocolError(
-            ErrorCode.UNKNOWN_KIND, f"a producer does not serve {type(msg).__name__}"
-        )
-
-    def _hello(self, identity: bytes, msg: Any) -> Any:
-        if self.fingerprint is None:
-            raise ProtocolError(
-                ErrorCode.NOT_READY, "the producer has not registered its KV cache yet"
-            )
-        try:
-            check_compatible(self.fingerprint, msg.fingerprint)
-            if msg.transport != self.config.transport:
-                raise ProtocolError(
-                    ErrorCode.INCOMPATIBLE_PEER,
-                    f"the consumer pushes over transport {msg.transport!r}, this producer over "
-                    f"{self.config.transport!r}: set the same `transport:` on both sides",
-                )
-        except ProtocolError:
-            self.metrics["handshake_refused"] += 1
-            raise
-        if self._curve is not None:
-            key = self._caller_key()
-            if self._owner_keys.setdefault(msg.instance_id, key) != key:
-                self.metrics["owner_key_mismatch"] += 1
-                raise ProtocolError(
-                    ErrorCode.UNAUTHENTICATED,
-                    f"owner {msg.instance_id!r} is bound to another client key",
-                )
-        self._peers[identity] = msg.instance_id
-        self.leases.heartbeat(msg.instance_id)
-        return m.HelloOk(
-            v=PROTOCOL_VERSION,
-            instance_id=self.name,
-            fingerprint=self.fingerprint,
-            data_endpoint="",
-            transport=self.config.transport,
-            features=list(self.features),
-        )
-
-    def _caller_key(self) -> bytes:
-        """The CURVE key of the peer whose request is being handled (server thread)."""
-        key = self.server.peer_key if self.server is not None else None
-        if key is None:  # CURVE is on, so ZAP always names the peer; refuse if it didn't
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "no authenticated CURVE key")
-        return key
 
     def _push(self, owner: str, msg: Any) -> Any:
         lease = self.leases.get(owner, msg.lease_id)
@@ -628,12 +555,23 @@ class ProducerService(ConnectorService):
         return pages
 
     # -- timeouts -----------------------------------------------------------------------
+    def _sweep_period(self) -> float:
+        return min(0.5, self.pcfg.lease_ttl_s / 4)
+
     def _sweep_loop(self) -> None:
-        period = min(0.5, self.pcfg.lease_ttl_s / 4)
+        period = self._sweep_period()
         while not self._stop.wait(period):
             try:
                 self.poll()  # an idle engine no longer calls get_finished: commit anyway
+                stalls = self.leases.stats.stalls_forgiven
                 self.metrics["leases_expired"] += self.leases.sweep()
+                if self.leases.stats.stalls_forgiven != stalls:
+                    self.metrics["sweeper_stalls"] += 1
+                    log.warning(
+                        "the lease sweeper was stalled past %.1f s: every owner gets a fresh "
+                        "grace period before any is declared dead",
+                        self.leases.stall_after_s,
+                    )
                 self.metrics["saves_timed_out"] += self.store.sweep_stale_saves()
             except Exception:  # the sweeper must outlive any one bad pass
                 log.exception("sweep failed")

@@ -26,6 +26,9 @@ class ErrorCode(enum.IntEnum):
     PEER_GONE = 16
     BUSY = 17
     INTERNAL = 18
+    # the request names another incarnation of the peer (a process that has restarted):
+    # refused before it touches anything, so a dead process's lease ids never act here
+    STALE_INCARNATION = 19
 
     @classmethod
     def from_wire(cls, code: int) -> ErrorCode:

@@ -8,6 +8,15 @@ later minor addition does not break older peers); unknown *kinds* are refused.
 Range constraints (``Meta``) are enforced by ``decode`` only, i.e. on every received
 frame; ``__post_init__`` checks cross-field rules on both construction and decode.
 
+Incarnations: every producer and consumer process picks a random ``incarnation`` (``U64``,
+non-zero) at start and names it in ``Hello``/``HelloOk``. Every request that touches a
+producer's state (``Lookup``, ``Claim``, ``Renew``, ``Release``, ``ReleaseRange``,
+``Push``) names the producer incarnation the sender means, ``ClaimOk`` the one that granted
+the lease, and events and snapshots the one that published them. A producer refuses a
+request naming another incarnation (``STALE_INCARNATION``) before it reads anything else,
+so a lease id of a dead process never reaches the live one's table. ``0`` means "not
+named" (an older peer): accepted, and lease ids start at a random base per incarnation.
+
 The keys of ``Lookup`` and ``Claim`` travel packed: one ``bin`` of ``16 * n`` bytes (a
 ``KeyBlob`` in Python), not a list of ``n`` objects; anything but a bin, a blob that is not
 a whole number of keys, or one longer than ``MAX_KEYS`` keys, is refused as ``BAD_FIELD``
@@ -16,6 +25,7 @@ naming ``$.keys``.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Annotated, Any, Union
 
@@ -36,6 +46,8 @@ if TYPE_CHECKING:
     PackedKeys = KeyBlob
 else:  # the decoder checks a bin natively (type, size); __post_init__ makes it a KeyBlob
     PackedKeys = Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS * KEY_BYTES)]
+# A process's incarnation: random, non-zero; 0 on the wire means "not named" (older peer).
+Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Slot = Annotated[int, msgspec.Meta(ge=-1)]  # -1: skip this group's page of the block
 Ttl = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -51,11 +63,14 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
 
 class Hello(Message, frozen=True, tag="hello"):
+    """``incarnation``: the sender's (consumer process's) incarnation."""
+
     instance_id: Str
     role: Str
     fingerprint: Fingerprint
     data_endpoint: Str = ""
     transport: Str = "zmq"
+    incarnation: Incarnation = 0
 
 
 class HelloOk(Message, frozen=True, tag="hello_ok"):
@@ -68,6 +83,7 @@ class HelloOk(Message, frozen=True, tag="hello_ok"):
     data_endpoint: Str = ""
     transport: Str = "zmq"
     features: Annotated[list[Str], msgspec.Meta(max_length=64)] = []
+    incarnation: Incarnation = 0  # the producer process's
 
 
 # --- generic replies -------------------------------------------------------------------
@@ -107,6 +123,7 @@ class Lookup(Message, frozen=True, tag="lookup"):
 
     owner: Str
     keys: PackedKeys
+    incarnation: Incarnation = 0
 
     def __post_init__(self) -> None:
         _pack_keys(self)
@@ -123,6 +140,7 @@ class Claim(Message, frozen=True, tag="claim"):
     request_id: Str
     keys: PackedKeys
     ttl_s: Ttl = 30.0
+    incarnation: Incarnation = 0
 
     def __post_init__(self) -> None:
         _pack_keys(self)
@@ -132,11 +150,13 @@ class ClaimOk(Message, frozen=True, tag="claim_ok"):
     lease_id: U64
     num_blocks: NonNeg
     ttl_s: Ttl
+    incarnation: Incarnation = 0  # the producer's that granted it
 
 
 class Renew(Message, frozen=True, tag="renew"):
     owner: Str
     lease_ids: Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)]
+    incarnation: Incarnation = 0
 
 
 class RenewOk(Message, frozen=True, tag="renew_ok"):
@@ -146,6 +166,7 @@ class RenewOk(Message, frozen=True, tag="renew_ok"):
 class Release(Message, frozen=True, tag="release"):
     owner: Str
     lease_id: U64
+    incarnation: Incarnation = 0
 
 
 class ReleaseRange(Message, frozen=True, tag="release_range"):
@@ -160,6 +181,7 @@ class ReleaseRange(Message, frozen=True, tag="release_range"):
     lease_id: U64
     first_block: NonNeg
     num_blocks: Pos
+    incarnation: Incarnation = 0
 
 
 # Optional requests a producer may serve, by name (HelloOk.features).
@@ -185,6 +207,7 @@ class Push(Message, frozen=True, tag="push"):
     # Send layer by layer (ascending layer ids) into the receiver's per-layer groups, so a
     # synchronous consumer can compute layer i while later layers are still in flight.
     layerwise: bool = False
+    incarnation: Incarnation = 0
 
     def __post_init__(self) -> None:
         for g, slots in enumerate(self.dst_slots):
@@ -206,15 +229,20 @@ class Heartbeat(Message, frozen=True, tag="heartbeat"):
 
 
 class Stored(Message, frozen=True, tag="stored"):
+    """``seq`` counts from 1 per publisher ``incarnation``: a new incarnation's stream is a
+    new stream, whatever its numbers."""
+
     producer: Str
     seq: Pos
     keys: Keys
+    incarnation: Incarnation = 0
 
 
 class Removed(Message, frozen=True, tag="removed"):
     producer: Str
     seq: Pos
     keys: Keys
+    incarnation: Incarnation = 0
 
 
 class SnapshotRequest(Message, frozen=True, tag="snapshot"):
@@ -227,6 +255,7 @@ class SnapshotOk(Message, frozen=True, tag="snapshot_ok"):
     producer: Str
     seq: NonNeg
     keys: Keys
+    incarnation: Incarnation = 0
 
 
 # --- data plane headers ----------------------------------------------------------------
@@ -286,6 +315,23 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
 
 ALL_MESSAGES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
 KINDS = {cls.__struct_config__.tag: cls for cls in ALL_MESSAGES}
+
+
+def new_incarnation() -> int:
+    """A fresh process incarnation: random, non-zero, fits an int64."""
+    return secrets.randbits(63) or 1
+
+
+def check_incarnation(msg: Message, mine: int) -> None:
+    """Refuse ``msg`` (STALE_INCARNATION) if it names an incarnation other than ``mine``;
+    a message naming none (``0``, an older peer) passes."""
+    named = getattr(msg, "incarnation", 0)
+    if named and named != mine:
+        raise ProtocolError(
+            ErrorCode.STALE_INCARNATION,
+            f"{type(msg).__name__} names incarnation {named:#x}, but this process is "
+            f"incarnation {mine:#x} (the peer restarted): say Hello again",
+        )
 
 
 def _enc_hook(obj: Any) -> Any:

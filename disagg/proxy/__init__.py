@@ -7,8 +7,9 @@
 ``--producer URL`` / ``--consumer URL`` may be repeated instead of (or besides) the
 comma-separated lists. ``--producer-events tcp://HOST:PORT`` adds event endpoints to
 subscribe to; by default each producer's own (from ``GET /disagg/info``) is used. See
-:mod:`disagg.proxy.app` for the request flow and :mod:`disagg.proxy.routing` for how a
-producer is picked.
+:mod:`disagg.proxy.app` for the request flow, :mod:`disagg.proxy.routing` for how a
+producer is picked and :mod:`disagg.proxy.limits` for the deadlines (``--prefill-*``,
+``--decode-*``, ``--heartbeat-s``, ``--missed-heartbeats``, ``--timeout``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 from urllib.parse import urlsplit
+
+from .limits import ProxyLimits
 
 EXIT_USAGE = 2
 
@@ -43,7 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--producer-events", action="append", default=[], metavar="tcp://HOST:PORT")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request upstream timeout (s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="cap on any one upstream call (s)")
+    d = ProxyLimits()
+    p.add_argument(
+        "--prefill-floor-s",
+        type=float,
+        default=d.prefill_floor_s,
+        help="prefill deadline per producer = this + prompt tokens x --prefill-per-token-s",
+    )
+    p.add_argument("--prefill-per-token-s", type=float, default=d.prefill_per_token_s)
+    p.add_argument(
+        "--decode-floor-s",
+        type=float,
+        default=d.decode_floor_s,
+        help="decode deadline per consumer = this + prompt tokens x --prefill-per-token-s "
+        "+ max_tokens x --decode-per-token-s",
+    )
+    p.add_argument("--decode-per-token-s", type=float, default=d.decode_per_token_s)
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=d.heartbeat_s,
+        help="how often every upstream's /health is polled (and how long it may take)",
+    )
+    p.add_argument(
+        "--missed-heartbeats",
+        type=int,
+        default=d.missed_heartbeats,
+        help="unanswered heartbeats in a row after which an upstream is down",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--events-secret-key-file",
@@ -87,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
             if not e.startswith("tcp://"):
                 raise ValueError(f"--producer-events: {e!r} must look like tcp://host:port")
         curve = _events_curve(args)
+        limits = ProxyLimits(
+            prefill_floor_s=args.prefill_floor_s,
+            prefill_per_token_s=args.prefill_per_token_s,
+            decode_floor_s=args.decode_floor_s,
+            decode_per_token_s=args.decode_per_token_s,
+            request_timeout_s=args.timeout,
+            heartbeat_s=args.heartbeat_s,
+            missed_heartbeats=args.missed_heartbeats,
+        )
     except ValueError as e:
         print(f"disagg proxy: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -103,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import ProxyState, build_app
 
     logs.setup(args.log_level)
-    state = ProxyState(producers, consumers, events, args.timeout, events_curve=curve)
+    state = ProxyState(producers, consumers, events, events_curve=curve, limits=limits)
     print(f"disagg proxy: on http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(state), host=args.host, port=args.port, print=None, shutdown_timeout=5)
     return 0

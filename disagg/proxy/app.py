@@ -2,26 +2,37 @@
 
 For each ``POST /v1/completions``:
 
-1. pick producers (:func:`disagg.proxy.routing.choose`: longest held prefix, else fewest
-   in flight) and send the request with ``max_tokens: 1, stream: false``; an unreachable
-   producer or a 5xx is skipped for the next one; a 4xx is the client's error and is
-   returned as is;
-2. send the original request to the least-loaded consumer and stream its answer back
-   (SSE passthrough) or return its JSON. A consumer that is unreachable or answers 5xx
-   *before the first byte reaches the client* is retried on the next consumer; once
-   bytes have been sent, an upstream failure ends the stream with an error event.
+0. read and validate the body fully (:mod:`disagg.serve.bodies`: size, nesting, prompt,
+   ``max_tokens``, ``stream``, ``cache_salt``): a bad request is a JSON 400 before any
+   upstream sees it;
+1. pick producers (:func:`disagg.proxy.routing.choose`: those not down, then longest held
+   prefix, then fewest in flight) and send the request with ``max_tokens: 1, stream:
+   false``; an unreachable producer, a 5xx or an expired prefill deadline moves on to the
+   next one; a 4xx is the client's error and is returned as is;
+2. send the original request to the least-loaded consumer that is not down and stream its
+   answer back (SSE passthrough) or return its JSON. A consumer that is unreachable,
+   answers 5xx or misses its decode deadline *before the first byte reaches the client*
+   is retried on the next consumer; once bytes have been sent, an upstream failure ends
+   the stream with an error event.
+
+Deadlines come from the request (:mod:`disagg.proxy.limits`); a background heartbeat
+(``GET /health`` of every upstream every ``heartbeat_s``) marks upstreams down and up, and
+resyncs the routing index from a snapshot when a producer's incarnation changes (it
+restarted, even if no event of the new process arrived yet).
 
 Errors name the upstream: ``{"error": {"message": "consumer http://... : ...", "type":
 "upstream_error", "code": 502, "upstream": URL, "upstream_status": 503}}``; 502 when every
 upstream of a role is down or failing.
 
-``GET /health``: 200 when at least one producer and one consumer answer their ``/health``
-with 200; 503 otherwise, with every upstream's status. ``GET /metrics``: Prometheus text.
+``GET /health``: 200 when at least one producer and one consumer are up, 503 otherwise;
+answered from the heartbeats' state without probing (each upstream: 200, or why it is down,
+never an empty reason). ``GET /metrics``: Prometheus text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -40,7 +51,14 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..serve import tokenizer
+from ..serve.bodies import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    json_errors,
+    parse_completion,
+    read_json,
+)
+from .limits import SEED_WAIT_S, ProxyLimits
 from .routing import EventFeeds, PrefixIndex, Upstream, advertised, choose, prompt_keys
 
 log = logging.getLogger("disagg.proxy")
@@ -83,15 +101,11 @@ def _upstream_message(body: bytes) -> str:
     return body[:500].decode("utf-8", errors="replace")
 
 
-def _prompt_tokens(body: dict[str, Any]) -> list[int] | None:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        return tokenizer.encode(p)
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return list(p)
-    return None
+def _why(e: BaseException, timeout_s: float | None = None) -> str:
+    """A failure in words, never empty (a timeout's str() is)."""
+    if isinstance(e, asyncio.TimeoutError) and timeout_s is not None:
+        return f"no answer within {timeout_s:.3g} s"
+    return str(e) or type(e).__name__
 
 
 def _in_flight(up: Upstream) -> float:
@@ -106,17 +120,25 @@ class ProxyState:
         producers: list[str],
         consumers: list[str],
         producer_events: list[str] | None = None,
-        request_timeout_s: float = 600.0,
+        request_timeout_s: float | None = None,
         events_curve: object | None = None,
+        limits: ProxyLimits | None = None,
     ) -> None:
+        limits = limits or ProxyLimits()
+        if request_timeout_s is not None:
+            limits = dataclasses.replace(limits, request_timeout_s=request_timeout_s)
+        self.limits = limits
         self.producers = [Upstream(u.rstrip("/")) for u in producers]
         self.consumers = [Upstream(u.rstrip("/")) for u in consumers]
         self.explicit_events = list(producer_events or [])
         self.index = PrefixIndex()
         self.feeds = EventFeeds(self.index, curve=events_curve)
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
+        self.timeout = aiohttp.ClientTimeout(total=limits.request_timeout_s, sock_connect=5)
         self.session: aiohttp.ClientSession | None = None
         self._discovery: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._first_beat = asyncio.Event()
+        self._seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]] = {}
         self.registry = reg = CollectorRegistry()
         self.m_requests = Counter(
             "disagg_proxy_requests", "Requests by outcome", ["outcome"], registry=reg
@@ -125,6 +147,17 @@ class ProxyState:
             "disagg_proxy_upstream_errors",
             "Upstream failures by role and kind",
             ["role", "kind"],
+            registry=reg,
+        )
+        self.m_down = Counter(
+            "disagg_proxy_upstream_down",
+            "Times an upstream was marked down, by role and cause",
+            ["role", "cause"],
+            registry=reg,
+        )
+        self.m_resyncs = Counter(
+            "disagg_proxy_index_resyncs",
+            "Routing index reloads after a producer changed incarnation",
             registry=reg,
         )
         self.m_retries = Counter(
@@ -176,10 +209,12 @@ class ProxyState:
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
         self._discovery = asyncio.create_task(self._discover())
+        self._heartbeat = asyncio.create_task(self._heartbeats())
 
     async def stop(self, app: web.Application) -> None:
-        if self._discovery is not None:
-            self._discovery.cancel()
+        for task in (self._discovery, self._heartbeat, *self._seed_tasks.values()):
+            if task is not None:
+                task.cancel()
         if self.session is not None:
             await self.session.close()
         await asyncio.to_thread(self.feeds.close)
@@ -234,46 +269,144 @@ class ProxyState:
         if salt in up.seeds or up.instance_id is None:
             return
         assert self.session is not None
+        timeout = self.limits.heartbeat_s
         try:
             async with self.session.get(
                 f"{up.url}/disagg/seed",
                 params={"cache_salt": salt or ""},
-                timeout=aiohttp.ClientTimeout(total=2),
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as r:
                 if r.status == 200:
                     up.seeds[salt] = bytes.fromhex((await r.json())["namespace_seed"])
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
             pass
 
+    async def seeds_for(self, salt: str | None) -> None:
+        """The seeds of ``salt`` from every producer that is up, waiting at most
+        ``SEED_WAIT_S``: a stopped producer never adds seconds to a request; the fetches
+        go on in the background and later requests route with what they learn."""
+        tasks = []
+        for up in self.producers:
+            if salt in up.seeds or up.instance_id is None or up.known_down():
+                continue
+            key = (up.url, salt)
+            task = self._seed_tasks.get(key)
+            if task is None:
+                task = asyncio.create_task(self.seed_for(up, salt))
+                self._seed_tasks[key] = task
+                task.add_done_callback(partial(self._seed_done, key))
+            tasks.append(task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=SEED_WAIT_S)
+
+    def _seed_done(self, key: tuple[str, str | None], _task: asyncio.Task[None]) -> None:
+        self._seed_tasks.pop(key, None)
+
+    # -- health: heartbeats ------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        """Every ``heartbeat_s``: ``GET /health`` of every upstream, at once."""
+        while True:
+            t0 = time.monotonic()
+            ups = [*self.producers, *self.consumers]
+            await asyncio.gather(*(self._beat(u, u in self.producers) for u in ups))
+            self._first_beat.set()
+            await asyncio.sleep(max(0.0, self.limits.heartbeat_s - (time.monotonic() - t0)))
+
+    async def _beat(self, up: Upstream, producer: bool) -> None:
+        assert self.session is not None
+        timeout = self.limits.heartbeat_s
+        role = "producer" if producer else "consumer"
+        try:
+            async with self.session.get(
+                f"{up.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                status = r.status
+                body = await r.read()
+        except asyncio.TimeoutError as e:  # a stopped process still accepts connections
+            up.misses += 1
+            if up.misses >= self.limits.missed_heartbeats:
+                self._down(
+                    up, role, "heartbeat", f"missed {up.misses} heartbeats ({_why(e, timeout)})"
+                )
+            up.beaten = True
+            return
+        except aiohttp.ClientError as e:
+            self._down(up, role, "unreachable", f"unreachable: {_why(e)}")
+            up.beaten = True
+            return
+        up.misses, up.beaten = 0, True
+        info = _json_dict(body)
+        if status != 200:
+            reasons = info.get("reasons") if isinstance(info.get("reasons"), list) else None
+            detail = "; ".join(map(str, reasons)) if reasons else _upstream_message(body)
+            self._down(up, role, "unhealthy", f"/health answered {status}: {detail or 'no reason'}")
+            return
+        if producer:
+            await self._check_incarnation(up, info.get("incarnation"))
+        if up.down_reason is not None and time.monotonic() >= up.down_until:
+            log.info("upstream up", extra={"upstream": up.url, "was": up.down_reason})
+            up.down_reason = None
+
+    def _down(self, up: Upstream, role: str, cause: str, reason: str, hold_s: float = 0.0) -> None:
+        """Mark ``up`` down for ``reason`` (kept at least ``hold_s``)."""
+        if up.down_reason is None:
+            self.m_down.labels(role, cause).inc()
+            log.warning("upstream down", extra={"upstream": up.url, "reason": reason})
+        up.down_reason = reason
+        up.down_until = max(up.down_until, time.monotonic() + hold_s)
+
+    async def _check_incarnation(self, up: Upstream, inc: Any) -> None:
+        """A producer answering with a new incarnation restarted: reload its keys."""
+        if not isinstance(inc, int) or isinstance(inc, bool):
+            return
+        before, up.incarnation = up.incarnation, inc
+        if up.instance_id is None:
+            return
+        synced = await asyncio.to_thread(self.feeds.synced, up.instance_id)
+        if (before is not None and before != inc) or (synced is not None and synced[0] != inc):
+            log.warning("producer restarted: resyncing its keys", extra={"upstream": up.url})
+            self.m_resyncs.inc()
+            await asyncio.to_thread(self.feeds.resync, up.instance_id)
+
     # -- one request ---------------------------------------------------------------------
-    async def prefill(self, body: dict[str, Any], rid: str) -> web.Response | None:
+    async def prefill(
+        self, body: dict[str, Any], tokens: list[int], salt: str | None, rid: str
+    ) -> web.Response | None:
         """Run the prefill on a producer; ``None`` on success, else the error response."""
         assert self.session is not None
-        tokens = _prompt_tokens(body)
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        if tokens is not None and salt is not None:
-            await asyncio.gather(*(self.seed_for(up, salt) for up in self.producers))
+        if salt is not None:
+            await self.seeds_for(salt)
         order, matched = choose(self.producers, self.index, tokens, salt)
         self.m_route.labels("prefix" if matched else "least_loaded").inc()
         self.m_matched.inc(matched)
         pbody = {**body, "max_tokens": 1, "stream": False}
+        deadline = self.limits.prefill_s(len(tokens))
         last: UpstreamError | None = None
         for up in order:
             t0 = time.monotonic()
             up.in_flight += 1
             try:
                 async with self.session.post(
-                    f"{up.url}/v1/completions", json=pbody, headers={"X-Request-Id": rid}
+                    f"{up.url}/v1/completions",
+                    json=pbody,
+                    headers={"X-Request-Id": rid},
+                    timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
                 ) as r:
                     data = await r.read()
                     status = r.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 up.failures += 1
-                self.m_upstream_errors.labels("producer", "unreachable").inc()
-                last = UpstreamError(up.url, None, f"unreachable: {e or type(e).__name__}", True)
+                if isinstance(e, asyncio.TimeoutError):
+                    kind, why = "deadline", f"prefill deadline of {deadline:.3g} s expired"
+                    self._down(up, "producer", kind, why, self.limits.down_after_s)
+                else:
+                    kind, why = "unreachable", f"unreachable: {_why(e)}"
+                    self._down(up, "producer", kind, why)
+                self.m_upstream_errors.labels("producer", kind).inc()
+                last = UpstreamError(up.url, None, why, True)
                 log.warning(
-                    "producer unreachable",
-                    extra={"request_id": rid, "upstream": up.url, "error": str(e)},
+                    "producer failed; trying the next",
+                    extra={"request_id": rid, "upstream": up.url, "error": why},
                 )
                 continue
             finally:
@@ -284,7 +417,7 @@ class ProxyState:
                     "prefilled",
                     extra={"request_id": rid, "upstream": up.url, "matched_blocks": matched},
                 )
-                if tokens is not None and up.instance_id is not None:
+                if up.instance_id is not None:
                     self.index.note_routed(up.instance_id, prompt_keys(up, tokens, salt))
                 return None
             msg = _upstream_message(data)
@@ -307,18 +440,19 @@ class ProxyState:
         return _all_failed("producer", last)
 
     async def decode(
-        self, request: web.Request, body: dict[str, Any], rid: str
+        self, request: web.Request, body: dict[str, Any], rid: str, deadline: float
     ) -> web.StreamResponse:
-        """Run the request on a consumer, retrying others until bytes reach the client."""
+        """Run the request on a consumer, retrying others until bytes reach the client;
+        each attempt bounded by ``deadline`` seconds."""
         assert self.session is not None
-        order = sorted(self.consumers, key=lambda u: u.in_flight)
+        order = sorted(self.consumers, key=lambda u: (u.known_down(), u.in_flight))
         last: UpstreamError | None = None
         for attempt, up in enumerate(order):
             if attempt:
                 self.m_retries.inc()
             up.in_flight += 1
             try:
-                return await self._decode_on(request, up, body, rid)
+                return await self._decode_on(request, up, body, rid, deadline)
             except UpstreamError as e:
                 up.failures += 1
                 last = e
@@ -347,26 +481,34 @@ class ProxyState:
         return _all_failed("consumer", last)
 
     async def _decode_on(
-        self, request: web.Request, up: Upstream, body: dict[str, Any], rid: str
+        self, request: web.Request, up: Upstream, body: dict[str, Any], rid: str, deadline: float
     ) -> web.StreamResponse:
         assert self.session is not None
         try:
             ctx = self.session.post(
-                f"{up.url}/v1/completions", json=body, headers={"X-Request-Id": rid}
+                f"{up.url}/v1/completions",
+                json=body,
+                headers={"X-Request-Id": rid},
+                timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
             )
             r = await ctx.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.m_upstream_errors.labels("consumer", "unreachable").inc()
-            raise UpstreamError(up.url, None, f"unreachable: {e or type(e).__name__}", True) from e
+            raise self._decode_failed(up, e, deadline, "") from e
         try:
             if r.status != 200:
-                data = await r.read()
+                try:
+                    data = await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    raise self._decode_failed(up, e, deadline, "") from e
                 kind = "client_error" if r.status < 500 else "server_error"
                 self.m_upstream_errors.labels("consumer", kind).inc()
                 raise UpstreamError(up.url, r.status, _upstream_message(data), r.status >= 500)
             ctype = r.headers.get("Content-Type", "")
             if not ctype.startswith("text/event-stream"):
-                data = await r.read()
+                try:
+                    data = await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    raise self._decode_failed(up, e, deadline, "") from e
                 return web.Response(
                     body=data,
                     status=200,
@@ -384,8 +526,7 @@ class ProxyState:
             try:
                 first = await r.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.m_upstream_errors.labels("consumer", "stream_broken").inc()
-                raise UpstreamError(up.url, None, f"stream broke before any data: {e}", True) from e
+                raise self._decode_failed(up, e, deadline, "stream broke before any data: ") from e
             await resp.prepare(request)
             await resp.write(first)
             try:
@@ -393,13 +534,17 @@ class ProxyState:
                     await resp.write(data)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.m_upstream_errors.labels("consumer", "stream_broken").inc()
+                why = _why(e, deadline)
+                if isinstance(e, asyncio.TimeoutError):
+                    why = f"decode deadline of {deadline:.3g} s expired"
+                    self._down(up, "consumer", "deadline", why, self.limits.down_after_s)
                 log.warning(
                     "consumer stream broke",
-                    extra={"request_id": rid, "upstream": up.url, "error": str(e)},
+                    extra={"request_id": rid, "upstream": up.url, "error": why},
                 )
                 err = {
                     "error": {
-                        "message": f"consumer {up.url}: stream broke: {e}",
+                        "message": f"consumer {up.url}: stream broke: {why}",
                         "type": "upstream_error",
                         "code": 502,
                     }
@@ -410,27 +555,53 @@ class ProxyState:
         finally:
             await ctx.__aexit__(None, None, None)
 
+    def _decode_failed(
+        self, up: Upstream, e: BaseException, deadline: float, prefix: str
+    ) -> UpstreamError:
+        """A decode attempt failed before any byte reached the client: mark the consumer
+        down (an expired deadline holds it down a while) and say how, to retry elsewhere."""
+        if isinstance(e, asyncio.TimeoutError):
+            kind, why = "deadline", f"{prefix}decode deadline of {deadline:.3g} s expired"
+            self._down(up, "consumer", kind, why, self.limits.down_after_s)
+        elif prefix:  # it answered, then broke: not known to be down
+            kind, why = "stream_broken", f"{prefix}{_why(e)}"
+        else:
+            kind, why = "unreachable", f"unreachable: {_why(e)}"
+            self._down(up, "consumer", kind, why)
+        self.m_upstream_errors.labels("consumer", kind).inc()
+        return UpstreamError(up.url, None, why, True)
+
     # -- health --------------------------------------------------------------------------
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        assert self.session is not None
-
-        async def one(up: Upstream) -> tuple[str, int | str]:
+        """From the heartbeats' state (waiting for the first round at most one heartbeat):
+        each upstream is 200 or the reason it is down."""
+        if not self._first_beat.is_set():
             try:
-                async with self.session.get(  # type: ignore[union-attr]
-                    f"{up.url}/health", timeout=aiohttp.ClientTimeout(total=2)
-                ) as r:
-                    return up.url, r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return up.url, f"unreachable: {e or type(e).__name__}"
+                await asyncio.wait_for(self._first_beat.wait(), 2 * self.limits.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
 
-        prod = dict(await asyncio.gather(*(one(u) for u in self.producers)))
-        cons = dict(await asyncio.gather(*(one(u) for u in self.consumers)))
+        def state(up: Upstream) -> int | str:
+            if not up.beaten:
+                return "no heartbeat answered yet"
+            return 200 if up.down_reason is None else up.down_reason or "down"
+
+        prod = {u.url: state(u) for u in self.producers}
+        cons = {u.url: state(u) for u in self.consumers}
         ok = any(s == 200 for s in prod.values()) and any(s == 200 for s in cons.values())
         return ok, {"producers": prod, "consumers": cons}
 
 
+def _json_dict(body: bytes) -> dict[str, Any]:
+    try:
+        d = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
 def build_app(state: ProxyState) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[STATE_KEY] = state
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
@@ -439,20 +610,21 @@ def build_app(state: ProxyState) -> web.Application:
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex[:16]}"
         t0 = time.monotonic()
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
+            body = await read_json(request)
+            tokens, max_tokens, stream, salt, _ = parse_completion(body)
+        except BadRequest as e:  # before any upstream sees it
             state.m_requests.labels("bad_request").inc()
-            return _err_json("the body is not valid JSON", 400, "invalid_request_error")
-        if not isinstance(body, dict):
-            state.m_requests.labels("bad_request").inc()
-            return _err_json("the body must be a JSON object", 400, "invalid_request_error")
-        log.info("request", extra={"request_id": rid, "stream": bool(body.get("stream"))})
-        failed = await state.prefill(body, rid)
+            bad = _err_json(str(e), 400, "invalid_request_error")
+            bad.headers["X-Request-Id"] = rid
+            return bad
+        log.info("request", extra={"request_id": rid, "stream": stream})
+        failed = await state.prefill(body, tokens, salt, rid)
         if failed is not None:
             state.m_requests.labels("prefill_failed").inc()
             failed.headers["X-Request-Id"] = rid
             return failed
-        resp = await state.decode(request, body, rid)
+        deadline = state.limits.decode_s(len(tokens), max_tokens)
+        resp = await state.decode(request, body, rid, deadline)
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(

@@ -57,6 +57,18 @@ class Upstream:
     url: str
     in_flight: int = 0
     failures: int = 0
+    # health, from heartbeats and expired deadlines (proxy/app.py): ``down_reason`` is
+    # None while up, else why (never empty); a deadline keeps it down until ``down_until``
+    down_reason: str | None = None
+    down_until: float = 0.0
+    misses: int = 0
+    beaten: bool = False  # a heartbeat has completed (answered or not)
+    incarnation: int | None = None  # producer: the process's, from /health
+
+    def known_down(self) -> bool:
+        """Down by a heartbeat or an expired deadline (unknown before the first beat)."""
+        return self.beaten and self.down_reason is not None
+
     # producer only, from /disagg/info:
     instance_id: str | None = None
     tokens_per_block: int | None = None
@@ -139,17 +151,18 @@ def choose(
     tokens: Sequence[int] | None,
     salt: str | None,
 ) -> tuple[list[Upstream], int]:
-    """Producers in the order to try, and the first one's matched block count: longest
-    held prefix first, ties and no-match by fewest in-flight requests."""
-    scored: list[tuple[int, int, int, Upstream]] = []
+    """Producers in the order to try, and the first one's matched block count: those not
+    known to be down first, then longest held prefix, then fewest in-flight requests."""
+    scored: list[tuple[bool, int, int, int, Upstream]] = []
     for i, up in enumerate(producers):
         matched = 0
         if tokens and up.instance_id is not None:
             keys = prompt_keys(up, tokens, salt)
             matched = index.longest_prefix(up.instance_id, keys) if keys else 0
-        scored.append((-matched, up.in_flight, i, up))
-    scored.sort(key=lambda t: t[:3])
-    return [t[3] for t in scored], -scored[0][0] if scored else 0
+        # one known to be down is tried only once every other one failed
+        scored.append((up.known_down(), -matched, up.in_flight, i, up))
+    scored.sort(key=lambda t: t[:4])
+    return [t[4] for t in scored], -scored[0][1] if scored else 0
 
 
 class EventFeeds:
@@ -160,7 +173,8 @@ class EventFeeds:
         self.index = index
         self._curve = curve  # CurveClientKeys for secured event streams, or None
         self._by_instance: dict[str, str] = {}  # instance id -> producer base URL
-        self._subs: dict[str, object] = {}
+        self._subs: dict[str, Any] = {}
+        self._endpoints: dict[str, set[str]] = {}  # instance id -> its event endpoints
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
 
@@ -169,6 +183,7 @@ class EventFeeds:
 
         with self._lock:
             self._by_instance[instance_id] = base_url
+            self._endpoints.setdefault(instance_id, set()).add(endpoint)
             if endpoint in self._subs:
                 return
             sub = EventSubscriber(
@@ -180,6 +195,23 @@ class EventFeeds:
         log.info(
             "subscribed to producer events", extra={"endpoint": endpoint, "producer": instance_id}
         )
+
+    def resync(self, instance_id: str) -> bool:
+        """Reload ``instance_id``'s keys from a snapshot now (it restarted); False if no
+        stream of it is known or the snapshot failed."""
+        with self._lock:
+            subs = [self._subs[e] for e in self._endpoints.get(instance_id, ()) if e in self._subs]
+        return any([sub.resync(instance_id) for sub in subs])
+
+    def synced(self, instance_id: str) -> tuple[int, int] | None:
+        """(incarnation, seq) the index holds of ``instance_id``'s stream, None if unsynced."""
+        with self._lock:
+            subs = [self._subs[e] for e in self._endpoints.get(instance_id, ()) if e in self._subs]
+        for sub in subs:
+            got = sub.synced(instance_id)
+            if got is not None:
+                return got  # type: ignore[no-any-return]
+        return None
 
     def _snapshot(self, producer: str) -> m.SnapshotOk:
         url = self._by_instance.get(producer)
@@ -196,10 +228,11 @@ class EventFeeds:
             producer=d["producer"],
             seq=int(d["seq"]),
             keys=[bytes.fromhex(k) for k in d["keys"]],
+            incarnation=int(d.get("incarnation", 0)),
         )
 
     def close(self) -> None:
         with self._lock:
             subs, self._subs = list(self._subs.values()), {}
         for sub in subs:
-            sub.close()  # type: ignore[attr-defined]
+            sub.close()

@@ -8,7 +8,9 @@ Routes
         ``choices[0].token_ids`` besides ``text``; streaming sends SSE ``data: {...}``
         chunks (one per engine step that produced tokens), a last chunk with
         ``finish_reason`` and ``usage``, then ``data: [DONE]``. Errors are OpenAI-style
-        ``{"error": {"message", "type", "code"}}`` with 400 (bad request) or 500/503.
+        ``{"error": {"message", "type", "code"}}`` with 400 (bad request), 413 (body over
+        32 MiB) or 500/503; every error, 404 and uncaught ones included, is JSON
+        (:mod:`disagg.serve.bodies`, which also bounds the body's nesting).
     ``GET /health``  200 ``{"status": "ok"}`` when the engine thread runs and the
         connector service is healthy, else 503 with the reasons.
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
@@ -40,6 +42,14 @@ from prometheus_client import (
 
 from ..metrics import DisaggCollector
 from . import tokenizer
+from .bodies import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    error_body,
+    json_errors,
+    parse_completion,
+    read_json,
+)
 from .engine_loop import EngineLoop, Job
 
 log = logging.getLogger("disagg.serve")
@@ -48,47 +58,8 @@ LOOP_KEY = web.AppKey("engine_loop", EngineLoop)
 STATE_KEY = web.AppKey("state", dict)
 
 
-class BadRequest(ValueError):
-    pass
-
-
-def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code}}
-
-
 def _error(message: str, status: int, type_: str = "invalid_request_error") -> web.Response:
     return web.json_response(error_body(message, type_, status), status=status)
-
-
-def parse_completion(body: Any) -> tuple[list[int], int, bool, str | None, bool]:
-    """Validate a completions body -> (tokens, max_tokens, stream, cache_salt, was_text).
-    Raises :class:`BadRequest` naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # OpenAI allows a batch; we serve a batch of one
-    was_text = isinstance(prompt, str)
-    if isinstance(prompt, str):
-        tokens = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        tokens = list(prompt)
-    else:
-        raise BadRequest("prompt: give a string, a list of token ids, or a list of one of those")
-    if not tokens:
-        raise BadRequest("prompt: must not be empty")
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream: must be true or false, got {stream!r}")
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest(f"cache_salt: must be a string, got {salt!r}")
-    return tokens, max_tokens, stream, salt, was_text
 
 
 def build_app(
@@ -98,7 +69,7 @@ def build_app(
     model_name: str = "disagg-reference",
 ) -> web.Application:
     """The aiohttp application; ``engine_loop`` must be started."""
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[LOOP_KEY] = engine_loop
     registry = CollectorRegistry()
     registry.register(DisaggCollector(engine_stats=lambda: engine_loop.stats))
@@ -125,11 +96,7 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex[:16]}"
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            requests_total.labels("bad_request").inc()
-            return _error("the body is not valid JSON", 400)
-        try:
+            body = await read_json(request)
             tokens, max_tokens, stream, salt, _ = parse_completion(body)
         except BadRequest as e:
             requests_total.labels("bad_request").inc()
@@ -250,6 +217,9 @@ def build_app(
 
     async def health(request: web.Request) -> web.Response:
         ok, details = health_of(engine_loop, role)
+        svc = _service(role)
+        if role == "producer" and svc is not None:
+            details["incarnation"] = svc.incarnation  # a proxy notices a restart by it
         return web.json_response(
             {"status": "ok" if ok else "unhealthy", "role": role, **details},
             status=200 if ok else 503,
@@ -269,6 +239,7 @@ def build_app(
                 events=events,
                 control=svc.endpoint,
                 namespace_seed=svc.namespace_seed(None).hex(),
+                incarnation=svc.incarnation,
             )
         return web.json_response(out)
 
@@ -287,7 +258,9 @@ def build_app(
         # idempotently (set semantics), so nothing is lost.
         seq = svc.events.seq if svc.events is not None else 0
         keys = [k.hex() for k in svc.store.keys()]
-        return web.json_response({"producer": instance_id, "seq": seq, "keys": keys})
+        return web.json_response(
+            {"producer": instance_id, "seq": seq, "keys": keys, "incarnation": svc.incarnation}
+        )
 
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)

@@ -1,6 +1,7 @@
 """Block events over PUB/SUB: producers publish ``Stored``/``Removed`` with per-producer
 sequence numbers; subscribers apply them in order and resync from a snapshot when they
-see a gap (missed events, a late join, or a producer restart).
+see a gap (missed events, a late join) or another ``incarnation`` (a producer restart: its
+stream is a new one, numbered from 1, so no number of it is compared with the old one's).
 
 With ``curve=`` both ends use CURVE (security.py): a subscriber without the producer's
 public key, or whose own key is not allowed, never connects and receives nothing; a
@@ -39,8 +40,10 @@ class EventPublisher:
         *,
         context: zmq.Context | None = None,
         curve: CurveServerKeys | tuple[bytes, bytes, Sequence[bytes] | None] | None = None,
+        incarnation: int = 0,
     ):
         self.producer = producer
+        self.incarnation = incarnation
         self.stats: Counter[str] = Counter()
         self._auth: ServerAuth | None = None
         if curve is not None:
@@ -61,7 +64,12 @@ class EventPublisher:
     def _publish(self, cls: type[m.Stored] | type[m.Removed], keys: Iterable[bytes]) -> int:
         with self._lock:
             self.seq += 1
-            msg = cls(producer=self.producer, seq=self.seq, keys=list(keys))
+            msg = cls(
+                producer=self.producer,
+                seq=self.seq,
+                keys=list(keys),
+                incarnation=self.incarnation,
+            )
             try:
                 self._sock.send(m.encode(msg), zmq.NOBLOCK)
             except zmq.Again:  # a slow subscriber will see the gap and resync
@@ -89,10 +97,13 @@ class EventSubscriber:
 
     ``on_event(msg)`` receives, per producer and in order, ``SnapshotOk`` (replace
     everything known of ``msg.producer`` with ``msg.keys``), then ``Stored``/``Removed``
-    with consecutive ``seq``. On the first event from a producer, on a gap, or when seq
-    goes backwards (restart), it calls ``snapshot_fn(producer) -> SnapshotOk`` and
-    delivers that instead; events already covered by the snapshot are dropped. If the
-    snapshot fails, the producer stays unsynced and the next event retries.
+    with consecutive ``seq`` of the snapshot's incarnation. On the first event from a
+    producer, on a gap, or on an event of another incarnation (or, from a publisher that
+    names none, seq back to 1), it calls ``snapshot_fn(producer) -> SnapshotOk`` and
+    delivers that instead; events already covered by the snapshot are dropped. A snapshot
+    of another incarnation than the event that asked for it (the producer restarted in
+    between) leaves the producer unsynced: the next event retries. If the snapshot fails,
+    the producer stays unsynced and the next event retries.
     ``resync(producer)`` forces one (e.g. at start-up, before any event).
     Undecodable frames and frames of other kinds are dropped and counted in
     ``stats["bad"]``. ``curve`` = (client secret, client public, producer public key).
@@ -112,7 +123,8 @@ class EventSubscriber:
         self._snapshot_fn = snapshot_fn
         self._ctx = context or zmq.Context.instance()
         self.max_frame = max_frame
-        self._seq: dict[str, int] = {}  # last applied seq per synced producer
+        # per synced producer: (incarnation, last applied seq)
+        self._seq: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         # frames: every frame received; bad: dropped as undecodable or of another kind
         self.stats: dict[str, int] = {
@@ -120,6 +132,7 @@ class EventSubscriber:
             "events": 0,
             "gaps": 0,
             "resyncs": 0,
+            "restarts": 0,
             "bad": 0,
         }
         self._sock = self._ctx.socket(zmq.SUB)
@@ -148,31 +161,41 @@ class EventSubscriber:
             log.warning("snapshot of producer %s failed: %s", producer, e)
             self._seq.pop(producer, None)
             return False
-        self._seq[producer] = snap.seq
+        self._seq[producer] = (snap.incarnation, snap.seq)
         self._on_event(snap)
         return True
 
+    def synced(self, producer: str) -> tuple[int, int] | None:
+        """(incarnation, last applied seq) of ``producer``, None while unsynced."""
+        with self._lock:
+            return self._seq.get(producer)
+
     def _apply(self, ev: m.Stored | m.Removed) -> None:
         with self._lock:
-            last = self._seq.get(ev.producer)
-            if last is not None:
-                if ev.seq == last + 1:
+            known = self._seq.get(ev.producer)
+            if known is not None:
+                inc, last = known
+                if ev.incarnation != inc:
+                    self.stats["restarts"] += 1  # a new stream: none of its numbers count
+                elif ev.seq == last + 1:
                     self._deliver(ev)
                     return
-                if ev.seq <= last and ev.seq != 1:
+                elif ev.seq <= last and (inc or ev.seq != 1):
                     return  # a duplicate, or already in the snapshot we applied
-            # Unknown producer, a gap, or seq back to 1 (restart): resync.
+            # Unknown producer, a gap, or a restart: resync.
             self.stats["gaps"] += 1
             if not self._resync(ev.producer):
                 return
-            last = self._seq[ev.producer]
-            if ev.seq == last + 1:
+            inc, last = self._seq[ev.producer]
+            if inc != ev.incarnation:  # restarted between the event and the snapshot
+                self._seq.pop(ev.producer, None)
+            elif ev.seq == last + 1:
                 self._deliver(ev)
             elif ev.seq > last + 1:  # the snapshot is older than ev: retry on the next
                 self._seq.pop(ev.producer, None)
 
     def _deliver(self, ev: m.Stored | m.Removed) -> None:
-        self._seq[ev.producer] = ev.seq
+        self._seq[ev.producer] = (ev.incarnation, ev.seq)
         self.stats["events"] += 1
         self._on_event(ev)
 

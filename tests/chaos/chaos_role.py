@@ -89,6 +89,9 @@ def producer_state(svc: Any) -> dict[str, Any]:
         "used": svc.store.used_blocks(),
         "corrupt": svc.store.verify(),
         "metrics": dict(svc.metrics),
+        "lease_stats": {k: v for k, v in vars(svc.leases.stats).items() if isinstance(v, int)},
+        "control": dict(svc.server.stats) if svc.server is not None else {},
+        "incarnation": svc.incarnation,
     }
 
 

@@ -34,6 +34,10 @@ from disagg.producer.service import _services as producer_services
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
 
 ROLE = str(Path(__file__).with_name("chaos_role.py"))
+# The child imports this checkout's disagg (a worktree's), not whichever one is installed.
+_CHILD_PATH = os.pathsep.join(
+    p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
+)
 CFG = EngineConfig(**SHAPE)
 MAX_TOKENS = 4
 LEASE_TTL_S = 1.0
@@ -116,7 +120,7 @@ class Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_CHILD_PATH),
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
