@@ -218,7 +218,13 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return 0, False
         if claimed is None:
             return 0, False
-        svc.loads[rid] = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
+        svc.loads[rid] = Load(
+            rid,
+            claimed,
+            first_block=first,
+            uid=svc.new_load_uid(),
+            keys=keys[0] if svc.tp_size == 1 else None,
+        )
         return claimed.num_blocks * tpb, self.is_async
 
     def _prefix_keys(self, request: Any, num_computed_tokens: int) -> tuple[int, list[Any]] | None:
