@@ -238,7 +238,9 @@ def run_all(
     # Longest first (more producers, then more placements' worth of stores) packs better.
     order = sorted(range(len(tasks)), key=lambda k: -tasks[k][1])
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(trace,)) as ex:
+    with ProcessPoolExecutor(
+        jobs, mp_context=ctx, initializer=_init_worker, initargs=(trace,)
+    ) as ex:
         done = dict(zip(order, ex.map(_run_task, [tasks[k] for k in order])))
     results = [done[k] for k in range(len(tasks))]
     return results, results[0].theoretical if results else 0.0
