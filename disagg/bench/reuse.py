@@ -315,14 +315,23 @@ def plot(report: dict[str, Any], path: str) -> str | None:
     except ImportError as exc:
         return f"no plot: matplotlib is not installed ({exc}); pip install matplotlib"
     fig, ax = plt.subplots(figsize=(8, 5))
-    lines: dict[str, list[tuple[int, float]]] = {}
+    lines: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for r in report["results"]:
-        lines.setdefault(f"{r['producers']}P {r['placement']}", []).append(
+        lines.setdefault((r["producers"], r["placement"]), []).append(
             (r["capacity_tokens"], r["hit_ratio"])
         )
-    for name, pts in sorted(lines.items()):
+    styles = {"single": "-", "least-load": ":", "prefix": "--", "pooled": "-"}
+    colors = {p: f"C{k}" for k, p in enumerate(sorted({p for p, _ in lines}))}
+    for (p, placement), pts in sorted(lines.items()):
         pts.sort()
-        ax.plot([c for c, _ in pts], [h * 100 for _, h in pts], marker="o", label=name)
+        ax.plot(
+            [c for c, _ in pts],
+            [h * 100 for _, h in pts],
+            styles.get(placement, "-"),
+            color=colors[p],
+            marker="o" if placement in ("single", "pooled") else ".",
+            label=f"{p} producer{'s' if p > 1 else ''}: {placement}",
+        )
     ax.axhline(report["theoretical"] * 100, ls="--", color="k", lw=1, label="theoretical (ours)")
     ax.axhline(PAPER["theoretical"] * 100, ls=":", color="grey", lw=1, label="paper: ~40%")
     ax.axvline(PAPER["per_node_capacity_tokens"], ls=":", color="grey", lw=0.8)

@@ -194,7 +194,8 @@ def plot(timelines: dict[str, list[Record]], path: str, title: str) -> str | Non
             if xs:
                 v = np.sort(np.asarray(xs)) * 1000
                 ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
-        ax.set_xlabel(label)
+        ax.set_xscale("log")
+        ax.set_xlabel(label + ", log")
         ax.set_ylabel("share of requests" if what != "tbt" else "share of tokens")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

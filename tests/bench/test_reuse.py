@@ -167,3 +167,23 @@ def test_prompt_tokens_follow_the_hash_ids() -> None:
     assert len(a) == 70 and len(b) == 80 and max(a + b) < 512
     assert a[:64] == b[:64] and a[64:70] != b[64:70]  # equal ids, equal tokens
     assert c != a[:64]  # another seed, other tokens
+
+
+CONVERSATION = (
+    Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_conversation_trace_against_the_paper() -> None:
+    """The released conversation trace: the theoretical maximum near the paper's ~40%, and
+    pooled stores well above per-node ones at the paper's 3M tokens per node."""
+    if not CONVERSATION.exists():
+        pytest.skip(f"{CONVERSATION} is not here (../shared beside the checkout)")
+    trace = load_trace(CONVERSATION)
+    assert len(trace) == 12031
+    res, theo = run_all(trace, [3_000_000], [4], ("prefix", "pooled"), jobs=2)
+    assert 0.35 < theo < 0.42
+    prefix, pooled = res
+    assert pooled.hit_ratio > 1.5 * prefix.hit_ratio and pooled.hit_ratio <= theo
