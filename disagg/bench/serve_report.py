@@ -13,8 +13,9 @@ prompt tokens sent; ``prefill_computed`` = engine tokens computed minus decode s
 (output tokens - 1 per request); ``prefill_saved`` = prompt tokens - ``prefill_computed``
 (negative when a deployment computes more prefill than one pass over every prompt);
 ``bytes_moved`` = bytes the producers pushed; ``moved_gbps`` = those bytes / run wall time
-(an average over the run, not the transfer speed). A target without those counters gets
-``None`` there.
+(an average over the run, not the transfer speed); ``claims_hit``/``_miss``/``_failed``
+and ``loads_failed``: the consumers' counters (why a prompt was not served remotely). A
+target without those counters gets ``None`` there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ ENGINE_METRICS = {
     "connector_matched": "disagg_engine_connector_matched_tokens_total",
     "bytes_pushed": "disagg_producer_bytes_pushed_total",
     "pages_loaded": "disagg_consumer_pages_loaded_total",
+    "claims_hit": "disagg_consumer_claims_hit_total",
+    "claims_miss": "disagg_consumer_claims_miss_total",
+    "claims_failed": "disagg_consumer_claims_failed_total",
+    "loads_failed": "disagg_consumer_loads_failed_total",
 }
+CLAIMS = ("claims_hit", "claims_miss", "claims_failed", "loads_failed")
 
 
 @dataclass
@@ -120,6 +126,7 @@ def summarize(
     if counters is None:
         row.update(remote_share=None, prefill_computed=None, prefill_saved=None)
         row.update(device_hit_tokens=None, bytes_moved=None, moved_gbps=None)
+        row.update({k: None for k in CLAIMS})
         return row
     decode_steps = sum(max(0, r.output_tokens - 1) for r in ok)
     computed = int(counters["computed"]) - decode_steps
@@ -130,6 +137,7 @@ def summarize(
     row["prefill_saved"] = prompt - computed
     row["bytes_moved"] = int(counters["bytes_pushed"])
     row["moved_gbps"] = counters["bytes_pushed"] / wall_s / 1e9 if wall_s > 0 else None
+    row.update({k: int(counters.get(k, 0)) for k in CLAIMS})
     return row
 
 
@@ -163,6 +171,11 @@ def table(rows: list[dict[str, Any]], slo_ttft_s: float, slo_tbt_s: float) -> st
         )
         if r.get("first_error"):
             lines.append(f"{'':<14} {r['failed']} failed, first: {r['first_error']}")
+        if any(r.get(k) for k in CLAIMS):
+            lines.append(
+                f"{'':<14} consumer claims: {r['claims_hit']} hit, {r['claims_miss']} miss, "
+                f"{r['claims_failed']} failed; loads failed: {r['loads_failed']}"
+            )
     lines.append(
         f"goodput = share of requests with TTFT <= {slo_ttft_s * 1000:g} ms and mean time "
         f"between tokens <= {slo_tbt_s * 1000:g} ms; remote = prompt tokens loaded from "

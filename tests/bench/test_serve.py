@@ -51,6 +51,7 @@ def test_quick_serve_on_a_small_trace(tmp_path: Path, capsys: pytest.CaptureFixt
     # block: most prompt tokens are remote, and pages moved
     assert 0.5 < dis["remote_share"] <= 1, dis
     assert dis["bytes_moved"] > 0 and dis["moved_gbps"] > 0
+    assert dis["claims_hit"] > 0 and agg["claims_hit"] == 0
     # two groups of shared documents: the aggregated instances' device caches reuse some
     assert agg["device_hit_tokens"] > 0 and agg["prefill_saved"] == agg["device_hit_tokens"]
     assert "aggregated" in out and "disaggregated" in out and "goodput" in out
