@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,10 +210,9 @@ def run_deployment(
     dep: deploy.Deployment,
     reqs: list[Request],
     args: argparse.Namespace,
-    start: Callable[[], None],
 ) -> tuple[dict[str, Any], list[Record]]:
     try:
-        start()
+        dep.start(args.start_timeout)
         deploy.wait_routing(dep, args.producers)
         _warmup(dep.client_urls, args.warmup, args.seed, args.request_timeout)
     except deploy.StartError as e:
@@ -399,7 +398,7 @@ def main(argv: Sequence[str]) -> int:
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[Record]] = {}
     for dep in deps:
-        row, recs = run_deployment(dep, reqs, args, lambda d=dep: d.start(args.start_timeout))
+        row, recs = run_deployment(dep, reqs, args)
         rows.append(row)
         if recs:
             timelines[dep.name] = recs
