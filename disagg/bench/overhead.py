@@ -23,7 +23,9 @@ reference engine:
 local one (the proxy's HTTP hops not included). ``wire_ms`` = the prompt's loaded bytes at
 the data plane's GB/s, measured in the same run by :func:`disagg.bench.transfer.measure`
 with the same page size. Medians over ``--repeats`` prompts per length, after a warm-up
-prompt. ``--json``: ``{"results": [...], "plane_gbps": ...}`` on the last stdout line.
+prompt. The producer process and this one get half the CPUs' compute threads each (unless
+``OMP_NUM_THREADS`` is set). ``--json``: ``{"results": [...], "plane_gbps": ...}`` on the
+last stdout line.
 """
 
 from __future__ import annotations
@@ -177,7 +179,15 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--endpoint", endpoint, "--prompt-lens", ",".join(map(str, args.lens))]
     cmd += ["--repeats", str(args.repeats), "--layers", str(args.layers)]
     cmd += ["--transport", args.transport, "--seed", str(args.seed)]
+    # one compute share each: the producer process and this one would otherwise
+    # oversubscribe a small CPU, and torch's spinning threads slow every step of the other
+    threads = max(1, (os.cpu_count() or 2) // 2)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(threads)
     prod = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert prod.stdout is not None
