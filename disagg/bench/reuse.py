@@ -10,8 +10,8 @@ the real code, keys only: its full-block keys (:func:`disagg.bench.traces.block_
 the connectors' key chain), :func:`disagg.proxy.routing.choose` over ``Upstream``s whose
 :class:`~disagg.proxy.routing.PrefixIndex` is fed by the stores' stored/removed callbacks
 (as a producer's event stream feeds the proxy), and one real
-:class:`~disagg.producer.store.BlockStore` per producer (1-byte blocks, ``capacity /
-block_tokens`` of them; checksums off: there are no page bytes). Per request:
+:class:`~disagg.producer.store.BlockStore` per producer (``capacity / block_tokens`` blocks of 1 byte, then no slab and no checksums: there
+are no page bytes). Per request:
 
 1. route: ``choose`` with the prompt (``prefix``) or without it (``least-load`` and
    ``pooled``); ties go round-robin, and ``in_flight`` comes from a FIFO prefill model
@@ -77,6 +77,17 @@ class Result:
     seconds: float
 
 
+class _NoPages:
+    """A store's slab in a keys-only replay: a row is nothing (``commit`` hands it to the
+    checksum, which :func:`keys_only` turns off)."""
+
+    def __getitem__(self, row: object) -> None:
+        return None
+
+
+_NO_PAGES: Any = _NoPages()
+
+
 @contextlib.contextmanager
 def keys_only() -> Iterator[None]:
     """BlockStores of this block have no page bytes: skip their checksums while it runs."""
@@ -130,7 +141,9 @@ class _Replay:
             def removed(keys: list[bytes], name: str = name) -> None:
                 index.on_event(m.Removed(v=V, producer=name, seq=1, keys=keys))
 
-            stores.append(BlockStore(1, cap_blocks, on_stored=stored, on_removed=removed))
+            store = BlockStore(1, cap_blocks, on_stored=stored, on_removed=removed)
+            store.slab = _NO_PAGES  # keys only: no row to index
+            stores.append(store)
             up = Upstream(f"bench://{p}", instance_id=name, tokens_per_block=1)
             up.seeds[None] = SEED
             ups.append(up)
