@@ -124,3 +124,25 @@ def test_parse_metrics_sums_labels() -> None:
     )
     got = parse_metrics(text)
     assert got["computed"] == 12 and got["bytes_pushed"] == 150 and got["pages_loaded"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_target_measures_a_running_deployment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--target URL``: nothing started or stopped; no server counters, so those are None."""
+    from disagg.bench import deploy
+
+    dep = deploy.aggregated(1, deploy.Shape(layers=2), tmp_path)
+    dep.start(120)
+    try:
+        url = dep.client_urls[0]
+        argv = ["serve", "--rate", "20", "--requests", "6", "--input-len", "200"]
+        assert main([*argv, "--output-len", "4", "--target", url, "--json"]) == 0
+        (row,) = _last_json(capsys.readouterr().out)["results"]
+        assert row["deployment"] == f"target {url}" and row["layout"] == "external"
+        assert row["ok"] == 6 and row["ttft_p50_ms"] > 0 and row["output_tokens"] >= 6
+        assert row["remote_share"] is None and row["bytes_moved"] is None
+        assert dep.procs[0].proc is not None and dep.procs[0].proc.poll() is None  # still up
+    finally:
+        dep.stop()
