@@ -1,7 +1,9 @@
 """``disagg bench overhead``: what disaggregation itself adds to one request's TTFT.
 
     disagg bench overhead [--prompt-lens 1024,4096] [--repeats 3] [--transport zmq|ipc|ucx]
-                          [--layers 4] [--json]
+                          [--layers 4] [--hidden-size 128 --heads 4 --kv-heads 2
+                          --head-dim 32 --intermediate-size 256] [--dtype float32]
+                          [--device cpu|cuda] [--store-device cpu|pinned|cuda] [--json]
 
 One prompt at a time (no queueing), each a fresh random prompt (no cache hits), on the
 reference engine:
@@ -84,6 +86,13 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> A
 
     cfg = EngineConfig(
         num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        dtype=args.dtype,
+        device=args.device,
         tokens_per_block=32,
         num_blocks=max(1024, 2 * max(args.lens) // 32 + 64),
         kv_manager="v2",
@@ -95,7 +104,11 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> A
     conf: dict[str, Any] = {"role": role, "instance_id": f"bench-{role}"}
     conf["transport"] = args.transport
     if role == "producer":
-        conf["producer"] = {"control": endpoint, "store_size": "1GiB"}
+        conf["producer"] = {
+            "control": endpoint,
+            "store_size": args.store_size,
+            "store_device": args.store_device,
+        }
         names = ("disagg.producer", "ProducerScheduler", "ProducerWorker")
     else:
         conf["consumer"] = {"producers": [endpoint], "load_mode": "async"}
@@ -170,6 +183,21 @@ def _consumer_split(eng: Any, prompt: list[int]) -> dict[str, float]:
     return out
 
 
+SHAPE = {  # flag -> default (the reference engine's small default shape)
+    "hidden-size": 128,
+    "heads": 4,
+    "kv-heads": 2,
+    "head-dim": 32,
+    "intermediate-size": 256,
+}
+
+
+def _shape_flags(args: argparse.Namespace) -> list[str]:
+    out = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPE]
+    out += ["--dtype", args.dtype, "--device", args.device]
+    return out + ["--store-size", args.store_size, "--store-device", args.store_device]
+
+
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     from ..consumer.service import _services
     from .transfer import measure
@@ -179,6 +207,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--endpoint", endpoint, "--prompt-lens", ",".join(map(str, args.lens))]
     cmd += ["--repeats", str(args.repeats), "--layers", str(args.layers)]
     cmd += ["--transport", args.transport, "--seed", str(args.seed)]
+    cmd += _shape_flags(args)
     # one compute share each: the producer process and this one would otherwise
     # oversubscribe a small CPU, and torch's spinning threads slow every step of the other
     threads = max(1, (os.cpu_count() or 2) // 2)
@@ -214,7 +243,10 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             prod.stdin.close()
         prod.wait(timeout=30)
     pages = max(1, max(loaded_bytes) // max(1, page_bytes))
-    plane = measure(PLANES[args.transport], page_bytes, pages, 5, timeout_s=120)
+    name = PLANES[args.transport]
+    if args.store_device == "cuda" and args.transport in ("ipc", "ucx"):
+        name = f"{args.transport}-cuda"  # device memory on both sides
+    plane = measure(name, page_bytes, pages, 5, timeout_s=120)
     gbps = plane.gbps
     rows = []
     for n in args.lens:
@@ -232,10 +264,12 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "results": rows,
         "transport": args.transport,
+        "plane": name,
         "page_bytes": page_bytes,
         "plane_gbps": gbps,
         "plane_error": plane.error,
         "layers": args.layers,
+        "shape": " ".join(_shape_flags(args)[: len(SHAPE) + 4]),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
     }
@@ -244,8 +278,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
 def table(rep: dict[str, Any]) -> str:
     g = rep["plane_gbps"]
     lines = [
-        f"disagg bench overhead: reference engine ({rep['layers']} layers), "
-        f"{rep['transport']} plane {'n/a' if g is None else f'{g:.2f} GB/s'} "
+        f"disagg bench overhead: reference engine ({rep['layers']} layers, {rep['shape']}), "
+        f"{rep['plane']} plane {'n/a' if g is None else f'{g:.2f} GB/s'} "
         f"({rep['page_bytes']} B pages), median of {rep['repeats']}",
         f"{'prompt':>7} {'local':>8} {'producer (1st tok)':>18} {'consumer':>9} {'= claim':>8} "
         f"{'+ transfer':>10} {'+ 1st step':>10} {'+ other':>8} {'overhead':>9} {'wire':>7}",
@@ -271,6 +305,12 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--transport", choices=sorted(PLANES), default="zmq")
+    for flag, default in SHAPE.items():
+        ap.add_argument(f"--{flag}", type=int, default=default, help="reference engine shape")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] (every engine)")
+    ap.add_argument("--store-size", default="1GiB", help="the producer's block store")
+    ap.add_argument("--store-device", choices=("cpu", "pinned", "cuda"), default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(list(argv))
@@ -285,8 +325,9 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.repeats < 1 or args.layers < 1:
-        print("disagg bench overhead: --repeats and --layers must be >= 1", file=sys.stderr)
+    small = [f for f in ("repeats", "layers", *SHAPE) if getattr(args, f.replace("-", "_")) < 1]
+    if small:
+        print(f"disagg bench overhead: --{small[0]} must be >= 1", file=sys.stderr)
         return 2
     if args.role == "producer":
         return run_producer(args)
