@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..consumer import ConsumerScheduler, ConsumerWorker
+from .reuse import OneLineParser
 
 EVENTS: dict[str, list[float]] = {"claim": [], "load_start": [], "loaded": []}
 PLANES = {"zmq": "zmq-tcp", "ipc": "ipc-shm", "ucx": "ucx-tcp"}
@@ -298,7 +299,7 @@ def table(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="disagg bench overhead", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="disagg bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["producer"], help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-lens", default="1024,4096")

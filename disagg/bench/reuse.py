@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -367,6 +367,14 @@ class UsageError(ValueError):
     pass
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (``prog: message``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_count(text: str, flag: str) -> int:
     """``1e6``, ``3M``, ``100k``, ``250000`` -> int (>= 1)."""
     t = text.strip()
@@ -388,7 +396,7 @@ def _parse_list(text: str, flag: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="disagg bench reuse", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="disagg bench reuse", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument("--synthetic", type=int, metavar="N", help="generate N requests instead")

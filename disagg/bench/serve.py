@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from . import deploy
+from .reuse import OneLineParser
 from .serve_report import Record, parse_metrics, plot, summarize, table
 from .traces import Trace, TraceError, load_trace, prompt_tokens, scaled, synthetic_trace
 
@@ -249,7 +250,7 @@ def parse_seconds(text: str, flag: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="disagg bench serve", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="disagg bench serve", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument("--rate", type=float, help="synthetic workload: requests per second")

@@ -187,3 +187,13 @@ def test_the_conversation_trace_against_the_paper() -> None:
     assert 0.35 < theo < 0.42
     prefix, pooled = res
     assert pooled.hit_ratio > 1.5 * prefix.hit_ratio and pooled.hit_ratio <= theo
+
+
+def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for bench in ("reuse", "serve", "overhead"):
+        with pytest.raises(SystemExit) as e:
+            main([bench, "--limit" if bench != "overhead" else "--repeats", "abc"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"disagg bench {bench}: argument") and "'abc'" in err
+        assert len(err.splitlines()) == 1, err
