@@ -486,7 +486,15 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 self.service.metrics["prefix_loads_refused"] += 1
                 log.warning("%s: the request fails rather than read those pages", why)
                 meta.prefix_failed.append((pl.reservation_id, pl.request_id, why))
+        orphans = []
         for rid, load in self.service.loads.items():
+            if not load.dispatched and load.dst_slots is None and not load.done:
+                # allocation follows the claim in the same iteration: a claim still without
+                # one two iterations later belongs to a request the engine dropped without
+                # a call (cancelled between query and allocation)
+                load.unplanned += 1
+                if load.unplanned > 2:
+                    orphans.append(rid)
             if load.done and load.error and not load.dispatched and not load.announced:
                 load.announced = True  # failed before dispatch: every rank must know
                 meta.failed.append((rid, load.error))
@@ -506,6 +514,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                             [r.incarnation for r in c.all_ranks()],
                         )
                     )
+        for rid in orphans:
+            self.service.metrics["claims_orphaned"] += 1
+            log.info("request %d was never allocated after its claim: lease given back", rid)
+            self._drop(rid)
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:

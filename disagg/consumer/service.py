@@ -142,6 +142,7 @@ class Load:
     reservation_id: int | None = None
     keys: Any = None  # the claimed blocks' keys (leader, TP = 1): to claim them elsewhere
     failovers: int = 0  # attempts to move it to another producer (at most one)
+    unplanned: int = 0  # leader: metadata built since the claim without its allocation
 
     @property
     def blocks(self) -> int:
@@ -778,21 +779,9 @@ class ConsumerService(ConnectorService):
         if self.loads.get(load.request_id) is load:
             del self.loads[load.request_id]
 
-    def _expire_undispatched(self) -> None:
-        """A claim whose load was never dispatched within ``lease_ttl_s`` belongs to a
-        request the engine dropped without telling us (cancelled before its allocation):
-        give its lease back instead of renewing it forever."""
-        limit = time.monotonic() - self.ccfg.lease_ttl_s
-        for load in list(self.loads.values()):
-            if not load.dispatched and not load.claimed.released and load.claimed.at < limit:
-                self.metrics["claims_expired_undispatched"] += 1
-                self.fail(load, "never dispatched within consumer.lease_ttl_s")
-                self.release(load.claimed)
-
     def _renew_held(self) -> None:
         if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
             return
-        self._expire_undispatched()
         held: dict[tuple[ProducerLink, int], list[int]] = {}
         loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
         for load in loads:

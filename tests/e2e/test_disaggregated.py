@@ -348,3 +348,22 @@ def test_failed_load_fails_over_to_another_producer_holding_the_blocks(monkeypat
     check_against_monolithic(produced, [cons.results[rid]], Engine(cfg).generate(ps, 4))
     assert csvc.metrics["loads_failed_over"] == 1 and csvc.metrics["loads_failed"] == 0
     assert wait_for(lambda: psvc1.leases.active() == 0)
+
+
+def test_claim_of_a_request_dropped_before_allocation_is_given_back():
+    """A request asked about and then dropped by the engine with no call (cancelled
+    between query and allocation): its claim is given back once the metadata of two more
+    iterations went by without its allocation, not renewed forever."""
+    cfg = EngineConfig(**SHAPE, kv_manager="v2")
+    ps = prompts(n=2)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint])
+    ghost = cons.add_request(ps[0], 4)
+    req = cons.requests[ghost]
+    n, _ = cons.driver.scheduler.get_num_new_matched_tokens(req, 0)
+    assert n > 0 and psvc.leases.active() == 1  # claimed, never allocated
+    cons._waiting.remove(req)  # the engine drops it without a connector call
+    run(cons, ps[1:], 4)
+    assert csvc.metrics["claims_orphaned"] == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)
