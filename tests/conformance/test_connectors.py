@@ -299,3 +299,27 @@ def test_prefix_reservations_where_the_line_has_them(line):
     check_against_monolithic(produced, run(cons, ps, max_tokens=4), mono)
     assert cons.stats.calls["reserve_prefix"] == len(ps)
     no_lease_left(psvc)
+
+
+def test_reset_and_replay(line):
+    """V2 preemption: a running request's allocation is dropped and it runs again from
+    scratch (``reset_request_state``; one line also calls ``request_reset``). It is asked
+    again, loads again, leaks no lease, and its tokens are the monolithic run's."""
+    cfg = cfg_for(line, kv_manager="v2", chunk_size=64)
+    ps = prompts(n=1, length=300)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, max_tokens=1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode="auto")
+    rid = cons.add_request(ps[0], 4)
+    while not cons.requests[rid].forwarded:
+        cons.step()
+    cons.replay(rid)
+    while cons.has_work():
+        cons.step()
+    res = cons.results[rid]
+    assert cons.stats.replays == 1
+    assert res.error is None and res.tokens == mono[0]
+    assert cons.stats.calls["get_num_new_matched_tokens"] == 2  # asked again
+    assert res.connector_matched_tokens > 0
+    no_lease_left(psvc)

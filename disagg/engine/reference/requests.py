@@ -38,6 +38,7 @@ class EngineStats:
     requests_failed: int = 0
     forward_errors: int = 0  # forwards whose connector hooks raised (every request failed)
     load_restarts: int = 0  # requests restarted after a load reported failed
+    replays: int = 0  # requests whose allocation was dropped and run again (``replay``)
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
