@@ -75,8 +75,7 @@ import torch
 
 from ..config import ConfigError
 from ..connector_common import request_tokens, resolve_config
-from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from ..engine import runtime
+from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput, runtime
 from ..identity import request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_key_blob, tokens_array
@@ -771,8 +770,11 @@ class ConsumerWorker(KvCacheConnectorWorker):
             # the runtime restarts exactly these requests after this forward
             # (take_failed_load_requests), instead of every active request failing
             for rid in bad:
-                log.warning("KV load of request %d failed (%s): reported for a restart",
-                            rid, self._failed.pop(rid))
+                log.warning(
+                    "KV load of request %d failed (%s): reported for a restart",
+                    rid,
+                    self._failed.pop(rid),
+                )
                 self._failed_report.add(rid)
         elif bad:
             msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)

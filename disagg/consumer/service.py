@@ -638,7 +638,9 @@ class ConsumerService(ConnectorService):
                     load.progress = landed
                     self._publish(load)
                 if time.monotonic() > load.deadline:
-                    self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                    self._peer_failed(
+                        load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                    )
             return load.done
 
     # -- TP > 1: the ranks' common decision (rank_bus) -----------------------------------
@@ -735,7 +737,9 @@ class ConsumerService(ConnectorService):
             if not last and st.pages >= need:
                 return
             if time.monotonic() > load.deadline:
-                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(
+                    load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                )
                 return
             time.sleep(delay)
             delay = min(delay * 2, 0.001)
@@ -745,7 +749,9 @@ class ConsumerService(ConnectorService):
         deadline = time.monotonic() + self.ccfg.load_timeout_s
         while not self.poll(load):
             if time.monotonic() > deadline:
-                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(
+                    load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                )
                 return
             time.sleep(0.0002)
 

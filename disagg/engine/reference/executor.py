@@ -52,8 +52,8 @@ in docs/design/prefix-reservations.md), instead of ``get_num_new_matched_tokens`
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
-from dataclasses import dataclass, field, fields
+from collections import deque
+from dataclasses import fields
 from typing import Any
 
 from .. import USING_TRTLLM, PrefixLoad, RequestData, SchedulerOutput, runtime
@@ -62,7 +62,7 @@ from .config import RUNTIMES, ConnectorSpec, EngineConfig, build_llm_args
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
-from .requests import EngineStats, Request, RequestResult, PrefixState, check_reservation
+from .requests import EngineStats, PrefixState, Request, RequestResult, check_reservation
 
 
 def _request_data(**kw: Any) -> Any:

@@ -183,5 +183,3 @@ def check_reservation(answer: Any) -> tuple[int, bool]:
     if n == 0 and is_async:
         raise ValueError("reserve_prefix returned (0, True): an async load of no tokens")
     return n, is_async
-
-
