@@ -74,7 +74,7 @@ def test_consumer_defaults():
     c = cfg.consumer
     assert isinstance(c, ConsumerConfig) and cfg.producer is None
     assert c.producers == ("tcp://10.0.0.1:5557",)
-    assert c.data == "tcp://127.0.0.1:0" and c.load_mode == "async"
+    assert c.data == "tcp://127.0.0.1:0" and c.load_mode == "auto"
     assert (c.claim_timeout_s, c.load_timeout_s, c.heartbeat_s, c.lease_ttl_s) == (1, 30, 5, 30)
 
 

@@ -1,4 +1,4 @@
-"""The proxy in front of 2 producers and a consumer (``disagg serve`` processes on
+"""The proxy in front of 2 producers and 2 consumers (``disagg serve`` processes on
 127.0.0.1) while a producer is stopped (SIGSTOP) or restarted (kill -9), and under
 malformed bodies (issue 25).
 
@@ -60,13 +60,16 @@ def _producer_yaml(d: Path, name: str) -> tuple[Path, str]:
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("stalls")
     cfgs, controls = zip(*(_producer_yaml(d, f"prefill-{i}") for i in range(2)))
-    ccfg = d / "consumer.yaml"
-    ccfg.write_text(
-        "role: consumer\ninstance_id: decode-s\nconsumer:\n"
-        f"  producers: [{', '.join(controls)}]\n"
-        f"  data: tcp://127.0.0.1:{sp.free_port()}\n  claim_timeout_s: 0.5\n"
-    )
-    ports = {k: sp.free_port() for k in ("p0", "p1", "c", "x")}
+    ccfgs = []
+    for i in range(2):
+        ccfg = d / f"consumer-{i}.yaml"
+        ccfg.write_text(
+            f"role: consumer\ninstance_id: decode-s{i}\nconsumer:\n"
+            f"  producers: [{', '.join(controls)}]\n"
+            f"  data: tcp://127.0.0.1:{sp.free_port()}\n  claim_timeout_s: 0.5\n"
+        )
+        ccfgs.append(ccfg)
+    ports = {k: sp.free_port() for k in ("p0", "p1", "c", "c1", "x")}
     urls = {k: f"http://127.0.0.1:{v}" for k, v in ports.items()}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {k: d / f"{k}.log" for k in ports}
@@ -77,7 +80,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     serve = {
         "p0": ("producer", cfgs[0]),
         "p1": ("producer", cfgs[1]),
-        "c": ("consumer", ccfg),
+        "c": ("consumer", ccfgs[0]),
+        "c1": ("consumer", ccfgs[1]),
     }
     try:
         for key, (role, cfg) in serve.items():
@@ -93,7 +97,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                 "--producers",
                 f"{urls['p0']},{urls['p1']}",
                 "--consumers",
-                urls["c"],
+                f"{urls['c']},{urls['c1']}",
                 "--prefill-floor-s",
                 str(LIMITS.prefill_floor_s),
                 "--prefill-per-token-s",
@@ -276,7 +280,7 @@ BAD_BODIES: list[tuple[bytes, str]] = [
 def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -> None:
     urls = system["urls"]
     url = urls[target]
-    seen = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c")}
+    seen = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")}
     for data, why in BAD_BODIES:
         status, body = _raw_post(url, data)
         assert status == 400, (data[:40], body)
@@ -293,8 +297,8 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
     status, text = sp.get(f"{url}/no/such/route")
     assert status == 404 and json.loads(text)["error"]["code"] == 404
     if target == "x":  # nothing reached an upstream except the one valid request
-        after = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c")}
-        assert after["c"] == seen["c"] + 1
+        after = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")}
+        assert after["c"] + after["c1"] == seen["c"] + seen["c1"] + 1
         assert after["p0"] + after["p1"] == seen["p0"] + seen["p1"] + 1
     status, _ = sp.get(f"{url}/health")
     assert status == 200
