@@ -6,7 +6,7 @@ optional dependency it needs) gives a clear message instead of breaking every co
     disagg demo ...            -> disagg.demo:main(argv)
     disagg serve ...           -> disagg.serve:main(argv)
     disagg proxy ...           -> disagg.proxy:main(argv)
-    disagg bench transfer|query ... -> disagg.bench:main(argv)
+    disagg bench transfer|query|gpu ... -> disagg.bench:main(argv)
     disagg keys NAME [--dir DIR] [--force]   ZMQ CURVE key pair: NAME.key (secret, 0600)
                                              and NAME.key.pub
     disagg config check [FILE]               validate and print the normalised config
@@ -28,10 +28,14 @@ from pathlib import Path
 
 # command -> (module, help)
 DELEGATED: dict[str, tuple[str, str]] = {
-    "demo": ("disagg.demo", "run prefill, decode and proxy locally and compare with monolithic"),
-    "serve": ("disagg.serve", "serve one instance: --role producer|consumer --engine ..."),
+    "demo": (
+        "disagg.demo",
+        "run producer and consumer processes of the reference engine here (M x N, TP, "
+        "chunked, sync loads) and check tokens and pages against a monolithic run",
+    ),
+    "serve": ("disagg.serve", "serve one instance (producer or consumer) over HTTP"),
     "proxy": ("disagg.proxy", "OpenAI-compatible proxy in front of producers and consumers"),
-    "bench": ("disagg.bench", "benchmarks: `bench transfer`, `bench query`"),
+    "bench": ("disagg.bench", "benchmarks: `bench transfer`, `bench query`, `bench gpu`"),
 }
 
 EXIT_USAGE = 2
