@@ -149,7 +149,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cliargs import Parser
+
+    parser = Parser(
         prog="disagg",
         description="Disaggregated prefill/decode KV-cache transfer for TensorRT-LLM.",
     )
@@ -163,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="generate a ZMQ CURVE key pair (NAME.key, NAME.key.pub)")
     keys.add_argument("name", help="file name stem, e.g. prefill-0")
-    keys.add_argument("--dir", default=".", help="directory to write into (default: .)")
+    keys.add_argument("--dir", default=".", help="directory to write into")
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(func=_cmd_keys)
 
@@ -175,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         "file",
         nargs="?",
         default=None,
-        help="config file (default: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG)",
+        help="config file; none: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG",
     )
-    check.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    check.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
     check.set_defaults(func=_cmd_config)
     return parser
 
