@@ -82,9 +82,8 @@ def problem(a: argparse.Namespace) -> str | None:
         )
     except ValueError as e:
         msg = str(e).removeprefix("EngineConfig: ")
-        flag = "--tp" if "by tp" in msg else None
-        flag = flag or next((f for name, f in _FLAGS.items() if msg.startswith(name)), None)
-        flag = flag or next((f for name, f in _FLAGS.items() if name in msg), "an engine option")
+        names = [n for n in _FLAGS if msg.startswith(n)] or [n for n in _FLAGS if n in msg]
+        flag = "--tp" if "by tp" in msg else _FLAGS[names[0]] if names else "an engine option"
         return f"argument {flag}: {msg}"
     length = len(tokens) if a.prompt else a.prompt_len
     if length + a.max_tokens > cfg.max_seq_len:
