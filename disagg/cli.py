@@ -41,7 +41,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
 EXIT_USAGE = 2
 
 _INSTALL_HINTS = {
-    "torch": "pip install torch==2.13.0 (CPU wheel) or use your image's CUDA torch",
+    "torch": "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+    "(CPU build), or keep your GPU image's own torch",
     "ucxx": 'pip install -e ".[ucx]"',
     "tensorrt_llm": "use the TensorRT-LLM release image (nvcr.io/nvidia/tensorrt-llm/release)",
 }

@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(log)
         print(f"{PROG}: {e} (--debug shows every process's log)", file=sys.stderr)
         return 1
+    except Exception as e:  # one line for the operator; the traceback with --debug
+        if a.debug:
+            raise
+        print(
+            f"{PROG}: failed: {type(e).__name__}: {e} (--debug for the traceback)", file=sys.stderr
+        )
+        return 1
     print(report.table(rep), file=out, flush=True)
     if a.json:
         print(json.dumps(rep), flush=True)
