@@ -149,6 +149,19 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
                 }
             )
         endpoints = [node.read("ready")["endpoints"] for node in producers]
+        # one at a time, and consumers are created only once the producers are done: the
+        # timings do not compete with another instance's threads
+        for i, node in enumerate(producers):
+            node.send("go")
+            res = node.read("result", say)["result"]
+            prod_results.append(res)
+            say(
+                f"  producer {i}: prefilled prompts {mine['producer'][i]} in "
+                f"{res['seconds']:.2f} s; its store holds {res['stored_blocks']} blocks, "
+                f"control {endpoints[i][0]}"
+            )
+        # each consumer is created only when its turn comes: an idle consumer's threads
+        # would take CPU from the instance being timed
         for i, node in enumerate(consumers):
             node.send(
                 {
@@ -161,18 +174,7 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
                     "prompts": [prompts[k] for k in mine["consumer"][i]],
                 }
             )
-        for node in consumers:
             node.read("ready")
-        for i, node in enumerate(producers):  # one at a time: timings do not compete
-            node.send("go")
-            res = node.read("result", say)["result"]
-            prod_results.append(res)
-            say(
-                f"  producer {i}: prefilled prompts {mine['producer'][i]} in "
-                f"{res['seconds']:.2f} s; its store holds {res['stored_blocks']} blocks, "
-                f"control {endpoints[i][0]}"
-            )
-        for i, node in enumerate(consumers):
             node.send("go")
             res = node.read("result", say)["result"]
             cons_results.append(res)
