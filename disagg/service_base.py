@@ -25,7 +25,14 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from .config import DisaggConfig
-from .identity import RequestIdentity, cache_salt_id, fingerprint_of, model_id_of, namespace_of, tp_of
+from .identity import (
+    RequestIdentity,
+    cache_salt_id,
+    fingerprint_of,
+    model_id_of,
+    namespace_of,
+    tp_of,
+)
 from .pages import PagePool
 from .protocol.fingerprint import Fingerprint
 

@@ -1,8 +1,12 @@
-"""``disagg bench``: transfer throughput against the machine's ceilings, and query latency.
+"""``disagg bench``: transfer throughput against the machine's ceilings, query latency, the
+prefix stores' hit ratio over a request trace, and serving latency on a trace.
 
     disagg bench transfer [--page-sizes ...] [--total ...] [--transports ...] [--json] [--plot F]
     disagg bench query [--prompt-lens ...] [--tokens-per-block N] [--json]
     disagg bench gpu [--page-sizes ...] [--total ...] [--json]   (CUDA only)
+    disagg bench reuse --trace T.jsonl [--capacities ...] [--producers ...] [--json] [--plot F]
+    disagg bench serve --trace T.jsonl | --rate R [--quick] [--json] [--plot F]
+    disagg bench overhead [--prompt-lens 1024,4096] [--repeats N] [--json]
 
 ``--json`` prints one JSON object on the last line of stdout (``{"results": [...], ...}``).
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = "usage: disagg bench {transfer|query|gpu} [options]  (--help on each)"
+USAGE = "usage: disagg bench {transfer|query|gpu|reuse|serve|overhead} [options]  (--help on each)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,6 +32,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .query import main as run
     elif cmd == "gpu":
         from .gpu import main as run
+    elif cmd == "reuse":
+        from .reuse import main as run
+    elif cmd == "serve":
+        from .serve import main as run
+    elif cmd == "overhead":
+        from .overhead import main as run
     else:
         print(f"disagg bench: unknown benchmark {cmd!r}; {USAGE}", file=sys.stderr)
         return 2

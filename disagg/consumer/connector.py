@@ -75,8 +75,7 @@ import torch
 
 from ..config import ConfigError
 from ..connector_common import request_tokens, resolve_config
-from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from ..engine import runtime
+from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput, runtime
 from ..identity import request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_key_blob, tokens_array
@@ -218,7 +217,13 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return 0, False
         if claimed is None:
             return 0, False
-        svc.loads[rid] = Load(rid, claimed, first_block=first, uid=svc.new_load_uid())
+        svc.loads[rid] = Load(
+            rid,
+            claimed,
+            first_block=first,
+            uid=svc.new_load_uid(),
+            keys=keys[0] if svc.tp_size == 1 else None,
+        )
         return claimed.num_blocks * tpb, self.is_async
 
     def _prefix_keys(self, request: Any, num_computed_tokens: int) -> tuple[int, list[Any]] | None:
@@ -480,7 +485,15 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 self.service.metrics["prefix_loads_refused"] += 1
                 log.warning("%s: the request fails rather than read those pages", why)
                 meta.prefix_failed.append((pl.reservation_id, pl.request_id, why))
+        orphans = []
         for rid, load in self.service.loads.items():
+            if not load.dispatched and load.dst_slots is None and not load.done:
+                # allocation follows the claim in the same iteration: a claim still without
+                # one two iterations later belongs to a request the engine dropped without
+                # a call (cancelled between query and allocation)
+                load.unplanned += 1
+                if load.unplanned > 2:
+                    orphans.append(rid)
             if load.done and load.error and not load.dispatched and not load.announced:
                 load.announced = True  # failed before dispatch: every rank must know
                 meta.failed.append((rid, load.error))
@@ -500,6 +513,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                             [r.incarnation for r in c.all_ranks()],
                         )
                     )
+        for rid in orphans:
+            self.service.metrics["claims_orphaned"] += 1
+            log.info("request %d was never allocated after its claim: lease given back", rid)
+            self._drop(rid)
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -753,8 +770,11 @@ class ConsumerWorker(KvCacheConnectorWorker):
             # the runtime restarts exactly these requests after this forward
             # (take_failed_load_requests), instead of every active request failing
             for rid in bad:
-                log.warning("KV load of request %d failed (%s): reported for a restart",
-                            rid, self._failed.pop(rid))
+                log.warning(
+                    "KV load of request %d failed (%s): reported for a restart",
+                    rid,
+                    self._failed.pop(rid),
+                )
                 self._failed_report.add(rid)
         elif bad:
             msg = "; ".join(f"request {rid}: {self._failed.pop(rid)}" for rid in bad)

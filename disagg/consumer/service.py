@@ -140,6 +140,9 @@ class Load:
     decided: str | None = None
     # a prefix reservation's load (TensorRT-LLM main): its reservation id, else None
     reservation_id: int | None = None
+    keys: Any = None  # the claimed blocks' keys (leader, TP = 1): to claim them elsewhere
+    failovers: int = 0  # attempts to move it to another producer (at most one)
+    unplanned: int = 0  # leader: metadata built since the claim without its allocation
 
     @property
     def blocks(self) -> int:
@@ -424,7 +427,8 @@ class ConsumerService(ConnectorService):
         for f in done:
             if f.exception() is None and f.result().num_blocks > 0:
                 held.append((f.result().num_blocks, futs[f]))
-        held.sort(key=lambda x: -x[0])
+        # most blocks first; ties in configured order (stable, not by who answered first)
+        held.sort(key=lambda x: (-x[0], x[1].index))
         return [lk for _, lk in held]
 
     def release(self, claimed: Claimed) -> None:
@@ -532,11 +536,56 @@ class ConsumerService(ConnectorService):
         log.warning("KV load for request %d failed: %s", load.request_id, why)
 
     def _peer_failed(self, load: Load, why: str) -> None:
-        """The producer's transfer failed: it is passed over for ``DOWN_BACKOFF_S``, so a
-        request the runtime restarts after this is not claimed from it again at once."""
+        """The producer's transfer failed: it is passed over for ``DOWN_BACKOFF_S`` (a
+        request the runtime restarts is not claimed from it again at once), and the load
+        fails over to another producer holding the same blocks if one does, within the
+        load's deadline; else it fails."""
         link = load.claimed.link
         link.down_until = max(link.down_until, time.monotonic() + DOWN_BACKOFF_S)
+        if self._fail_over(load, why):
+            return
         self.fail(load, why)
+
+    def _fail_over(self, load: Load, why: str) -> bool:
+        """Once per load, TP = 1, whole-page (async) loads: claim the same blocks from
+        another producer; if one grants them, quiet the failed transfer (no byte of it
+        lands afterwards), give its lease back and push into the same slots from the new
+        one. False (nothing changed) when no other producer can serve them in time."""
+        if (
+            self.tp_size != 1
+            or load.keys is None
+            or load.failovers
+            or load.layer_marks is not None
+            or load.reservation_id is not None
+            or time.monotonic() + self.ccfg.claim_timeout_s >= load.deadline
+        ):
+            return False
+        load.failovers += 1  # one attempt per load: a claim costs a round trip
+        old = load.claimed
+        old.link.down_until = max(old.link.down_until, time.monotonic() + DOWN_BACKOFF_S)
+        got = self.claim(load.request_id, load.keys)  # skips links that are down
+        if got is None or got.link is old.link or got.num_blocks < load.push_first + load.blocks:
+            if got is not None:
+                self.release(got)
+            return False
+        self._abort_transfer(load, why)
+        if self.stuck_writes:
+            self.release(got)
+            return False
+        self.release(old)
+        log.warning(
+            "KV load for request %d failed on %s (%s): failing over to %s",
+            load.request_id,
+            old.link.endpoint,
+            why,
+            got.link.endpoint,
+        )
+        blocks = load.blocks
+        load.claimed, load.push_blocks = got, blocks
+        load.dispatched = False
+        self.metrics["loads_failed_over"] += 1
+        self.dispatch(load)
+        return True
 
     def abandon(self, load: Load, why: str) -> None:
         """The request ended, or will replay, while its load may still be landing (engine
@@ -578,6 +627,10 @@ class ConsumerService(ConnectorService):
                 self._publish(load)
             elif st.state is TransferState.FAILED:
                 self._peer_failed(load, st.error or "transfer failed")
+            elif self.bus is None and not load.claimed.link.usable():
+                # its producer stopped answering control calls: move the load to another
+                # producer holding the blocks if there is one, else let it run on
+                self._fail_over(load, "its producer stopped answering")
             elif self.bus is not None and load.layer_marks is not None:
                 marks = list(load.layer_marks.values())[:-1]  # the last counts when DONE
                 landed = bisect.bisect_right(marks, st.pages)
@@ -585,7 +638,9 @@ class ConsumerService(ConnectorService):
                     load.progress = landed
                     self._publish(load)
                 if time.monotonic() > load.deadline:
-                    self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                    self._peer_failed(
+                        load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                    )
             return load.done
 
     # -- TP > 1: the ranks' common decision (rank_bus) -----------------------------------
@@ -682,7 +737,9 @@ class ConsumerService(ConnectorService):
             if not last and st.pages >= need:
                 return
             if time.monotonic() > load.deadline:
-                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(
+                    load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                )
                 return
             time.sleep(delay)
             delay = min(delay * 2, 0.001)
@@ -692,7 +749,9 @@ class ConsumerService(ConnectorService):
         deadline = time.monotonic() + self.ccfg.load_timeout_s
         while not self.poll(load):
             if time.monotonic() > deadline:
-                self._peer_failed(load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}")
+                self._peer_failed(
+                    load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
+                )
                 return
             time.sleep(0.0002)
 
@@ -726,21 +785,9 @@ class ConsumerService(ConnectorService):
         if self.loads.get(load.request_id) is load:
             del self.loads[load.request_id]
 
-    def _expire_undispatched(self) -> None:
-        """A claim whose load was never dispatched within ``lease_ttl_s`` belongs to a
-        request the engine dropped without telling us (cancelled before its allocation):
-        give its lease back instead of renewing it forever."""
-        limit = time.monotonic() - self.ccfg.lease_ttl_s
-        for load in list(self.loads.values()):
-            if not load.dispatched and not load.claimed.released and load.claimed.at < limit:
-                self.metrics["claims_expired_undispatched"] += 1
-                self.fail(load, "never dispatched within consumer.lease_ttl_s")
-                self.release(load.claimed)
-
     def _renew_held(self) -> None:
         if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
             return
-        self._expire_undispatched()
         held: dict[tuple[ProducerLink, int], list[int]] = {}
         loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
         for load in loads:

@@ -11,9 +11,8 @@ what the runtime behind these classes does (``runtime.RuntimeFeatures``).
 from __future__ import annotations
 
 import importlib
-from typing import Any
-
 import os
+from typing import Any
 
 from . import _contract, layout, runtime
 

@@ -306,3 +306,64 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
         assert load.error is not None and "load_timeout_s" in load.error
     finally:
         tx.close()
+
+
+def test_failed_load_fails_over_to_another_producer_holding_the_blocks(monkeypatch):
+    """Two producers hold the same prefix; the one claimed from dies in the middle of its
+    push: the load is quieted, its lease given back, and the same blocks are claimed from
+    the other producer and pushed into the same slots, within the load's deadline. The
+    request never fails; its tokens and pages are right."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "chaos"))
+    from chaos_role import slow_pushes
+
+    from disagg.transport import zmq_plane
+
+    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes sets it
+    cfg = EngineConfig(**SHAPE, kv_manager="v2", capture_pages=True)
+    ps = prompts(n=1, length=300)
+    p0, psvc0 = make_producer(cfg)
+    p1, psvc1 = make_producer(cfg)
+    run(p0, ps, 1)
+    produced = run(p1, ps, 1)
+    started, go = threading.Event(), threading.Event()
+    slow_pushes(psvc0, 0.0, on_start=lambda tid: (started.set(), go.wait(30)))
+    cons, csvc = make_consumer(
+        cfg,
+        [psvc0.endpoint, psvc1.endpoint],
+        load_timeout_s=10.0,
+        load_mode="async",
+        heartbeat_s=0.3,  # the keepalive finds the dead producer fast
+    )
+    rid = cons.add_request(ps[0], 4)
+    cons.step()  # claimed from producer 0 (configured first on a tie), push stalls
+    assert started.wait(10)
+    psvc0.close()  # producer 0 dies with its push half sent
+    go.set()
+    while cons.has_work():
+        cons.step()
+    check_against_monolithic(produced, [cons.results[rid]], Engine(cfg).generate(ps, 4))
+    assert csvc.metrics["loads_failed_over"] == 1 and csvc.metrics["loads_failed"] == 0
+    assert wait_for(lambda: psvc1.leases.active() == 0)
+
+
+def test_claim_of_a_request_dropped_before_allocation_is_given_back():
+    """A request asked about and then dropped by the engine with no call (cancelled
+    between query and allocation): its claim is given back once the metadata of two more
+    iterations went by without its allocation, not renewed forever."""
+    cfg = EngineConfig(**SHAPE, kv_manager="v2")
+    ps = prompts(n=2)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint])
+    ghost = cons.add_request(ps[0], 4)
+    req = cons.requests[ghost]
+    n, _ = cons.driver.scheduler.get_num_new_matched_tokens(req, 0)
+    assert n > 0 and psvc.leases.active() == 1  # claimed, never allocated
+    cons._waiting.remove(req)  # the engine drops it without a connector call
+    run(cons, ps[1:], 4)
+    assert csvc.metrics["claims_orphaned"] == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)

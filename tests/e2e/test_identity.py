@@ -15,7 +15,7 @@ from harness import (
 )
 
 from disagg.engine.reference import Engine, EngineConfig
-from disagg.identity import cache_salt_id, RequestIdentity, multimodal_digest, request_identity
+from disagg.identity import RequestIdentity, cache_salt_id, multimodal_digest, request_identity
 from disagg.protocol.keys import Namespace
 
 CFG = EngineConfig(**SHAPE, capture_pages=True)

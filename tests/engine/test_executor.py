@@ -154,7 +154,9 @@ def test_sync_first_report_excludes_matched_tokens() -> None:
 
 
 def test_chunked_prefill_v1_exact() -> None:
-    eng, _ = run(EngineConfig(chunk_size=128, tokens_per_block=32, overlap=False), FLAT, [prompt(256)], 3)
+    eng, _ = run(
+        EngineConfig(chunk_size=128, tokens_per_block=32, overlap=False), FLAT, [prompt(256)], 3
+    )
     outs = rc.REC["outputs"]
     a = outs[0].new_requests[0]
     assert (

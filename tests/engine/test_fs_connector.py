@@ -142,7 +142,9 @@ def test_fs_connector_async_load_and_prefix_chaining(tmp_path: Path) -> None:
     )
     eng = Engine(EngineConfig(tokens_per_block=16), aspec)
     assert eng.generate([p], 6) == cold
-    assert eng.stats.connector_matched_tokens == 96 and eng.stats.calls["get_finished"] == 6 + 2  # parked once; +1 overlap
+    assert (
+        eng.stats.connector_matched_tokens == 96 and eng.stats.calls["get_finished"] == 6 + 2
+    )  # parked once; +1 overlap
     # chaining: same second block after a different first block must not be served
     q = [499 - t for t in p[:16]] + p[16:]
     eng2 = Engine(EngineConfig(tokens_per_block=16), spec)

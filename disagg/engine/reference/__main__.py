@@ -21,7 +21,7 @@ import time
 
 from ...cliargs import Parser, usage
 from .cli_checks import problem
-from .config import ConnectorSpec, EngineConfig, parse_windows
+from .config import RUNTIMES, ConnectorSpec, EngineConfig, parse_windows
 from .executor import Engine
 
 
@@ -42,7 +42,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-manager", choices=("v1", "v2"), default="v1")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--overlap", action="store_true")
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the overlap scheduler (TensorRT-LLM's default: on)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=sorted(RUNTIMES),
+        default=None,
+        help="behave as this TensorRT-LLM line where lines differ (default: the loaded "
+        "connector package's, else main)",
+    )
+    p.add_argument(
+        "--connector-manager",
+        choices=("reference", "trtllm"),
+        default="reference",
+        help="trtllm: drive the connector through TensorRT-LLM's own manager (needs "
+        "tensorrt_llm or DISAGG_TRTLLM_SRC)",
+    )
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--no-block-reuse", action="store_true")
@@ -82,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size=a.chunk_size,
         tp=a.tp,
         overlap=a.overlap,
+        runtime=a.runtime,
+        connector_manager=a.connector_manager,
         num_blocks=a.num_blocks,
         max_seq_len=a.max_seq_len,
         device=a.device,

@@ -27,18 +27,24 @@ def parse_windows(text: str) -> tuple[int | None, ...]:
 # connector package variants of that line; see disagg.engine.runtime.RuntimeFeatures).
 RUNTIMES: dict[str, dict[str, Any]] = {
     # 1.1/1.2-era flat module: flat block ids, no pending-transfer guard on cancellation
-    "flat": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
-                 grouped=None),
-    "saltid": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
-                   grouped=None),
-    "groups": dict(keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False,
-                   grouped="list"),
-    "main": dict(keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False,
-                 grouped="list"),
-    "reservations": dict(keeps_cancelled_pages=True, cancel_load=False,
-                         failed_load_reports=False, grouped="list"),
-    "cancel": dict(keeps_cancelled_pages=True, cancel_load=True, failed_load_reports=True,
-                   grouped="dict"),
+    "flat": dict(
+        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped=None
+    ),
+    "saltid": dict(
+        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped=None
+    ),
+    "groups": dict(
+        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped="list"
+    ),
+    "main": dict(
+        keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False, grouped="list"
+    ),
+    "reservations": dict(
+        keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False, grouped="list"
+    ),
+    "cancel": dict(
+        keeps_cancelled_pages=True, cancel_load=True, failed_load_reports=True, grouped="dict"
+    ),
 }
 
 

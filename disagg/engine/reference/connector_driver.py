@@ -249,9 +249,7 @@ class Driver:
         ``cancel_load`` hears the rest handed back as ``[start + honoured, start + offered)``."""
         req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = honoured
         if honoured < offered and self.features.cancel_load:
-            self.sched(
-                "cancel_load", req, start + honoured, start + offered, broadcast=False
-            )
+            self.sched("cancel_load", req, start + honoured, start + offered, broadcast=False)
 
     def after_alloc(self, req: Any) -> None:
         """``update_state_after_alloc`` in the form the line passes the allocation: flat
@@ -271,9 +269,7 @@ class Driver:
                 broadcast=False,
             )
         else:
-            self.sched(
-                "update_state_after_alloc_by_layer_group", req, pages, broadcast=False
-            )
+            self.sched("update_state_after_alloc_by_layer_group", req, pages, broadcast=False)
 
     def finish(self, req: Any) -> bool:
         """``request_finished`` in the line's form; True keeps the pages for a save."""

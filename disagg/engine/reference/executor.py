@@ -52,8 +52,8 @@ in docs/design/prefix-reservations.md), instead of ``get_num_new_matched_tokens`
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
-from dataclasses import dataclass, field, fields
+from collections import deque
+from dataclasses import fields
 from typing import Any
 
 from .. import USING_TRTLLM, PrefixLoad, RequestData, SchedulerOutput, runtime
@@ -62,7 +62,7 @@ from .config import RUNTIMES, ConnectorSpec, EngineConfig, build_llm_args
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
-from .requests import EngineStats, Request, RequestResult, PrefixState, check_reservation
+from .requests import EngineStats, PrefixState, Request, RequestResult, check_reservation
 
 
 def _request_data(**kw: Any) -> Any:
@@ -140,6 +140,7 @@ class Engine:
         self._hidden: dict[int, Any] = {}
         self._spans: dict[int, tuple[int, int]] = {}
         self._cancels: list[int] = []
+        self._replays: list[int] = []
         # prefix reservations (opt-in): the connector's capability decides, as in
         # TensorRT-LLM's configure_prefix_reservations (partial implementation: ValueError)
         self.prefix_reservations = bool(
@@ -213,6 +214,22 @@ class Engine:
         if request_id in self.requests:
             self._cancels.append(request_id)
 
+    def replay(self, request_id: int) -> None:
+        """Drop a running request's allocation and run it again from scratch at the start
+        of the next iteration, as a V2 runtime does on preemption (``reset_request_state``;
+        one line also calls the scheduler's ``request_reset``): asked again, reported as a
+        new request. Ignored for a request parked on a transfer or already ended."""
+        if request_id in self.requests:
+            self._replays.append(request_id)
+
+    def _apply_replays(self) -> None:
+        replays, self._replays = self._replays, []
+        for rid in replays:
+            req = self.requests[rid]
+            if req.state in ("context", "generation") and not self.results[rid].finished:
+                self.stats.replays += 1
+                self._restart(req)
+
     def _apply_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []
         for rid in cancels:
@@ -282,6 +299,7 @@ class Engine:
         self._new_saving = []
         new_loading: list[int] = []
         self._apply_cancels()
+        self._apply_replays()
         self._retire_prefix_loads()
 
         # 1. schedule
@@ -343,6 +361,7 @@ class Engine:
         if drv is not None and batch:
             failed = drv.take_failed_loads(parked=False)
             for req in [r for r in batch if r.request_id in failed]:
+                self.stats.load_restarts += 1
                 self._restart(req)  # its output of this pass is discarded
             batch = [r for r in batch if r.request_id not in failed]
         # Loaded pages are snapshotted after the forward: a synchronous load lands inside
@@ -382,6 +401,7 @@ class Engine:
             for rid in sorted(drv.take_failed_loads(parked=True)):
                 req = self.requests[rid]
                 if req.state == "context":  # reported loaded, but not every page landed
+                    self.stats.load_restarts += 1
                     self._restart(req)
             for rid in sorted(fin_save):
                 req = self.requests[rid]
@@ -726,11 +746,10 @@ class Engine:
             self._drop(req)
 
     def _restart(self, req: Request) -> None:
-        """A load the connector reported failed (lines with failed-load reports): the
-        allocation is dropped, none of it registered for reuse (pages that never landed),
-        the connector forgets the request (``request_reset``), and the request is admitted
-        again from scratch, asked again (``_recover_failed_connector_loads``)."""
-        self.stats.load_restarts += 1
+        """Drop the allocation (none of it registered for reuse: pages may hold what never
+        landed), let the connector forget the request (``forget_request`` /
+        ``reset_request_state``), and admit it again from scratch, asked again: a load the
+        connector reported failed (``_recover_failed_connector_loads``) or a replay."""
         self.kv.free(req.pages)
         groups = len(req.pages)
         req.pages = [[] for _ in range(groups)]

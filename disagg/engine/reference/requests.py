@@ -38,6 +38,7 @@ class EngineStats:
     requests_failed: int = 0
     forward_errors: int = 0  # forwards whose connector hooks raised (every request failed)
     load_restarts: int = 0  # requests restarted after a load reported failed
+    replays: int = 0  # requests whose allocation was dropped and run again (``replay``)
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -182,5 +183,3 @@ def check_reservation(answer: Any) -> tuple[int, bool]:
     if n == 0 and is_async:
         raise ValueError("reserve_prefix returned (0, True): an async load of no tokens")
     return n, is_async
-
-

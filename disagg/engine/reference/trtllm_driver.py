@@ -148,7 +148,9 @@ class TrtllmDriver(Driver):
         self.cache = cache_cls(hashes, self.features.grouped == "dict")
         self._views: dict[int, TrtRequest] = {}
         self._async: dict[int, bool] = {}
-        self._alloc_params = len(inspect.signature(self.mgrs[0].update_state_after_alloc).parameters)
+        self._alloc_params = len(
+            inspect.signature(self.mgrs[0].update_state_after_alloc).parameters
+        )
         self._finish_params = len(inspect.signature(self.mgrs[0].request_finished).parameters)
 
     # ----- ranks as threads ------------------------------------------------------------
@@ -161,7 +163,8 @@ class TrtllmDriver(Driver):
             return fn(r)
 
         futs = [self._threads.submit(run, r) for r in range(len(self.workers))]
-        out, raised = [], {}
+        out: list[Any] = []
+        raised: dict[int, BaseException] = {}
         for r, f in enumerate(futs):
             try:
                 out.append(f.result())
@@ -171,7 +174,9 @@ class TrtllmDriver(Driver):
         if raised and len(raised) == len(futs):
             raise raised[0]
         if raised:
-            raise RankDivergenceError(where, raised, [r for r in range(len(futs)) if r not in raised])
+            raise RankDivergenceError(
+                where, raised, [r for r in range(len(futs)) if r not in raised]
+            )
         return out
 
     def view(self, req: Any) -> TrtRequest:
@@ -254,10 +259,14 @@ class TrtllmDriver(Driver):
         pages = [list(p) for p in req.pages]
         flat = pages[0] if len(pages) == 1 else []
         v = self.view(req)
-        by_group = pages if self.cfg.kv_manager == "v2" and self.features.grouped == "list" else None
+        by_group = (
+            pages if self.cfg.kv_manager == "v2" and self.features.grouped == "list" else None
+        )
         self.calls["request_finished"] += 1
         if self._finish_params >= 3 and by_group is not None:
-            got = self._all(lambda r: self.mgrs[r].request_finished(v, flat, by_group), "request_finished")
+            got = self._all(
+                lambda r: self.mgrs[r].request_finished(v, flat, by_group), "request_finished"
+            )
         else:
             got = self._all(lambda r: self.mgrs[r].request_finished(v, flat), "request_finished")
         return bool(got[0])

@@ -1,0 +1,343 @@
+"""``disagg bench overhead``: what disaggregation itself adds to one request's TTFT.
+
+    disagg bench overhead [--prompt-lens 1024,4096] [--repeats 3] [--transport zmq|ipc|ucx]
+                          [--layers 4] [--hidden-size 128 --heads 4 --kv-heads 2
+                          --head-dim 32 --intermediate-size 256] [--dtype float32]
+                          [--device cpu|cuda] [--store-device cpu|pinned|cuda] [--json]
+
+One prompt at a time (no queueing), each a fresh random prompt (no cache hits), on the
+reference engine:
+
+- **local**: an engine without a connector, from ``add_request`` to its first token;
+- **producer**: a producer engine in another process (``disagg.producer`` connector, the
+  real store and control server), from ``add_request`` until the request is finished
+  (its first token, and its blocks saved): what the proxy waits for
+  (``producer_first_token_ms``: to its first token only);
+- **consumer**: an engine with the ``disagg.consumer`` connector in this process, whose
+  connector calls are timed by thin subclasses (:class:`TimedConsumerScheduler`,
+  :class:`TimedConsumerWorker`; the contract methods, nothing else, are wrapped) until
+  its first token, split into **claim** (``get_num_new_matched_tokens``: keys, Claim round
+  trip, lease), **transfer** (the first ``start_load_kv`` after the claim to the
+  ``get_finished`` that reports the load), **first step** (from there to the first token:
+  the tail's forward and sampling) and **other** (engine scheduling in between).
+
+``overhead`` = producer + consumer - local: the TTFT a disaggregated request pays over a
+local one (the proxy's HTTP hops not included). ``wire_ms`` = the prompt's loaded bytes at
+the data plane's GB/s, measured in the same run by :func:`disagg.bench.transfer.measure`
+with the same page size. Medians over ``--repeats`` prompts per length, after a warm-up
+prompt. The producer process and this one get half the CPUs' compute threads each (unless
+``OMP_NUM_THREADS`` is set). ``--json``: ``{"results": [...], "plane_gbps": ...}`` on the
+last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from ..consumer import ConsumerScheduler, ConsumerWorker
+from .reuse import OneLineParser
+
+EVENTS: dict[str, list[float]] = {"claim": [], "load_start": [], "loaded": []}
+PLANES = {"zmq": "zmq-tcp", "ipc": "ipc-shm", "ucx": "ucx-tcp"}
+
+
+class TimedConsumerScheduler(ConsumerScheduler):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        t0 = time.perf_counter()
+        out = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        EVENTS["claim"] += [t0, time.perf_counter()]
+        return out
+
+
+class TimedConsumerWorker(ConsumerWorker):
+    def start_load_kv(self, stream: Any) -> None:
+        EVENTS["load_start"].append(time.perf_counter())
+        super().start_load_kv(stream)
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        saved, loaded = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        if loaded:
+            EVENTS["loaded"].append(time.perf_counter())
+        return saved, loaded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> Any:
+    from ..engine.reference import ConnectorSpec, Engine, EngineConfig
+
+    cfg = EngineConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        dtype=args.dtype,
+        device=args.device,
+        tokens_per_block=32,
+        num_blocks=max(1024, 2 * max(args.lens) // 32 + 64),
+        kv_manager="v2",
+        max_seq_len=max(8192, max(args.lens) + 64),
+        seed=0,
+    )
+    if role is None:
+        return Engine(cfg)
+    conf: dict[str, Any] = {"role": role, "instance_id": f"bench-{role}"}
+    conf["transport"] = args.transport
+    if role == "producer":
+        conf["producer"] = {
+            "control": endpoint,
+            "store_size": args.store_size,
+            "store_device": args.store_device,
+        }
+        names = ("disagg.producer", "ProducerScheduler", "ProducerWorker")
+    else:
+        conf["consumer"] = {"producers": [endpoint], "load_mode": "async"}
+        names = (__name__, "TimedConsumerScheduler", "TimedConsumerWorker")
+    return Engine(cfg, connector=ConnectorSpec(*names, extra={"config": conf}))
+
+
+def _prompts(args: argparse.Namespace) -> list[list[int]]:
+    """A warm-up prompt, then ``repeats`` prompts per length (fresh random tokens)."""
+    rng = np.random.default_rng(args.seed)
+    lens: list[int] = [128] + [int(n) for n in args.lens for _ in range(args.repeats)]
+    return [rng.integers(0, 512, size=n).tolist() for n in lens]
+
+
+def _until(eng: Any, prompt: list[int], first_token: bool) -> float:
+    """Seconds from ``add_request`` to the first token (or to the request's end)."""
+    t0 = time.perf_counter()
+    rid = eng.add_request(prompt, 1)
+    res = eng.results[rid]
+    while not (res.tokens if first_token else res.finished):
+        eng.step()
+    t = time.perf_counter() - t0
+    while eng.has_work():
+        eng.step()
+    if res.error:
+        raise RuntimeError(f"request failed: {res.error}")
+    return t
+
+
+def _until2(eng: Any, prompt: list[int]) -> tuple[float, float]:
+    """Seconds from ``add_request`` to the first token and to the request's end."""
+    t0 = time.perf_counter()
+    rid = eng.add_request(prompt, 1)
+    res = eng.results[rid]
+    first = 0.0
+    while not res.finished:
+        eng.step()
+        if res.tokens and not first:
+            first = time.perf_counter() - t0
+    done = time.perf_counter() - t0
+    while eng.has_work():
+        eng.step()
+    if res.error:
+        raise RuntimeError(f"request failed: {res.error}")
+    return first or done, done
+
+
+def run_producer(args: argparse.Namespace) -> int:
+    eng = _engine(args, "producer", args.endpoint)
+    first, done = [], []
+    for p in _prompts(args):
+        f, d = _until2(eng, p)
+        first.append(f)
+        done.append(d)
+    print(json.dumps({"prefill_s": done, "first_token_s": first}), flush=True)
+    sys.stdin.read()  # serve the store until the parent is done
+    return 0
+
+
+def _consumer_split(eng: Any, prompt: list[int]) -> dict[str, float]:
+    for v in EVENTS.values():
+        v.clear()
+    t0 = time.perf_counter()
+    total = _until(eng, prompt, first_token=True)
+    t_end = t0 + total
+    c0, c1 = EVENTS["claim"][:2]
+    l0 = next((t for t in EVENTS["load_start"] if t >= c1), c1)
+    l1 = next((t for t in EVENTS["loaded"] if t >= l0), l0)
+    out = {"claim": c1 - c0, "transfer": l1 - l0, "first_step": t_end - l1}
+    out["other"] = total - sum(out.values())
+    out["consumer"] = total
+    return out
+
+
+SHAPE = {  # flag -> default (the reference engine's small default shape)
+    "hidden-size": 128,
+    "heads": 4,
+    "kv-heads": 2,
+    "head-dim": 32,
+    "intermediate-size": 256,
+}
+
+
+def _shape_flags(args: argparse.Namespace) -> list[str]:
+    out = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPE]
+    out += ["--dtype", args.dtype, "--device", args.device]
+    return out + ["--store-size", args.store_size, "--store-device", args.store_device]
+
+
+def run_parent(args: argparse.Namespace) -> dict[str, Any]:
+    from ..consumer.service import _services
+    from .transfer import measure
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "disagg.bench.overhead", "--role", "producer"]
+    cmd += ["--endpoint", endpoint, "--prompt-lens", ",".join(map(str, args.lens))]
+    cmd += ["--repeats", str(args.repeats), "--layers", str(args.layers)]
+    cmd += ["--transport", args.transport, "--seed", str(args.seed)]
+    cmd += _shape_flags(args)
+    # one compute share each: the producer process and this one would otherwise
+    # oversubscribe a small CPU, and torch's spinning threads slow every step of the other
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(threads)
+    prod = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert prod.stdout is not None
+        line = prod.stdout.readline()
+        if not line.startswith("{"):
+            raise RuntimeError(f"the producer exited (rc={prod.wait()}) before reporting")
+        report = json.loads(line)
+        prefill, prefill_first = report["prefill_s"], report["first_token_s"]
+        prompts = _prompts(args)
+        local_eng = _engine(args, None)
+        local = [_until(local_eng, p, first_token=True) for p in prompts]
+        cons = _engine(args, "consumer", endpoint)
+        svc = next(iter(_services.values()))
+        splits, loaded_bytes = [], []
+        for p in prompts:
+            before = svc.metrics["pages_loaded"]
+            splits.append(_consumer_split(cons, p))
+            block_bytes = svc.pool.block_bytes if svc.pool is not None else 0
+            loaded_bytes.append((svc.metrics["pages_loaded"] - before) * block_bytes)
+        page_bytes = svc.pool.block_bytes if svc.pool is not None else 65536
+        svc.close()
+    finally:
+        if prod.stdin:
+            prod.stdin.close()
+        prod.wait(timeout=30)
+    pages = max(1, max(loaded_bytes) // max(1, page_bytes))
+    name = PLANES[args.transport]
+    if args.store_device == "cuda" and args.transport in ("ipc", "ucx"):
+        name = f"{args.transport}-cuda"  # device memory on both sides
+    plane = measure(name, page_bytes, pages, 5, timeout_s=120)
+    gbps = plane.gbps
+    rows = []
+    for n in args.lens:
+        idx = [i for i, p in enumerate(prompts) if len(p) == n and i > 0]
+        row: dict[str, Any] = {"prompt_tokens": n}
+        row["local_ms"] = median(local[i] for i in idx) * 1e3
+        row["producer_ms"] = median(prefill[i] for i in idx) * 1e3
+        row["producer_first_token_ms"] = median(prefill_first[i] for i in idx) * 1e3
+        for k in ("consumer", "claim", "transfer", "first_step", "other"):
+            row[f"{k}_ms"] = median(splits[i][k] for i in idx) * 1e3
+        row["overhead_ms"] = row["producer_ms"] + row["consumer_ms"] - row["local_ms"]
+        row["loaded_bytes"] = int(median(loaded_bytes[i] for i in idx))
+        row["wire_ms"] = row["loaded_bytes"] / (gbps * 1e9) * 1e3 if gbps else None
+        rows.append(row)
+    return {
+        "results": rows,
+        "transport": args.transport,
+        "plane": name,
+        "page_bytes": page_bytes,
+        "plane_gbps": gbps,
+        "plane_error": plane.error,
+        "layers": args.layers,
+        "shape": " ".join(_shape_flags(args)[: len(SHAPE) + 4]),
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+    }
+
+
+def table(rep: dict[str, Any]) -> str:
+    g = rep["plane_gbps"]
+    lines = [
+        f"disagg bench overhead: reference engine ({rep['layers']} layers, {rep['shape']}), "
+        f"{rep['plane']} plane {'n/a' if g is None else f'{g:.2f} GB/s'} "
+        f"({rep['page_bytes']} B pages), median of {rep['repeats']}",
+        f"{'prompt':>7} {'local':>8} {'producer (1st tok)':>18} {'consumer':>9} {'= claim':>8} "
+        f"{'+ transfer':>10} {'+ 1st step':>10} {'+ other':>8} {'overhead':>9} {'wire':>7}",
+    ]
+    for r in rep["results"]:
+        wire = "-" if r["wire_ms"] is None else f"{r['wire_ms']:.2f}"
+        lines.append(
+            f"{r['prompt_tokens']:>7} {r['local_ms']:>8.1f} "
+            f"{r['producer_ms']:>9.1f} ({r['producer_first_token_ms']:>6.1f}) "
+            f"{r['consumer_ms']:>9.1f} {r['claim_ms']:>8.2f} {r['transfer_ms']:>10.2f} "
+            f"{r['first_step_ms']:>10.2f} {r['other_ms']:>8.2f} {r['overhead_ms']:>9.1f} "
+            f"{wire:>7}"
+        )
+    lines.append("ms; overhead = producer + consumer - local (TTFT added by disaggregation)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = OneLineParser(prog="disagg bench overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["producer"], help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-lens", default="1024,4096")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--transport", choices=sorted(PLANES), default="zmq")
+    for flag, default in SHAPE.items():
+        ap.add_argument(f"--{flag}", type=int, default=default, help="reference engine shape")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] (every engine)")
+    ap.add_argument("--store-size", default="1GiB", help="the producer's block store")
+    ap.add_argument("--store-device", choices=("cpu", "pinned", "cuda"), default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(list(argv))
+    try:
+        args.lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
+    except ValueError:
+        args.lens = []
+    if not args.lens or min(args.lens) < 64 or max(args.lens) > 65536:
+        print(
+            f"disagg bench overhead: --prompt-lens {args.prompt_lens!r}: expected token "
+            "counts from 64 to 65536, e.g. 1024,4096",
+            file=sys.stderr,
+        )
+        return 2
+    small = [f for f in ("repeats", "layers", *SHAPE) if getattr(args, f.replace("-", "_")) < 1]
+    if small:
+        print(f"disagg bench overhead: --{small[0]} must be >= 1", file=sys.stderr)
+        return 2
+    if args.role == "producer":
+        return run_producer(args)
+    rep = run_parent(args)
+    print(table(rep), flush=True)
+    if args.json:
+        print(json.dumps(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

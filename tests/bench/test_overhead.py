@@ -1,0 +1,35 @@
+"""``disagg bench overhead``: one small prompt through a local engine, a producer process
+and a timed consumer; the split adds up and every part is positive."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg.bench import main
+
+
+@pytest.mark.timeout(180)
+def test_overhead_split_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["overhead", "--prompt-lens", "256", "--repeats", "1", "--layers", "2", "--json"]
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = rep["results"]
+    assert row["prompt_tokens"] == 256
+    parts = [row[f"{k}_ms"] for k in ("claim", "transfer", "first_step", "other")]
+    assert sum(parts) == pytest.approx(row["consumer_ms"], rel=1e-6)
+    assert row["claim_ms"] > 0 and row["transfer_ms"] > 0 and row["first_step_ms"] > 0
+    assert row["local_ms"] > 0 and row["producer_ms"] >= row["producer_first_token_ms"] > 0
+    # 256 tokens, the last never offered: 7 blocks of 32 tokens loaded
+    assert row["loaded_bytes"] == 7 * rep["page_bytes"]
+    assert rep["plane_gbps"] > 0 and row["wire_ms"] > 0
+    assert row["overhead_ms"] == pytest.approx(
+        row["producer_ms"] + row["consumer_ms"] - row["local_ms"]
+    )
+
+
+def test_overhead_bad_lengths_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["overhead", "--prompt-lens", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prompt-lens '10'" in err and len(err.splitlines()) == 1
