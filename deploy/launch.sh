@@ -6,7 +6,8 @@
 #   PORT          HTTP port of the OpenAI-compatible server (default: 8100 producer, 8200 consumer)
 #   MODEL         model name or path (trtllm engine; optional for reference)
 #   DISAGG        the disagg command                        (default: disagg on PATH, else python3 -m disagg)
-# Extra arguments are passed on to `disagg serve`.
+# Extra arguments are passed on to `disagg serve`. It listens on 127.0.0.1 unless they say
+# otherwise: a container passes --host 0.0.0.0 (as deploy/docker-compose.yml does).
 # Examples:
 #   ROLE=producer deploy/launch.sh
 #   ROLE=consumer ENGINE=trtllm MODEL=meta-llama/Llama-3.1-8B-Instruct PORT=8200 deploy/launch.sh

@@ -28,8 +28,12 @@ from pathlib import Path
 
 # command -> (module, help)
 DELEGATED: dict[str, tuple[str, str]] = {
-    "demo": ("disagg.demo", "run prefill, decode and proxy locally and compare with monolithic"),
-    "serve": ("disagg.serve", "serve one instance: --role producer|consumer --engine ..."),
+    "demo": (
+        "disagg.demo",
+        "run producer and consumer processes of the reference engine here (M x N, TP, "
+        "chunked, sync loads) and check tokens and pages against a monolithic run",
+    ),
+    "serve": ("disagg.serve", "serve one instance (producer or consumer) over HTTP"),
     "proxy": ("disagg.proxy", "OpenAI-compatible proxy in front of producers and consumers"),
     "bench": ("disagg.bench", "benchmarks: `bench transfer|query|gpu|reuse|serve`"),
 }
@@ -37,7 +41,8 @@ DELEGATED: dict[str, tuple[str, str]] = {
 EXIT_USAGE = 2
 
 _INSTALL_HINTS = {
-    "torch": "pip install torch==2.13.0 (CPU wheel) or use your image's CUDA torch",
+    "torch": "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+    "(CPU build), or keep your GPU image's own torch",
     "ucxx": 'pip install -e ".[ucx]"',
     "tensorrt_llm": "use the TensorRT-LLM release image (nvcr.io/nvidia/tensorrt-llm/release)",
 }
@@ -145,7 +150,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cliargs import Parser
+
+    parser = Parser(
         prog="disagg",
         description="Disaggregated prefill/decode KV-cache transfer for TensorRT-LLM.",
     )
@@ -159,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="generate a ZMQ CURVE key pair (NAME.key, NAME.key.pub)")
     keys.add_argument("name", help="file name stem, e.g. prefill-0")
-    keys.add_argument("--dir", default=".", help="directory to write into (default: .)")
+    keys.add_argument("--dir", default=".", help="directory to write into")
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(func=_cmd_keys)
 
@@ -171,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         "file",
         nargs="?",
         default=None,
-        help="config file (default: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG)",
+        help="config file; none: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG",
     )
-    check.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    check.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
     check.set_defaults(func=_cmd_config)
     return parser
 

@@ -56,6 +56,8 @@ Schema (all sections are plain mappings; unknown keys are refused)::
       allowed_client_keys: [Z85 key | path]  # producer: consumers allowed to connect
     metrics:
       port: int | null                       # Prometheus port for the connector, default off
+      host: str                              # its bind address, default 127.0.0.1 (loopback);
+                                             # 0.0.0.0 for every interface
 
 Every error is a :class:`ConfigError` (a ``ValueError``) whose message starts with the
 dotted path of the field (``consumer.claim_timeout_s``) and says how to fix it.
@@ -575,11 +577,20 @@ class SecurityConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Section ``metrics``."""
+    """Section ``metrics``: the connector's own Prometheus port (inside ``trtllm-serve``)
+    and the address it binds (loopback unless told otherwise)."""
 
     port: int | None = None
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        host = self.host
+        if not isinstance(host, str) or not (_HOST_RE.match(host) or _is_ip(host)) or host == "*":
+            raise _err(
+                "metrics.host",
+                f"must be an IP address or host name to bind, got {host!r}; e.g. 127.0.0.1 "
+                "(this host only) or 0.0.0.0 (every interface)",
+            )
         if self.port is None:
             return
         if isinstance(self.port, bool) or not isinstance(self.port, int):
@@ -588,6 +599,14 @@ class MetricsConfig:
             )
         if not 0 <= self.port <= 65535:
             raise _err("metrics.port", f"port {self.port} out of range; use 0-65535")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- top level

@@ -228,10 +228,10 @@ class DisaggCollector(Collector):
             yield fam
 
 
-def serve_metrics(port: int, addr: str = "0.0.0.0") -> Any:
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> Any:
     """Start a background Prometheus HTTP server exporting :class:`DisaggCollector` (for a
     connector inside ``trtllm-serve``, where there is no ``disagg serve`` server to hang
-    ``/metrics`` on; ``metrics.port`` in the config). Returns what prometheus-client returns."""
+    ``/metrics`` on; ``metrics.port`` and ``metrics.host`` in the config). Returns what prometheus-client returns."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()

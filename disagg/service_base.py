@@ -134,7 +134,7 @@ class ConnectorService:
             from .metrics import serve_metrics
 
             try:
-                serve_metrics(self.config.metrics.port)
+                serve_metrics(self.config.metrics.port, self.config.metrics.host)
             except OSError as exc:  # a busy port must not take the connector down
                 log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
 

@@ -167,12 +167,11 @@ def test_launch_sh_builds_serve_command(tmp_path):
 
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
-    assert text.splitlines()[[ln.startswith("FROM") for ln in text.splitlines()].index(True)] == (
-        "FROM python:3.11-slim"
-    )
+    froms = [ln.split()[1] for ln in text.splitlines() if ln.startswith("FROM")]
+    assert froms == ["python:3.11-slim", "python:3.11-slim"]  # build stage, then the image
     torch_at = text.index('pip install "torch==${TORCH_VERSION}"')
     assert "TORCH_VERSION=2.13.0" in text and "whl/cpu" in text
-    assert torch_at < text.index("RUN pip install .")  # torch first, never a CUDA pull
+    assert torch_at < text.index("RUN pip install /wheels/")  # torch first, never a CUDA pull
 
 
 def compose() -> dict:
@@ -214,3 +213,65 @@ def test_compose_validates():
             timeout=120,
         )
         assert r.returncode == 0, r.stderr
+
+
+def _copied(text: str) -> list[str]:
+    """Sources of the Dockerfile's COPY lines that copy from the build context."""
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            out += [w.rstrip("/") for w in words[1:-1]]
+    return out
+
+
+def test_dockerfile_copies_what_builds_the_native_helpers():
+    """The image builds from setup.py (the C helpers) and pyproject.toml (and the readme it
+    names); every C source setup.py compiles is under a copied folder; a compiler is
+    there; and every compiled helper is imported at build time, so a failed compile
+    (setup.py marks them optional) fails the build instead of running the slow paths."""
+    import re
+
+    text = (DEPLOY / "Dockerfile").read_text()
+    setup = (ROOT / "setup.py").read_text()
+    copied = _copied(text)
+    readme = re.search(r'^readme = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    needed = ["pyproject.toml", "setup.py", readme, *re.findall(r'"(disagg/[^"]+\.c)"', setup)]
+    for path in needed:
+        assert (ROOT / path).is_file(), path
+        assert any(path == c or path.startswith(c + "/") for c in copied), (path, copied)
+    ignored = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert not set(needed) & set(ignored)
+    assert "gcc" in text and "pip wheel" in text
+    for module in re.findall(r'Extension\(\s*"([^"]+)"', setup):
+        assert f"'{module}'" in text, f"{module} is not checked in the image"
+
+
+def test_compose_servers_bind_every_interface_explicitly():
+    """disagg serve/proxy bind 127.0.0.1 by default; in a container the other services and
+    the published ports need 0.0.0.0, so each server in the compose file says so."""
+    services = compose()["services"]
+    for name, s in services.items():
+        cmd = s.get("command") or []
+        assert "--host" in cmd and cmd[cmd.index("--host") + 1] == "0.0.0.0", name
+    for role in ROLES:
+        cfg = load_config(DEPLOY / "compose" / f"{role}.yaml")
+        assert cfg.metrics.port and cfg.metrics.host == "0.0.0.0"  # published, scraped
+        local = load_config(DEPLOY / f"{role}.yaml")
+        assert local.metrics.host == "127.0.0.1"
+
+
+def test_compose_paths_and_defaults_work_as_written():
+    """Relative paths in a compose file resolve against its folder (deploy/): the models
+    folder is the repository's models/, and MODEL has a real default."""
+    services = compose()["services"]
+    gpu = [s for s in services.values() if s.get("environment", {}).get("ENGINE") == "trtllm"]
+    assert gpu
+    for s in gpu:
+        model = s["environment"]["MODEL"]
+        assert model.startswith("${MODEL:-") and len(model) > len("${MODEL:-}"), model
+        volumes = dict(v.rsplit(":", 2)[:2] for v in s["volumes"] if ":ro" in v)
+        models = volumes["${MODELS_DIR:-../models}"]
+        assert models == "/models"
+        assert (DEPLOY / "../models").resolve() == ROOT / "models"
+        assert (DEPLOY / "..").resolve() == ROOT and "..:/opt/disagg" in s["volumes"]

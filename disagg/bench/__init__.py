@@ -39,6 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif cmd == "overhead":
         from .overhead import main as run
     else:
-        print(f"disagg bench: unknown benchmark {cmd!r}\n{USAGE}", file=sys.stderr)
+        print(f"disagg bench: unknown benchmark {cmd!r}; {USAGE}", file=sys.stderr)
         return 2
     return run(rest)

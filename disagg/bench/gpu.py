@@ -21,13 +21,13 @@ rows: after ``IPC_WARMUP_PUSHES`` pushes), in GB/s (1e9 B/s).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
+from ..cliargs import Parser, int_list, positive_int, size_list
+from ..cliargs import size as byte_size
 from .ceilings import cuda_time, gpu_ceilings
-from .units import parse_size
 
 # Pushes before the ipc plane rows are timed (see bench_ipc_plane).
 IPC_WARMUP_PUSHES = 5
@@ -264,17 +264,25 @@ def _bind(control: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="disagg bench gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--page-sizes", default="64KiB,256KiB,1MiB,4MiB")
-    p.add_argument("--total", default="1GiB", help="bytes moved per timed run")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--layers", type=int, default=8, help="layers per page (save is layer-wise)")
+    p = Parser(prog="disagg bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--page-sizes", type=size_list, default="64KiB,256KiB,1MiB,4MiB")
+    p.add_argument("--total", type=byte_size, default="1GiB", help="bytes moved per timed run")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument(
+        "--layers", type=positive_int, default=8, help="layers per page (save is layer-wise)"
+    )
     p.add_argument("--ipc-only", action="store_true", help="only the ipc data plane rows")
-    p.add_argument("--ipc-depths", default="1,4", help="ipc plane rows: pushes in flight at once")
+    p.add_argument(
+        "--ipc-depths",
+        type=int_list,
+        default="1,4",
+        help="ipc plane rows: pushes in flight at once",
+    )
     p.add_argument(
         "--ipc-control",
+        choices=("tcp", "unix", "both"),
         default="tcp",
-        help="ipc plane control sockets: tcp, unix, or both (one set of rows each)",
+        help="ipc plane control sockets (both: one set of rows each)",
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -283,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("disagg bench gpu: no CUDA device here (this benchmark needs a GPU)", file=sys.stderr)
         return 2
-    total = parse_size(args.total)
-    sizes = [parse_size(s) for s in args.page_sizes.split(",") if s.strip()]
+    total, sizes = args.total, args.page_sizes
     ceil = gpu_ceilings(total, args.repeats)
     rows: list[dict[str, Any]] = []
     print(
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         found = (
             [] if args.ipc_only else bench_page_size(size, total, args.repeats, args.layers, ceil)
         )
-        depths = tuple(int(d) for d in args.ipc_depths.split(","))
+        depths = tuple(args.ipc_depths)
         for control in ("tcp", "unix") if args.ipc_control == "both" else (args.ipc_control,):
             found += bench_ipc_plane(size, total, args.repeats, ceil, depths, _bind(control))
         for r in found:

@@ -22,7 +22,6 @@ difference to the timed keys).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cliargs import Parser, int_list, non_negative_int, positive_int
 from .units import percentile
 
 _NS = "bench-model"
@@ -297,16 +297,34 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="disagg bench query", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt-lens", default="1024,8192,32768,131072")
-    ap.add_argument("--tokens-per-block", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=200, help="timed calls per prompt")
-    ap.add_argument("--warmup", type=int, default=20, help="untimed calls per prompt first")
-    ap.add_argument("--json", action="store_true")
+    ap = Parser(prog="disagg bench query", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--prompt-lens",
+        type=int_list,
+        default="1024,8192,32768,131072",
+        help="prompt lengths in tokens, comma-separated whole numbers",
+    )
+    ap.add_argument("--tokens-per-block", type=positive_int, default=16)
+    ap.add_argument("--iters", type=positive_int, default=200, help="timed calls per prompt")
+    ap.add_argument(
+        "--warmup", type=non_negative_int, default=20, help="untimed calls per prompt first"
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
+    ap.add_argument("--plot", help="write a PNG of latency against prompt length")
     a = ap.parse_args(list(argv))
-    lens = [int(x) for x in a.prompt_lens.split(",") if x.strip()]
-    report = run(lens, a.tokens_per_block, a.iters, warmup=a.warmup)
+    short = [n for n in a.prompt_lens if n < a.tokens_per_block]
+    if short:
+        ap.error(
+            f"argument --prompt-lens: {short[0]} is shorter than one block "
+            f"(--tokens-per-block {a.tokens_per_block}): nothing to claim"
+        )
+    report = run(a.prompt_lens, a.tokens_per_block, a.iters, warmup=a.warmup)
     print(table(report))
+    if a.plot:
+        from .plot import plot_query
+
+        err = plot_query(report, a.plot)
+        print(err or f"plot written to {a.plot}", file=sys.stderr)
     if a.json:
         print(json.dumps(report))
     return 0

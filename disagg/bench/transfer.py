@@ -54,8 +54,9 @@ from typing import Any
 
 import numpy as np
 
+from ..cliargs import Parser, positive_float, positive_int, size, size_list
 from . import ceilings
-from .units import fmt_size, median, parse_size, parse_sizes
+from .units import fmt_size, median
 
 ALL_TRANSPORTS = (
     "zmq-tcp",
@@ -80,6 +81,39 @@ SPEC = {
     "nixl": ("nixl", "ucx", "shm"),  # nixl picks its UCX transports itself (shm locally)
     "mooncake": ("mooncake", "tcp", "tcp"),
 }
+
+
+def unavailable(name: str, cuda: bool) -> tuple[str, str] | None:
+    """(why ``name`` cannot run on this machine, what to install), or None when it can.
+    Checked without importing the peers' native libraries (a crash there would take the
+    benchmark down; their rows run in child processes)."""
+    import ctypes.util
+    import importlib.util
+
+    def missing(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):
+            return True
+
+    if SPEC[name][2] == "d2d" and not cuda:
+        return "no CUDA device", "a machine with an NVIDIA GPU and a CUDA build of torch"
+    if name.startswith("ucx-") and missing("ucxx"):
+        return "the Python package ucxx is not installed", 'pip install -e ".[ucx]"'
+    if name == "nixl" and missing("nixl_cu12") and missing("nixl"):
+        return "the Python package nixl is not installed", "pip install nixl-cu12"
+    if name == "mooncake":
+        if missing("mooncake"):
+            return (
+                "the Python package mooncake is not installed",
+                "pip install mooncake-transfer-engine-non-cuda",
+            )
+        if ctypes.util.find_library("ibverbs") is None:
+            return (
+                "the system library libibverbs.so.1 is missing (Mooncake loads it even for TCP)",
+                "apt-get install libibverbs1",
+            )
+    return None
 
 
 def _make_plane(name: str) -> Any:
@@ -403,16 +437,20 @@ def run(
         file=log,
     )
     rows = []
+    skipped = []
+    for name in list(transports):
+        why = unavailable(name, ceil_of["d2d"] is not None)
+        if why is not None:
+            skipped.append({"transport": name, "reason": why[0], "fix": why[1]})
+    if skipped:
+        print(f"not run here: {', '.join(s['transport'] for s in skipped)}", file=log)
     for name in transports:
+        if any(s["transport"] == name for s in skipped):
+            continue
         transport, channel, medium = SPEC[name]
         for pb in page_sizes:
             n = max(1, total // pb)
-            nbytes = n * pb
-            r = (
-                Row(nbytes, error="no CUDA device")
-                if medium == "d2d" and ceil_of["d2d"] is None
-                else measure(name, pb, n, repeats, timeout_s)
-            )
+            r = measure(name, pb, n, repeats, timeout_s)
             gbps, ceiling, err = r.gbps, r.ceiling_gbps, r.error
             row = {
                 "transport": transport,
@@ -451,6 +489,7 @@ def run(
         },
         "cpus": os.cpu_count(),
         "results": rows,
+        "skipped": skipped,
     }
 
 
@@ -472,32 +511,56 @@ def table(report: dict[str, Any]) -> str:
         if r.get("error"):
             line += f"  error: {r['error']}"
         lines.append(line)
+    if report.get("skipped"):
+        lines.append("not run on this machine:")
+        for s in report["skipped"]:
+            lines.append(f"  {s['transport']:9s} {s['reason']}; fix: {s['fix']}")
     return "\n".join(lines)
 
 
+def transport_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in SPEC]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown transport(s) {','.join(unknown) or '(none)'}; "
+            f"choose from {','.join(ALL_TRANSPORTS)}"
+        )
+    return names
+
+
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page-sizes", default="16KiB,64KiB,256KiB,1MiB,4MiB")
-    ap.add_argument("--total", default="256MiB", help="bytes per transfer (full run: 1GiB)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--transports", default=",".join(ALL_TRANSPORTS))
+    ap = Parser(prog="disagg bench transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--page-sizes",
+        type=size_list,
+        default="16KiB,64KiB,256KiB,1MiB,4MiB",
+        help="page sizes, comma-separated, binary suffixes (KiB, MiB, GiB) or bytes",
+    )
+    ap.add_argument("--total", type=size, default="256MiB", help="bytes per transfer (full: 1GiB)")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument(
+        "--transports",
+        type=transport_list,
+        default=",".join(ALL_TRANSPORTS),
+        help=f"comma-separated, any of: {', '.join(ALL_TRANSPORTS)} (those that cannot run "
+        "here are listed apart, with what to install)",
+    )
     ap.add_argument(
         "--quick", action="store_true", help="CI smoke run: 4MiB of 256KiB pages, 1 repeat"
     )
-    ap.add_argument("--timeout", type=float, default=120, help="seconds per transport and size")
+    ap.add_argument(
+        "--timeout", type=positive_float, default=120, help="seconds per transport and size"
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     ap.add_argument("--plot", help="write a PNG of GB/s against page size")
     a = ap.parse_args(list(argv))
     if a.quick:  # every transport and peer once, at one size: well under a minute
-        a.total, a.repeats = "4MiB", 1
-        if a.page_sizes == ap.get_default("page_sizes"):
-            a.page_sizes = "256KiB"
+        a.total, a.repeats = 4 << 20, 1
+        if a.page_sizes == size_list(ap.get_default("page_sizes")):
+            a.page_sizes = [256 << 10]
         a.timeout = min(a.timeout, 30)
-    transports = [t.strip() for t in a.transports.split(",") if t.strip()]
-    unknown = [t for t in transports if t not in SPEC]
-    if unknown:
-        ap.error(f"unknown transports {unknown}; choose from {','.join(ALL_TRANSPORTS)}")
-    report = run(parse_sizes(a.page_sizes), parse_size(a.total), transports, a.repeats, a.timeout)
+    report = run(a.page_sizes, a.total, a.transports, a.repeats, a.timeout)
     print(table(report))
     if a.plot:
         from .plot import plot_transfer

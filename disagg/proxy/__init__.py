@@ -4,6 +4,9 @@
 
     disagg proxy --producers http://127.0.0.1:8100 --consumers http://127.0.0.1:8200 --port 8000
 
+It listens on 127.0.0.1 unless ``--host`` says otherwise (``--host 0.0.0.0``: every
+interface, as a container needs).
+
 ``--producer URL`` / ``--consumer URL`` may be repeated instead of (or besides) the
 comma-separated lists. ``--producer-events tcp://HOST:PORT`` adds event endpoints to
 subscribe to; by default each producer's own (from ``GET /disagg/info``) is used. See
@@ -18,6 +21,7 @@ import argparse
 import sys
 from urllib.parse import urlsplit
 
+from ..cliargs import Parser, port, positive_float, positive_int
 from .limits import ProxyLimits
 
 EXIT_USAGE = 2
@@ -40,42 +44,46 @@ def _urls(values: list[str], flag: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disagg proxy", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="disagg proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--producers", "--producer", action="append", default=[], metavar="URL[,URL]")
     p.add_argument("--consumers", "--consumer", action="append", default=[], metavar="URL[,URL]")
     p.add_argument("--producer-events", action="append", default=[], metavar="tcp://HOST:PORT")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=600.0, help="cap on any one upstream call (s)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
+    )
+    p.add_argument("--port", type=port, default=8000, help="HTTP port")
+    p.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="cap on any one upstream call (s)"
+    )
     d = ProxyLimits()
     p.add_argument(
         "--prefill-floor-s",
-        type=float,
+        type=positive_float,
         default=d.prefill_floor_s,
         help="prefill deadline per producer = this + prompt tokens x --prefill-per-token-s",
     )
-    p.add_argument("--prefill-per-token-s", type=float, default=d.prefill_per_token_s)
+    p.add_argument("--prefill-per-token-s", type=positive_float, default=d.prefill_per_token_s)
     p.add_argument(
         "--decode-floor-s",
-        type=float,
+        type=positive_float,
         default=d.decode_floor_s,
         help="decode deadline per consumer = this + prompt tokens x --prefill-per-token-s "
         "+ max_tokens x --decode-per-token-s",
     )
-    p.add_argument("--decode-per-token-s", type=float, default=d.decode_per_token_s)
+    p.add_argument("--decode-per-token-s", type=positive_float, default=d.decode_per_token_s)
     p.add_argument(
         "--heartbeat-s",
-        type=float,
+        type=positive_float,
         default=d.heartbeat_s,
         help="how often every upstream's /health is polled (and how long it may take)",
     )
     p.add_argument(
         "--missed-heartbeats",
-        type=int,
+        type=positive_int,
         default=d.missed_heartbeats,
         help="unanswered heartbeats in a row after which an upstream is down",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument(
         "--events-secret-key-file",
         help="CURVE: the proxy's NAME.key (from `disagg keys NAME`), for producers whose event "

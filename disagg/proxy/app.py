@@ -1,6 +1,8 @@
 """The proxy's aiohttp application: prefill on a producer, decode on a consumer.
 
-For each ``POST /v1/completions``:
+For each ``POST /v1/completions`` (and ``/v1/chat/completions``, whose messages become
+the prompt through the reference chat template, :mod:`disagg.serve.chat`, for routing;
+both upstreams get the chat request itself):
 
 0. read and validate the body fully (:mod:`disagg.serve.bodies`: size, nesting, prompt,
    ``max_tokens``, ``stream``, ``cache_salt``): a bad request is a JSON 400 before any
@@ -26,7 +28,8 @@ upstream of a role is down or failing.
 
 ``GET /health``: 200 when at least one producer and one consumer are up, 503 otherwise;
 answered from the heartbeats' state without probing (each upstream: 200, or why it is down,
-never an empty reason). ``GET /metrics``: Prometheus text.
+never an empty reason). ``GET /metrics``: Prometheus text. ``GET /v1/models``: the first
+consumer's answer.
 """
 
 from __future__ import annotations
@@ -58,54 +61,21 @@ from ..serve.bodies import (
     parse_completion,
     read_json,
 )
+from ..serve.chat import parse_chat
+from .errors import (
+    UpstreamError,
+    _all_failed,
+    _err_json,
+    _json_dict,
+    _upstream_message,
+    _why,
+)
 from .limits import SEED_WAIT_S, ProxyLimits
 from .routing import EventFeeds, PrefixIndex, Upstream, advertised, choose, prompt_keys
 
 log = logging.getLogger("disagg.proxy")
 
 STATE_KEY = web.AppKey("proxy_state", object)
-
-
-class UpstreamError(Exception):
-    def __init__(self, url: str, status: int | None, message: str, retryable: bool) -> None:
-        super().__init__(message)
-        self.url, self.status, self.message, self.retryable = url, status, message, retryable
-
-
-def _all_failed(role: str, last: UpstreamError) -> web.Response:
-    """502 naming the last upstream of ``role`` that failed, and how."""
-    return _err_json(
-        f"every {role} failed; last: {role} {last.url}"
-        + (f" answered {last.status}" if last.status else "")
-        + f": {last.message}",
-        502,
-        "upstream_error",
-        upstream=last.url,
-        upstream_status=last.status,
-    )
-
-
-def _err_json(message: str, status: int, type_: str, **extra: Any) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": type_, "code": status, **extra}}, status=status
-    )
-
-
-def _upstream_message(body: bytes) -> str:
-    try:
-        d = json.loads(body)
-        if isinstance(d, dict) and isinstance(d.get("error"), dict):
-            return str(d["error"].get("message"))
-    except (ValueError, UnicodeDecodeError):
-        pass
-    return body[:500].decode("utf-8", errors="replace")
-
-
-def _why(e: BaseException, timeout_s: float | None = None) -> str:
-    """A failure in words, never empty (a timeout's str() is)."""
-    if isinstance(e, asyncio.TimeoutError) and timeout_s is not None:
-        return f"no answer within {timeout_s:.3g} s"
-    return str(e) or type(e).__name__
 
 
 def _in_flight(up: Upstream) -> float:
@@ -370,7 +340,12 @@ class ProxyState:
 
     # -- one request ---------------------------------------------------------------------
     async def prefill(
-        self, body: dict[str, Any], tokens: list[int], salt: str | None, rid: str
+        self,
+        body: dict[str, Any],
+        tokens: list[int],
+        salt: str | None,
+        rid: str,
+        path: str = "/v1/completions",
     ) -> web.Response | None:
         """Run the prefill on a producer; ``None`` on success, else the error response."""
         assert self.session is not None
@@ -387,7 +362,7 @@ class ProxyState:
             up.in_flight += 1
             try:
                 async with self.session.post(
-                    f"{up.url}/v1/completions",
+                    f"{up.url}{path}",
                     json=pbody,
                     headers={"X-Request-Id": rid},
                     timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
@@ -440,7 +415,12 @@ class ProxyState:
         return _all_failed("producer", last)
 
     async def decode(
-        self, request: web.Request, body: dict[str, Any], rid: str, deadline: float
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        rid: str,
+        deadline: float,
+        path: str = "/v1/completions",
     ) -> web.StreamResponse:
         """Run the request on a consumer, retrying others until bytes reach the client;
         each attempt bounded by ``deadline`` seconds."""
@@ -452,7 +432,7 @@ class ProxyState:
                 self.m_retries.inc()
             up.in_flight += 1
             try:
-                return await self._decode_on(request, up, body, rid, deadline)
+                return await self._decode_on(request, up, body, rid, deadline, path)
             except UpstreamError as e:
                 up.failures += 1
                 last = e
@@ -481,12 +461,18 @@ class ProxyState:
         return _all_failed("consumer", last)
 
     async def _decode_on(
-        self, request: web.Request, up: Upstream, body: dict[str, Any], rid: str, deadline: float
+        self,
+        request: web.Request,
+        up: Upstream,
+        body: dict[str, Any],
+        rid: str,
+        deadline: float,
+        path: str,
     ) -> web.StreamResponse:
         assert self.session is not None
         try:
             ctx = self.session.post(
-                f"{up.url}/v1/completions",
+                f"{up.url}{path}",
                 json=body,
                 headers={"X-Request-Id": rid},
                 timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
@@ -571,6 +557,23 @@ class ProxyState:
         self.m_upstream_errors.labels("consumer", kind).inc()
         return UpstreamError(up.url, None, why, True)
 
+    async def models(self) -> web.Response:
+        """``GET /v1/models``: the first consumer that answers (they serve the same model)."""
+        assert self.session is not None
+        last = "no consumer configured"
+        for up in sorted(self.consumers, key=lambda u: u.known_down()):
+            try:
+                async with self.session.get(
+                    f"{up.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+                ) as r:
+                    data = await r.read()
+                    if r.status == 200:
+                        return web.Response(body=data, content_type="application/json")
+                    last = f"consumer {up.url} answered {r.status}: {_upstream_message(data)}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"consumer {up.url}: unreachable: {_why(e, 10)}"
+        return _err_json(f"no consumer listed its models; last: {last}", 502, "upstream_error")
+
     # -- health --------------------------------------------------------------------------
     async def health(self) -> tuple[bool, dict[str, Any]]:
         """From the heartbeats' state (waiting for the first round at most one heartbeat):
@@ -592,14 +595,6 @@ class ProxyState:
         return ok, {"producers": prod, "consumers": cons}
 
 
-def _json_dict(body: bytes) -> dict[str, Any]:
-    try:
-        d = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
 def build_app(state: ProxyState) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[STATE_KEY] = state
@@ -607,24 +602,35 @@ def build_app(state: ProxyState) -> web.Application:
     app.on_cleanup.append(state.stop)
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex[:16]}"
+        return await handle(request, "/v1/completions")
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, "/v1/chat/completions")
+
+    async def handle(request: web.Request, path: str) -> web.StreamResponse:
+        is_chat = path == "/v1/chat/completions"
+        prefix = "chatcmpl" if is_chat else "cmpl"
+        rid = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex[:16]}"
         t0 = time.monotonic()
         try:
             body = await read_json(request)
-            tokens, max_tokens, stream, salt, _ = parse_completion(body)
+            # the chat template gives the tokens the upstreams will see: routing needs them
+            tokens, max_tokens, stream, salt, _ = (parse_chat if is_chat else parse_completion)(
+                body
+            )
         except BadRequest as e:  # before any upstream sees it
             state.m_requests.labels("bad_request").inc()
             bad = _err_json(str(e), 400, "invalid_request_error")
             bad.headers["X-Request-Id"] = rid
             return bad
         log.info("request", extra={"request_id": rid, "stream": stream})
-        failed = await state.prefill(body, tokens, salt, rid)
+        failed = await state.prefill(body, tokens, salt, rid, path)
         if failed is not None:
             state.m_requests.labels("prefill_failed").inc()
             failed.headers["X-Request-Id"] = rid
             return failed
         deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.decode(request, body, rid, deadline)
+        resp = await state.decode(request, body, rid, deadline, path)
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(
@@ -648,7 +654,12 @@ def build_app(state: ProxyState) -> web.Application:
             body=generate_latest(state.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def models(request: web.Request) -> web.Response:
+        return await state.models()
+
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -2,9 +2,12 @@
 
 ::
 
-    disagg serve --role producer --config deploy/producer.yaml --port 8100
+    disagg serve --config deploy/producer.yaml --port 8100     (role from the file)
     disagg serve --role consumer --config deploy/consumer.yaml --port 8200
     disagg serve --role producer --config p.yaml --engine trtllm --model MODEL
+
+It listens on 127.0.0.1 unless ``--host`` says otherwise (``--host 0.0.0.0``: every
+interface, as a container needs).
 
 ``--engine reference`` (default) runs the reference engine (a seeded tiny llama) behind an
 OpenAI-compatible server (:mod:`disagg.serve.app`); producer and consumer must use the same
@@ -23,6 +26,7 @@ import logging
 import sys
 from typing import Any
 
+from ..cliargs import Parser, cuda_problem, non_negative_int, port, positive_int
 from ..config import ROLES, ConfigError, DisaggConfig, load_config
 
 log = logging.getLogger("disagg.serve")
@@ -30,28 +34,43 @@ log = logging.getLogger("disagg.serve")
 EXIT_USAGE = 2
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disagg serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--role", required=True, help="producer (prefill) | consumer (decode)")
+    p = Parser(prog="disagg serve", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default=None,
+        help="producer (prefill) or consumer (decode); default: the config file's role",
+    )
     p.add_argument(
         "--config",
         default=None,
         help="disagg config file (default: $TRTLLM_DISAGG_CONFIG, then $DISAGG_CONFIG)",
     )
-    p.add_argument("--engine", default="reference", help="reference (default) | trtllm")
-    p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--engine", choices=("reference", "trtllm"), default="reference")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
+    )
+    p.add_argument("--port", type=port, default=8000, help="HTTP port")
     p.add_argument("--model", default=None, help="model name/path (trtllm; echoed by reference)")
     p.add_argument("--device", default="cpu", help="reference engine device: cpu | cuda[:N]")
-    p.add_argument("--layers", type=int, default=4, help="reference: number of layers")
+    p.add_argument("--layers", type=positive_int, default=4, help="reference: number of layers")
     p.add_argument("--windows", default="full", help="reference: per-layer windows, e.g. 64,full")
-    p.add_argument("--kv-manager", default="v2", help="reference: v1 | v2")
-    p.add_argument("--tokens-per-block", type=int, default=32)
-    p.add_argument("--num-blocks", type=int, default=1024, help="reference: KV pages per pool")
+    p.add_argument("--kv-manager", choices=("v1", "v2"), default="v2", help="reference")
+    p.add_argument("--tokens-per-block", type=positive_int, default=32, help="reference")
     p.add_argument(
-        "--seed", type=int, default=0, help="reference: weights seed (same on both roles)"
+        "--num-blocks", type=positive_int, default=1024, help="reference: KV pages per pool"
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="reference: weights seed (same on both roles)",
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="debug adds tracebacks")
     return p
 
 
@@ -60,10 +79,10 @@ def _usage(msg: str) -> int:
     return EXIT_USAGE
 
 
-def load_checked_config(path: str | None, role: str) -> DisaggConfig:
-    """Load and validate the config; the file's role must equal ``--role``."""
+def load_checked_config(path: str | None, role: str | None) -> DisaggConfig:
+    """Load and validate the config; the file's role must equal ``--role`` (if given)."""
     cfg = load_config(path)
-    if cfg.role != role:
+    if role is not None and cfg.role != role:
         raise ConfigError(
             f"role: --role {role} but {cfg.source} says role: {cfg.role}; pass --role "
             f"{cfg.role} or point --config at a {role} config",
@@ -76,28 +95,37 @@ def engine_config(args: argparse.Namespace) -> Any:
     """The reference ``EngineConfig`` from the shape flags (``ValueError`` names the flag)."""
     from ..engine.reference import EngineConfig, parse_windows
 
-    return EngineConfig(
+    try:
+        windows = parse_windows(args.windows)
+    except ValueError:
+        raise ValueError(
+            f"argument --windows: {args.windows!r}: give 'full' or token counts, "
+            "comma-separated, e.g. 64,full"
+        ) from None
+    cfg = EngineConfig(
         num_layers=args.layers,
         tokens_per_block=args.tokens_per_block,
         num_blocks=args.num_blocks,
         kv_manager=args.kv_manager,
-        windows=parse_windows(args.windows),
+        windows=windows,
         seed=args.seed,
         device=args.device,
     )
+    if cfg.kv_manager == "v1" and len(cfg.layer_groups) > 1:
+        raise ValueError(
+            f"argument --windows: {args.windows!r}: more than one distinct window (VSWA) "
+            "needs --kv-manager v2"
+        )
+    return cfg
 
 
-def run_reference(args: argparse.Namespace, cfg: DisaggConfig) -> int:
+def run_reference(args: argparse.Namespace, cfg: DisaggConfig, ecfg: Any) -> int:
     from aiohttp import web
 
     from ..engine.reference import ConnectorSpec, Engine
     from .app import build_app
     from .engine_loop import EngineLoop
 
-    try:
-        ecfg = engine_config(args)
-    except ValueError as e:
-        return _usage(f"engine shape: {e}")
     role = cfg.role
     spec = ConnectorSpec(
         f"disagg.{role}",
@@ -111,7 +139,8 @@ def run_reference(args: argparse.Namespace, cfg: DisaggConfig) -> int:
     except (ConfigError, ValueError) as e:
         return _usage(f"config error: {e}")
     except Exception as e:
-        log.exception("engine start-up failed")
+        if args.log_level == "debug":
+            log.exception("engine start-up failed")
         print(f"disagg serve: the engine failed to start: {e}", file=sys.stderr)
         return 1
     app = build_app(loop, role, str(cfg.instance_id), args.model or "disagg-reference")
@@ -152,12 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs
 
     logs.setup(args.log_level)
-    if args.role not in ROLES:
-        return _usage(f"--role: unknown role {args.role!r}; use producer or consumer")
-    if args.engine not in ("reference", "trtllm"):
-        return _usage(f"--engine: unknown engine {args.engine!r}; use reference or trtllm")
     if extra and args.engine == "reference":
-        return _usage(f"unknown arguments {extra} (only --engine trtllm passes extras on)")
+        return _usage(
+            f"unrecognized arguments: {' '.join(extra)} (only --engine trtllm passes "
+            "extra arguments on to trtllm-serve)"
+        )
+    ecfg = None
+    if args.engine == "reference":
+        why = cuda_problem(args.device)
+        if why is not None:
+            return _usage(f"argument --device: {args.device!r}: {why}")
+        try:
+            ecfg = engine_config(args)
+        except ValueError as e:
+            return _usage(f"engine shape: {str(e).removeprefix('EngineConfig: ')}")
     try:
         cfg = load_checked_config(args.config, args.role)
     except ConfigError as e:
@@ -165,5 +202,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "trtllm":
         from . import trtllm
 
-        return trtllm.run(args.role, str(cfg.source), args.model, args.host, args.port, extra)
-    return run_reference(args, cfg)
+        return trtllm.run(cfg.role, str(cfg.source), args.model, args.host, args.port, extra)
+    return run_reference(args, cfg, ecfg)

@@ -7,10 +7,14 @@ Routes
         :mod:`disagg.serve.tokenizer`. The answer carries the ids in
         ``choices[0].token_ids`` besides ``text``; streaming sends SSE ``data: {...}``
         chunks (one per engine step that produced tokens), a last chunk with
-        ``finish_reason`` and ``usage``, then ``data: [DONE]``. Errors are OpenAI-style
+        ``finish_reason``, ``usage`` and ``disagg`` (``connector_matched_tokens``...,
+        as a whole answer carries), then ``data: [DONE]``. Errors are OpenAI-style
         ``{"error": {"message", "type", "code"}}`` with 400 (bad request), 413 (body over
         32 MiB) or 500/503; every error, 404 and uncaught ones included, is JSON
         (:mod:`disagg.serve.bodies`, which also bounds the body's nesting).
+    ``POST /v1/chat/completions``  the same for ``messages`` (the reference chat template,
+        :mod:`disagg.serve.chat`); ``chat.completion`` / ``chat.completion.chunk`` shapes.
+    ``GET /v1/models``  the one model served.
     ``GET /health``  200 ``{"status": "ok"}`` when the engine thread runs and the
         connector service is healthy, else 503 with the reasons.
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
@@ -41,7 +45,7 @@ from prometheus_client import (
 )
 
 from ..metrics import DisaggCollector
-from . import tokenizer
+from . import chat, tokenizer
 from .bodies import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -94,10 +98,18 @@ def build_app(
     app[STATE_KEY] = {"role": role, "instance_id": instance_id, "model": model_name}
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex[:16]}"
+        return await serve(request, is_chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await serve(request, is_chat=True)
+
+    async def serve(request: web.Request, is_chat: bool) -> web.StreamResponse:
+        prefix = "chatcmpl" if is_chat else "cmpl"
+        rid = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex[:16]}"
         try:
             body = await read_json(request)
-            tokens, max_tokens, stream, salt, _ = parse_completion(body)
+            parse = chat.parse_chat if is_chat else parse_completion
+            tokens, max_tokens, stream, salt, _ = parse(body)
         except BadRequest as e:
             requests_total.labels("bad_request").inc()
             log.info("bad request", extra={"request_id": rid, "error": str(e)})
@@ -140,20 +152,25 @@ def build_app(
         headers = {"X-Request-Id": rid}
 
         def chunk(new: list[int], finish: str | None, usage: bool) -> dict[str, Any]:
+            if is_chat:
+                kind = "chat.completion.chunk" if stream else "chat.completion"
+                first = len(out) == len(new)  # the first delta carries the role
+                choice = chat.choice(new, finish, stream, first)
+            else:
+                kind = "text_completion"
+                choice = {
+                    "index": 0,
+                    "text": tokenizer.decode(new),
+                    "token_ids": new,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
             d: dict[str, Any] = {
                 "id": rid,
-                "object": "text_completion",
+                "object": kind,
                 "created": created,
                 "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": tokenizer.decode(new),
-                        "token_ids": new,
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                ],
+                "choices": [choice],
             }
             if usage:
                 d["usage"] = {
@@ -210,7 +227,9 @@ def build_app(
                 return web.json_response(body_out, headers=headers)
             if resp is None:
                 resp = await _start_sse(request, headers)
-            await resp.write(f"data: {json.dumps(chunk([], 'length', True))}\n\n".encode())
+            last = chunk([], "length", True)
+            last["disagg"] = info or {}  # connector_matched_tokens, as a whole answer has
+            await resp.write(f"data: {json.dumps(last)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -263,6 +282,7 @@ def build_app(
         )
 
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", _models(model_name))

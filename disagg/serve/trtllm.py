@@ -68,6 +68,13 @@ def run(
     role: str, config_path: str, model: str | None, host: str, port: int, extra: list[str]
 ) -> int:
     """Exec ``trtllm-serve`` (does not return on success); returns an exit code otherwise."""
+    if not model:
+        print(
+            "disagg serve --engine trtllm: argument --model: name the model (a Hugging Face id or a "
+            "path), e.g. --model meta-llama/Llama-3.1-8B-Instruct",
+            file=sys.stderr,
+        )
+        return 2
     exe = find_trtllm_serve()
     if exe is None:
         what = "no trtllm-serve on PATH"
@@ -75,13 +82,6 @@ def run(
             what += " and no tensorrt_llm Python package"
         print(NOT_INSTALLED.format(what=what), file=sys.stderr)
         return EXIT_NOT_INSTALLED
-    if not model:
-        print(
-            "disagg serve --engine trtllm: --model: name the model (a Hugging Face id or a "
-            "path), e.g. --model meta-llama/Llama-3.1-8B-Instruct",
-            file=sys.stderr,
-        )
-        return 2
     options = write_options(role)
     argv = command(model, options, host, port, extra)
     env = dict(os.environ, TRTLLM_DISAGG_CONFIG=str(Path(config_path).resolve()))

@@ -65,21 +65,47 @@ def test_bench_transfer_ucx_quick_json(capsys):
     assert row["transport"] == "ucx" and row["channel"] == "shm" and row["gbps"] > 0
 
 
-def test_bench_transfer_peers_report_a_rate_or_their_error(capsys):
-    """NIXL and Mooncake move the same pages (or their rows carry why they could not)."""
+def test_bench_transfer_peers_report_a_rate_or_why_not(capsys):
+    """NIXL and Mooncake move the same pages, or are listed once, apart, with the reason
+    and what to install (a package, or the system library Mooncake loads)."""
+    from disagg.bench.transfer import unavailable
+
     argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "nixl,mooncake"]
     assert main([*argv, "--timeout", "60", "--json"]) == 0
-    rows = _last_json(capsys.readouterr().out)["results"]
-    assert [(r["transport"], r["channel"]) for r in rows] == [("nixl", "ucx"), ("mooncake", "tcp")]
+    out = capsys.readouterr().out
+    rep = _last_json(out)
+    rows, skipped = rep["results"], rep["skipped"]
+    assert sorted([r["transport"] for r in rows] + [s["transport"] for s in skipped]) == [
+        "mooncake",
+        "nixl",
+    ]
+    for s in skipped:
+        assert s["reason"] and s["fix"], s
+        assert unavailable(s["transport"], cuda=False) == (s["reason"], s["fix"])
+        assert f"fix: {s['fix']}" in out  # the table lists it apart, once
     for r in rows:
         assert (r["gbps"] is not None and r["gbps"] > 0) or r["error"], r
         assert r["gbps"] is None or (r["ceiling_gbps"] > 0 and r["ratio_paired_median"] > 0), r
-    for r, mod in zip(rows, ("nixl_cu12", "mooncake.engine"), strict=True):
-        try:
-            __import__(mod)
-        except ImportError:
+    for r in rows:
+        if r["gbps"] is None:
             continue
-        assert r["gbps"] is not None and r["gbps"] > 0, r  # installed: it must run
+        assert unavailable(r["transport"], cuda=False) is None
+
+
+def test_bench_transfer_rows_without_cuda_are_listed_apart(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the rows run")
+    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "zmq-tcp,ucx-cuda"]
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    rep = _last_json(out)
+    assert [r["transport"] for r in rep["results"]] == ["zmq"]
+    (s,) = rep["skipped"]
+    assert s["transport"] == "ucx-cuda" and s["reason"] == "no CUDA device"
+    table = out.strip().rsplit("\n", 1)[0]
+    assert table.count("ucx-cuda") == 1  # once, apart from the table's rows
 
 
 def test_bench_transfer_plot(tmp_path):
@@ -87,7 +113,7 @@ def test_bench_transfer_plot(tmp_path):
     from disagg.bench.plot import plot_transfer
 
     rows = [
-        {"transport": t, "channel": c, "page_bytes": pb, "gbps": g, "ceiling_gbps": 5.0}
+        {"transport": t, "channel": c, "page_bytes": pb, "gbps": g, "ceiling_gbps": 2 * g}
         for t, c, g in (("zmq", "tcp", 0.5), ("nixl", "ucx", 1.0))
         for pb in (16384, 1 << 20)
     ] + [{"transport": "ucx", "channel": "tcp", "page_bytes": 16384, "gbps": None}]
@@ -100,6 +126,63 @@ def test_bench_transfer_plot(tmp_path):
     out = tmp_path / "t.png"
     assert plot_transfer(report, str(out)) is None
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_bench_plot_draws_each_rows_paired_ceiling(tmp_path, monkeypatch):
+    """The PNG's ceilings are the rows' own (paired) ones, as the table's ratios use, not
+    the run-wide figures measured at the start."""
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (disagg[bench])")
+    import matplotlib.axes
+
+    from disagg.bench.plot import plot_transfer
+
+    drawn: list[list[float]] = []
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(self, xs, ys, *a, **kw):
+        drawn.append(list(ys))
+        return orig(self, xs, ys, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    rows = [
+        {"transport": "zmq", "channel": "tcp", "page_bytes": pb, "gbps": g, "ceiling_gbps": c}
+        for pb, g, c in ((16384, 0.5, 1.5), (1 << 20, 1.0, 2.5))
+    ]
+    report = {"results": rows, "ceilings_gbps": {"raw_tcp": 9.0}, "total_bytes": 1 << 20}
+    assert plot_transfer({**report, "repeats": 1}, str(tmp_path / "p.png")) is None
+    assert drawn == [[0.5, 1.0], [1.5, 2.5]]
+
+
+def test_bench_query_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (disagg[bench])")
+    from disagg.bench.plot import plot_query
+
+    rows = [
+        {"prompt_tokens": n, "p50_ms": 0.1 * i, "p99_ms": 0.2 * i, "claim_p50_ms": 0.05 * i,
+         "floor_p50_ms": 0.03}
+        for i, n in enumerate((1024, 8192), 1)
+    ]  # fmt: skip
+    out = tmp_path / "q.png"
+    rep = {"results": rows, "tokens_per_block": 16, "iters": 5}
+    assert plot_query(rep, str(out)) is None
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot_hint_names_the_package(monkeypatch):
+    import builtins
+
+    from disagg.bench import plot
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    msg = plot.plot_query({"results": []}, "x.png")
+    assert msg is not None and "pip install matplotlib" in msg and '-e ".[bench]"' in msg
 
 
 def test_bench_query_json(capsys):

@@ -216,3 +216,26 @@ def test_proxy_event_stream_curve_keys(tmp_path: Path) -> None:
         )
         is None
     )
+
+
+def test_serve_defaults_to_loopback_and_the_configs_role(configs: tuple[Path, Path]) -> None:
+    """Without --host it listens on 127.0.0.1 only; without --role it takes the file's."""
+    port = sp.free_port()
+    log = configs[0].parent / "serve-defaults.log"
+    proc = sp.spawn(["serve", "--config", str(configs[0]), "--port", str(port)], log)
+    try:
+        sp.wait_healthy(f"http://127.0.0.1:{port}", proc, log)
+        status, text = sp.get(f"http://127.0.0.1:{port}/health")
+        assert status == 200 and '"role": "producer"' in text
+        assert f"on http://127.0.0.1:{port}" in log.read_text()
+    finally:
+        sp.stop([proc])
+
+
+def test_proxy_defaults_to_loopback() -> None:
+    from disagg.proxy import build_parser
+
+    assert build_parser().parse_args([]).host == "127.0.0.1"
+    from disagg.serve import build_parser as serve_parser
+
+    assert serve_parser().parse_args([]).host == "127.0.0.1"

@@ -192,3 +192,63 @@ def test_upstream_down_is_502(tmp_path: Path, system: dict[str, Any]) -> None:
         )
     finally:
         sp.stop([proc])
+
+
+def test_chat_through_proxy_matches_monolithic(system: dict[str, Any]) -> None:
+    """Chat messages become one prompt through the reference chat template, the same on
+    the proxy (routing), the producer and the consumer."""
+    from disagg.serve import chat, tokenizer
+
+    urls = system["urls"]
+    for stream, topic in ((False, "disaggregated serving"), (True, "KV caches")):
+        messages = [
+            {"role": "system", "content": "You answer briefly and precisely. " * 5},
+            {"role": "user", "content": [{"type": "text", "text": f"Tell me about {topic}. " * 6}]},
+        ]
+        tokens = tokenizer.encode(chat.render(messages))
+        want = sp.monolithic(tokens, 8)
+        body = {"model": "m", "messages": messages, "max_tokens": 8, "stream": stream}
+        status, out = sp.post(f"{urls['proxy']}/v1/chat/completions", body)
+        assert status == 200, out
+        if not stream:
+            assert out["object"] == "chat.completion"
+            choice = out["choices"][0]
+            assert choice["token_ids"] == want and choice["message"]["role"] == "assistant"
+            assert choice["message"]["content"] == tokenizer.decode(want)
+            assert out["disagg"]["connector_matched_tokens"] > 0
+            continue
+        assert sp.streamed_tokens(out) == want
+        assert out[0]["object"] == "chat.completion.chunk"
+        assert out[0]["choices"][0]["delta"]["role"] == "assistant"
+        # the last chunk carries the usage and what the connector served, as a whole answer
+        assert out[-2]["disagg"]["connector_matched_tokens"] > 0
+        assert out[-2]["usage"]["completion_tokens"] == 8
+
+
+def test_streamed_completion_ends_with_matched_tokens(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    tokens = sp.prompt(seed=23)
+    body = {"prompt": tokens, "max_tokens": 6, "stream": True}
+    status, events = sp.post(f"{urls['proxy']}/v1/completions", body)
+    assert status == 200, events
+    assert sp.streamed_tokens(events) == sp.monolithic(tokens, 6)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["disagg"]["connector_matched_tokens"] == 288
+
+
+def test_models_on_proxy_and_consumer(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    for url in (urls["proxy"], urls["consumer"], urls["producer"]):
+        status, text = sp.get(f"{url}/v1/models")
+        assert status == 200, text
+        body = json.loads(text)
+        assert body["object"] == "list" and body["data"][0]["object"] == "model"
+        assert body["data"][0]["id"]
+
+
+def test_chat_bad_messages_refused_by_the_proxy(system: dict[str, Any]) -> None:
+    urls = system["urls"]
+    for messages, field in (([], "messages"), ([{"role": "wizard", "content": "x"}], "role")):
+        status, out = sp.post(f"{urls['proxy']}/v1/chat/completions", {"messages": messages})
+        assert status == 400 and field in out["error"]["message"], out
+        assert "upstream" not in out["error"]

@@ -19,12 +19,14 @@ import random
 import sys
 import time
 
+from ...cliargs import Parser, usage
+from .cli_checks import problem
 from .config import RUNTIMES, ConnectorSpec, EngineConfig, parse_windows
 from .executor import Engine
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m disagg.engine.reference", description=__doc__)
+    p = Parser(prog="python -m disagg.engine.reference", description=__doc__)
     p.add_argument("--connector-module")
     p.add_argument("--connector-scheduler-class")
     p.add_argument("--connector-worker-class")
@@ -79,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    bad = problem(a)
+    if bad is not None:
+        return usage("python -m disagg.engine.reference", bad)
     names = (a.connector_module, a.connector_scheduler_class, a.connector_worker_class)
     if any(names) and not all(names):
         print("error: give all three --connector-* options or none", file=sys.stderr)

@@ -1,0 +1,122 @@
+"""Every command line answers bad input the same way: exit status 2 and ONE line on
+stderr naming the argument (and the value), never a traceback. Each case runs the real
+command in a subprocess, as an operator would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+ENGINE = ["-m", "disagg.engine.reference"]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("cli")
+    good = d / "producer.yaml"
+    good.write_text("role: producer\nproducer:\n  store_size: 64MiB\n")
+    bad_host = d / "metrics.yaml"
+    bad_host.write_text(
+        "role: producer\nproducer:\n  store_size: 64MiB\nmetrics:\n  port: 9100\n"
+        "  host: every interface\n"
+    )
+    return {"GOOD": str(good), "BADHOST": str(bad_host), "MISSING": str(d / "nope.yaml")}
+
+
+# (argv after `python -m disagg` (or ENGINE ...), what the line must name)
+CASES: list[tuple[list[str], list[str]]] = [
+    # disagg demo: the inputs of issue 23's point 2, and more
+    (["demo", "--device", "cuda"], ["--device", "cuda"]),
+    (["demo", "--windows", "64,full", "--kv-manager", "v1"], ["--windows", "64,full", "v2"]),
+    (["demo", "--prompt-len", "8192"], ["--prompt-len", "8192", "8176"]),
+    (["demo", "--prompt-len", "10"], ["--prompt-len", "10", "block"]),
+    (["demo", "--prompts", "0"], ["--prompts", "0"]),
+    (["demo", "--num-prompts", "two"], ["--num-prompts", "two"]),
+    (["demo", "--producers", "2", "--consumers", "2", "--prompts", "3"], ["--prompts", "4"]),
+    (["demo", "--tp", "3"], ["--tp", "3"]),
+    (["demo", "--windows", "sixty"], ["--windows", "sixty"]),
+    (["demo", "--kv-manager", "v3"], ["--kv-manager", "v3"]),
+    (["demo", "--layers", "0"], ["--layers", "0"]),
+    (["demo", "--chunk-size", "-4"], ["--chunk-size", "-4"]),
+    (["demo", "--store-device", "cuda"], ["--store-device", "cuda"]),
+    (["demo", "--nope"], ["--nope"]),
+    # disagg bench
+    (["bench", "transfer", "--page-sizes", "64KB"], ["--page-sizes", "64KB", "64KiB"]),
+    (["bench", "transfer", "--transports", "zmq,rdma"], ["--transports", "rdma", "zmq-tcp"]),
+    (["bench", "transfer", "--total", "0"], ["--total", "0"]),
+    (["bench", "transfer", "--repeats", "0"], ["--repeats", "0"]),
+    (["bench", "query", "--prompt-lens", "1k"], ["--prompt-lens", "1k"]),
+    (["bench", "query", "--prompt-lens", "8"], ["--prompt-lens", "8", "block"]),
+    (["bench", "gpu", "--total", "1GB"], ["--total", "1GB"]),
+    (["bench", "gpu", "--ipc-control", "udp"], ["--ipc-control", "udp"]),
+    (["bench", "warp"], ["warp"]),
+    # disagg serve
+    (["serve", "--role", "prefill"], ["--role", "prefill"]),
+    (["serve", "--port", "99999"], ["--port", "99999"]),
+    (["serve", "--engine", "vllm"], ["--engine", "vllm"]),
+    (["serve", "--layers", "0", "--config", "GOOD"], ["--layers", "0"]),
+    (["serve", "--device", "cuda", "--config", "GOOD"], ["--device", "cuda"]),
+    (["serve", "--windows", "64,full", "--kv-manager", "v1", "--config", "GOOD"], ["--windows"]),
+    (["serve", "--role", "consumer", "--config", "GOOD"], ["role", "consumer", "producer"]),
+    (["serve", "--config", "MISSING"], ["nope.yaml", "not found"]),
+    (["serve", "--config", "GOOD", "--tensor-parallel"], ["--tensor-parallel"]),
+    # disagg proxy
+    (["proxy"], ["--producers"]),
+    (["proxy", "--producers", "localhost:8100", "--consumers", "http://x:1"], ["--producers"]),
+    (["proxy", "--port", "-1"], ["--port", "-1"]),
+    (["proxy", "--heartbeat-s", "0"], ["--heartbeat-s", "0"]),
+    (["proxy", "--missed-heartbeats", "none"], ["--missed-heartbeats", "none"]),
+    (["proxy", "--log-level", "loud"], ["--log-level", "loud"]),
+    # disagg config / keys
+    (["config", "check", "BADHOST"], ["metrics.host", "every interface"]),
+    (["config", "check", "MISSING"], ["nope.yaml", "not found"]),
+    (["config", "lint"], ["lint"]),
+    (["keys", "../evil"], ["../evil"]),
+    (["keys"], ["name"]),
+    (["launch"], ["launch"]),
+    # the reference engine's own command line
+    ([*ENGINE, "--layers", "0"], ["--layers"]),
+    ([*ENGINE, "--tp", "3"], ["--tp", "3"]),
+    ([*ENGINE, "--device", "cuda"], ["--device", "cuda"]),
+    ([*ENGINE, "--prompt-len", "9000"], ["--prompt-len", "9000", "8192"]),
+    ([*ENGINE, "--windows", "x,y"], ["--windows", "x,y"]),
+    ([*ENGINE, "--connector-extra", "{"], ["--connector-extra"]),
+    ([*ENGINE, "--num-prompts", "0"], ["--num-prompts", "0"]),
+    ([*ENGINE, "--dtype", "int8"], ["--dtype", "float32"]),
+    ([*ENGINE, "--kv-manager", "v9"], ["--kv-manager", "v9"]),
+]
+
+
+def _id(case: tuple[list[str], list[str]]) -> str:
+    argv = case[0][2:] if case[0][:2] == ENGINE else case[0]
+    return ("engine " if case[0][:2] == ENGINE else "") + " ".join(argv)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input_is_one_line_exit_2(case: tuple[list[str], list[str]], files) -> None:
+    argv, names = case
+    if "cuda" in argv and _cuda():
+        pytest.skip("CUDA is available here: the value is good")
+    argv = [files.get(a, a) for a in argv]
+    cmd = [sys.executable, *argv] if argv[:2] == ENGINE else [sys.executable, "-m", "disagg", *argv]
+    env = {k: v for k, v in os.environ.items() if "DISAGG_CONFIG" not in k}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env, cwd=Path.cwd())
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert len(lines) == 1, r.stderr
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    assert not r.stdout.strip(), r.stdout
