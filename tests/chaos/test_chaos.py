@@ -294,8 +294,7 @@ def test_producer_killed_after_load_keeps_tokens(children, mono):
     # every lease went back once its load landed, or (sent after the kill) could not be
     # delivered: counted, the dead producer's leases died with it
     assert wait_for(
-        lambda: csvc.metrics["leases_released"] + csvc.metrics["release_failed"]
-        == len(PROMPTS),
+        lambda: csvc.metrics["leases_released"] + csvc.metrics["release_failed"] == len(PROMPTS),
         10,
     ), dict(csvc.metrics)
 
