@@ -13,8 +13,8 @@ the connectors' key chain), :func:`disagg.proxy.routing.choose` over ``Upstream`
 :class:`~disagg.producer.store.BlockStore` per producer (``capacity / block_tokens`` blocks of 1 byte, then no slab and no checksums: there
 are no page bytes). Per request:
 
-1. route: ``choose`` with the prompt (``prefix``) or without it (``least-load`` and
-   ``pooled``); ties go round-robin, and ``in_flight`` comes from a FIFO prefill model
+1. route: ``choose`` with the prompt (``prefix``, the proxy's default load bound) or
+   without it (``least-load`` and ``pooled``); ties go round-robin, and ``in_flight`` comes from a FIFO prefill model
    (``--prefill-tps`` tokens/s per producer, computing what the claim did not cover);
 2. claim: the longest prefix held by the chosen producer (``least-load``, ``prefix``: each
    producer's store on its own) or by any producer (``pooled``: every consumer reaches
@@ -123,6 +123,7 @@ class _Replay:
         from ..protocol import messages as m
         from ..protocol.keys import KEY_BYTES, KeyBlob
         from ..protocol.version import PROTOCOL_VERSION as V
+        from ..proxy.limits import ProxyLimits
         from ..proxy.routing import PrefixIndex, Upstream, choose
 
         t0 = time.perf_counter()
@@ -166,7 +167,11 @@ class _Replay:
                 ups[p].in_flight = len(q)
             r = i % producers
             order, _ = choose(
-                ups[r:] + ups[:r], index, self.tokens[i] if use_prompt else None, None
+                ups[r:] + ups[:r],
+                index,
+                self.tokens[i] if use_prompt else None,
+                None,
+                ProxyLimits().prefix_load_skew,  # as the proxy routes by default
             )
             dest = pos[id(order[0])]
             blob = KeyBlob(keys[offs[i] * KEY_BYTES : offs[i + 1] * KEY_BYTES])

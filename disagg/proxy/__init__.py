@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.missed_heartbeats,
         help="unanswered heartbeats in a row after which an upstream is down",
     )
+    p.add_argument(
+        "--prefix-load-skew",
+        type=int,
+        default=d.prefix_load_skew,
+        help="a producer holding the longest prefix is preferred while it has at most this "
+        "many more prefills in flight than the least loaded one",
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument(
         "--events-secret-key-file",
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout_s=args.timeout,
             heartbeat_s=args.heartbeat_s,
             missed_heartbeats=args.missed_heartbeats,
+            prefix_load_skew=args.prefix_load_skew,
         )
     except ValueError as e:
         print(f"disagg proxy: {e}", file=sys.stderr)

@@ -351,7 +351,9 @@ class ProxyState:
         assert self.session is not None
         if salt is not None:
             await self.seeds_for(salt)
-        order, matched = choose(self.producers, self.index, tokens, salt)
+        order, matched = choose(
+            self.producers, self.index, tokens, salt, self.limits.prefix_load_skew
+        )
         self.m_route.labels("prefix" if matched else "least_loaded").inc()
         self.m_matched.inc(matched)
         pbody = {**body, "max_tokens": 1, "stream": False}

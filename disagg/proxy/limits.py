@@ -12,6 +12,10 @@
                                   on a refused connection, a non-200 /health or an
                                   expired deadline
     /disagg/seed on the request   SEED_WAIT_S (0.1 s); the fetch goes on in the background
+    prefix preference             a producer holding the longest prefix is preferred only
+                                  while its in-flight prefills exceed the least loaded
+                                  producer's by at most --prefix-load-skew (2): a prefix
+                                  every prompt shares must not send all prefill to one
 
 A prefill or decode whose deadline expires marks that upstream down and the request moves
 to the next one (down upstreams are tried last); an upstream comes back when a heartbeat
@@ -38,14 +42,18 @@ class ProxyLimits:
     request_timeout_s: float = 600.0
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 3
+    prefix_load_skew: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             flag = _FLAGS[f.name]
-            if f.name == "missed_heartbeats":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{flag}: must be an integer >= 1, got {value!r}; e.g. 3")
+            if f.name in ("missed_heartbeats", "prefix_load_skew"):
+                least = 1 if f.name == "missed_heartbeats" else 0
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(
+                        f"{flag}: must be an integer >= {least}, got {value!r}; e.g. {f.default}"
+                    )
                 continue
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not ok or not math.isfinite(value) or value <= 0:
@@ -79,6 +87,7 @@ class ProxyLimits:
 
 
 _FLAGS = {
+    "prefix_load_skew": "--prefix-load-skew",
     "prefill_floor_s": "--prefill-floor-s",
     "prefill_per_token_s": "--prefill-per-token-s",
     "decode_floor_s": "--decode-floor-s",

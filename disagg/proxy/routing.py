@@ -150,19 +150,28 @@ def choose(
     index: PrefixIndex,
     tokens: Sequence[int] | None,
     salt: str | None,
+    max_skew: int | None = None,
 ) -> tuple[list[Upstream], int]:
     """Producers in the order to try, and the first one's matched block count: those not
-    known to be down first, then longest held prefix, then fewest in-flight requests."""
-    scored: list[tuple[bool, int, int, int, Upstream]] = []
+    known to be down first, then longest held prefix, then fewest in-flight requests. With
+    ``max_skew``, a held prefix counts only for a producer with at most that many more
+    requests in flight than the least loaded live one (a prefix every prompt shares would
+    otherwise send every prefill to one producer)."""
+    live = [up.in_flight for up in producers if not up.known_down()]
+    least = min(live, default=0)
+    scored: list[tuple[bool, int, int, int, Upstream, int]] = []
     for i, up in enumerate(producers):
         matched = 0
         if tokens and up.instance_id is not None:
             keys = prompt_keys(up, tokens, salt)
             matched = index.longest_prefix(up.instance_id, keys) if keys else 0
+        preferred = matched
+        if max_skew is not None and up.in_flight > least + max_skew:
+            preferred = 0  # too busy to be worth its prefix
         # one known to be down is tried only once every other one failed
-        scored.append((up.known_down(), -matched, up.in_flight, i, up))
+        scored.append((up.known_down(), -preferred, up.in_flight, i, up, matched))
     scored.sort(key=lambda t: t[:4])
-    return [t[4] for t in scored], -scored[0][1] if scored else 0
+    return [t[4] for t in scored], scored[0][5] if scored else 0
 
 
 class EventFeeds:

@@ -150,6 +150,11 @@ def test_routing_prefers_longest_prefix_then_least_loaded() -> None:
     idx.on_event(m.SnapshotOk(v=PROTOCOL_VERSION, producer="b", seq=5, keys=keys))
     assert choose([a, b], idx, tokens, None)[1] == 4
     assert choose([a, b], idx, tokens, "other-salt")[1] == 0  # unknown seed: no match
+    # a prefix holder far busier than the least loaded producer loses its preference
+    b.in_flight = 4
+    assert choose([a, b], idx, tokens, None, max_skew=2)[0][0] is a
+    assert choose([a, b], idx, tokens, None, max_skew=4)[0][0] is b
+    assert choose([a, b], idx, tokens, None)[0][0] is b  # no bound: the prefix wins
 
 
 class _DyingEngine:
