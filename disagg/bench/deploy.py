@@ -38,27 +38,29 @@ class StartError(RuntimeError):
 
 @dataclass
 class Shape:
-    """Reference-engine shape, the same on every instance (``disagg serve`` flags)."""
+    """Reference-engine shape, the same on every instance (``disagg serve``'s shape flags,
+    :data:`disagg.serve.SHAPE_FLAGS`)."""
 
     layers: int = 4
     tokens_per_block: int = 32
     num_blocks: int = 1024
     seed: int = 0
     device: str = "cpu"
+    hidden_size: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    max_seq_len: int = 8192
+    dtype: str = "float32"
 
     def flags(self) -> list[str]:
-        return [
-            "--layers",
-            str(self.layers),
-            "--tokens-per-block",
-            str(self.tokens_per_block),
-            "--num-blocks",
-            str(self.num_blocks),
-            "--seed",
-            str(self.seed),
-            "--device",
-            self.device,
-        ]
+        from ..serve import SHAPE_FLAGS
+
+        out = []
+        for flag in SHAPE_FLAGS:
+            out += [flag, str(getattr(self, flag[2:].replace("-", "_")))]
+        return out + ["--dtype", self.dtype, "--seed", str(self.seed), "--device", self.device]
 
 
 def free_port() -> int:
@@ -195,6 +197,7 @@ def disaggregated(
     logdir: Path,
     transport: str = "zmq",
     store_size: str = "256MiB",
+    store_device: str = "cpu",
 ) -> Deployment:
     d = Deployment("disaggregated", "disaggregated", [], layout=f"{producers}P+{consumers}D")
     controls: list[str] = []
@@ -207,6 +210,7 @@ def disaggregated(
         cfg.write_text(
             f"role: producer\ninstance_id: bench-prefill-{i}\ntransport: {transport}\n"
             f"producer:\n  control: {control}\n  events: {events}\n  store_size: {store_size}\n"
+            f"  store_device: {store_device}\n"
         )
         controls.append(control)
         cmd = [*serve, "--role", "producer", "--config", str(cfg), "--host", "127.0.0.1"]
@@ -264,14 +268,12 @@ def wait_routing(d: Deployment, producers: int, timeout_s: float = 30.0) -> None
 
 def run_instance(argv: list[str]) -> int:
     """One aggregated instance: the reference engine without a connector, served."""
+    from ..serve import add_shape_args, shape_kwargs
+
     ap = argparse.ArgumentParser(prog="python -m disagg.bench.deploy instance")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens-per-block", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    add_shape_args(ap)
     args = ap.parse_args(argv)
     from aiohttp import web
 
@@ -279,14 +281,7 @@ def run_instance(argv: list[str]) -> int:
     from ..serve.app import build_app
     from ..serve.engine_loop import EngineLoop
 
-    ecfg = EngineConfig(
-        num_layers=args.layers,
-        tokens_per_block=args.tokens_per_block,
-        num_blocks=args.num_blocks,
-        kv_manager="v2",
-        seed=args.seed,
-        device=args.device,
-    )
+    ecfg = EngineConfig(kv_manager="v2", **shape_kwargs(args))
     loop = EngineLoop(lambda: Engine(ecfg))
     loop.start()
     app = build_app(loop, "aggregated", f"bench-instance-{args.port}")

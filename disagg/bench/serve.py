@@ -3,6 +3,10 @@ against disaggregated, over the real HTTP path.
 
     disagg bench serve --trace T.jsonl [--limit N] [--time-scale S] [--length-scale L]
                        [--seed S] [--engines K] [--producers P] [--transport zmq|ipc|ucx]
+                       [--store-size 256MiB] [--store-device cpu|pinned|cuda]
+                       [--layers 4 --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 32
+                        --intermediate-size 256 --dtype float32 --device cpu|cuda[:N]
+                        --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192]
                        [--deployments aggregated,disaggregated] [--target URL ...]
                        [--slo-ttft 1s] [--slo-tbt 100ms] [--quick] [--json] [--plot PNG]
     disagg bench serve --rate R --requests N [--input-len I] [--output-len O]
@@ -11,13 +15,14 @@ against disaggregated, over the real HTTP path.
 Workload: each trace line becomes a prompt (:func:`disagg.bench.traces.prompt_tokens`:
 one fixed seeded block of token ids per hash id) of ``input_length * length_scale``
 tokens in blocks of ``512 * length_scale``, asking for ``output_length * length_scale``
-tokens (cut to fit the engine's 8,192-token sequences), sent at ``timestamp *
+tokens (cut to fit the engine's ``--max-seq-len``), sent at ``timestamp *
 time_scale``. The scale is rounded so that a trace block is a whole number of engine
 blocks (``--tokens-per-block``), so shared trace prefixes are shared engine blocks. ``--rate`` makes a synthetic one (Poisson arrivals, shared prefixes from
 ``--prefix-groups`` documents for a ``--shared-prefix`` share of the requests).
 
 Deployments (:mod:`disagg.bench.deploy`), started here one after the other with the same
-reference-engine shape and ``K`` engines in all: ``aggregated`` (K instances, least load
+reference-engine shape (the shape flags, passed to every engine as ``disagg serve`` takes
+them; checked here first) and ``K`` engines in all: ``aggregated`` (K instances, least load
 by the client), ``disaggregated`` (P producers + K-P consumers + ``disagg proxy``); and
 ``--target URL`` for one already running (OpenAI ``/v1/completions`` with streaming).
 Each gets ``--warmup`` short requests first (not measured). A deployment that cannot
@@ -48,13 +53,15 @@ from typing import Any
 
 import numpy as np
 
+from ..cliargs import cuda_problem
+from ..config import STORE_DEVICES
+from ..serve import SHAPE_FLAGS, add_shape_args, shape_error, shape_kwargs
 from . import deploy
 from .reuse import OneLineParser
 from .serve_report import Record, parse_metrics, plot, summarize, table
 from .traces import Trace, TraceError, load_trace, prompt_tokens, scaled, synthetic_trace
 
 VOCAB = 512  # the reference engine's vocabulary
-MAX_SEQ_LEN = 8192  # the reference engine's default
 
 
 @dataclass
@@ -196,6 +203,27 @@ def _delta(a: dict[str, float] | None, b: dict[str, float] | None) -> dict[str, 
     return {k: b[k] - a.get(k, 0.0) for k in b}
 
 
+def engine_shape(urls: list[str], want: str | None) -> str | None:
+    """What the started engines report they run (``/disagg/info``'s ``engine``: model name,
+    dtype, device), one string; ``StartError`` when one runs another model than ``want``
+    (the shape flags did not reach it). None for servers without that field."""
+    seen: set[str] = set()
+    for u in urls:
+        try:
+            with urllib.request.urlopen(f"{u}/disagg/info", timeout=10) as r:
+                eng = json.loads(r.read()).get("engine")
+        except (OSError, ValueError):
+            eng = None
+        if not isinstance(eng, dict):
+            continue
+        if want is not None and eng.get("model") != want:
+            raise deploy.StartError(
+                f"the engine at {u} runs {eng.get('model')}, not the requested {want}"
+            )
+        seen.add(f"{eng.get('model')} {eng.get('dtype')} {eng.get('device')}")
+    return " | ".join(sorted(seen)) or None
+
+
 def _warmup(urls: list[str], n: int, seed: int, timeout_s: float) -> None:
     """``n`` short requests per URL, prompts unrelated to the workload's."""
     rng = np.random.default_rng(seed + 10_007)
@@ -215,6 +243,7 @@ def run_deployment(
     try:
         dep.start(args.start_timeout)
         deploy.wait_routing(dep, args.producers)
+        engine = engine_shape(dep.engine_urls, args.model)
         _warmup(dep.client_urls, args.warmup, args.seed, args.request_timeout)
     except deploy.StartError as e:
         dep.stop()
@@ -229,6 +258,7 @@ def run_deployment(
     row = summarize(
         dep.name, dep.layout, recs, wall, _delta(before, after), args.slo_ttft, args.slo_tbt
     )
+    row["engine"] = engine
     return row, recs
 
 
@@ -265,12 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", type=int, help="engines per deployment (default 2)")
     ap.add_argument("--producers", type=int, help="disaggregated: producers (default K/2)")
-    ap.add_argument("--layers", type=int, help="reference engine layers (default 4)")
-    ap.add_argument("--num-blocks", type=int, default=1024, help="KV pages per engine pool")
-    ap.add_argument("--tokens-per-block", type=int, default=32)
-    ap.add_argument("--device", default="cpu", help="reference engine device: cpu | cuda[:N]")
+    add_shape_args(ap, defaults=False, seed=False)  # --layers: 2 with --quick, else 4
     ap.add_argument("--transport", choices=("zmq", "ipc", "ucx"), default="zmq")
     ap.add_argument("--store-size", default="256MiB", help="each producer's block store")
+    ap.add_argument("--store-device", choices=STORE_DEVICES, default="cpu", help="its memory")
     ap.add_argument("--deployments", default="aggregated,disaggregated")
     ap.add_argument("--target", action="append", default=[], metavar="URL")
     ap.add_argument("--slo-ttft", default="1s", help="TTFT objective (e.g. 500ms, 1s)")
@@ -296,6 +324,11 @@ def _resolve(args: argparse.Namespace) -> Trace:
     args.length_scale = 1.0 if args.length_scale is None else args.length_scale
     args.engines = (2 if q else 2) if args.engines is None else args.engines
     args.layers = (2 if q else 4) if args.layers is None else args.layers
+    for flag, (_, default) in SHAPE_FLAGS.items():
+        attr = flag[2:].replace("-", "_")
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+    args.dtype = args.dtype or "float32"
     args.warmup = (1 if q else 2) if args.warmup is None else args.warmup
     args.producers = max(1, args.engines // 2) if args.producers is None else args.producers
     args.slo_ttft = parse_seconds(args.slo_ttft, "--slo-ttft")
@@ -308,8 +341,8 @@ def _resolve(args: argparse.Namespace) -> Trace:
         ("--engines", args.engines, args.engines >= 2 or not _wants_disagg(args), ">= 2"),
         ("--engines", args.engines, args.engines >= 1, ">= 1"),
         ("--producers", args.producers, 1 <= args.producers < max(2, args.engines), "1..K-1"),
-        ("--layers", args.layers, args.layers >= 1, ">= 1"),
         ("--warmup", args.warmup, args.warmup >= 0, ">= 0"),
+        ("--max-seq-len", args.max_seq_len, args.max_seq_len >= 128, ">= 128 tokens"),
         ("--shared-prefix", args.shared_prefix, 0 <= args.shared_prefix <= 1, "0..1"),
         ("--prefix-groups", args.prefix_groups, args.prefix_groups >= 1, ">= 1"),
         ("--input-len", args.input_len, args.input_len >= 1, ">= 1"),
@@ -319,6 +352,16 @@ def _resolve(args: argparse.Namespace) -> Trace:
     for flag, value, ok, accepted in checks:
         if not ok:
             raise UsageError(f"{flag} {value!r}: expected {accepted}")
+    from ..engine.reference import EngineConfig
+
+    try:
+        args.model = EngineConfig(kv_manager="v2", **shape_kwargs(args)).model_name
+    except ValueError as e:
+        raise UsageError(shape_error(e)) from None
+    if args.device != "cpu" and _starts_engines(args):
+        why = cuda_problem(args.device)
+        if why is not None:
+            raise UsageError(f"argument --device: {args.device!r}: {why}")
     names = [d.strip() for d in args.deployments.split(",") if d.strip()]
     bad = [d for d in names if d not in ("aggregated", "disaggregated")]
     if bad:
@@ -353,7 +396,7 @@ def _aligned(t: Trace, args: argparse.Namespace) -> Trace:
     tpb = args.tokens_per_block
     bt = max(tpb, round(t.block_tokens * args.length_scale / tpb) * tpb)
     args.length_scale = bt / t.block_tokens
-    return scaled(t, args.length_scale, MAX_SEQ_LEN)
+    return scaled(t, args.length_scale, args.max_seq_len)
 
 
 _DEFAULT_DEPS = "aggregated,disaggregated"
@@ -361,6 +404,10 @@ _DEFAULT_DEPS = "aggregated,disaggregated"
 
 def _wants_disagg(args: argparse.Namespace) -> bool:
     return "disaggregated" in args.deployments and not args.target
+
+
+def _starts_engines(args: argparse.Namespace) -> bool:
+    return not args.target or args.deployments != _DEFAULT_DEPS
 
 
 def main(argv: Sequence[str]) -> int:
@@ -374,7 +421,18 @@ def main(argv: Sequence[str]) -> int:
     logdir = Path(args.log_dir or tempfile.mkdtemp(prefix="disagg-bench-serve-"))
     logdir.mkdir(parents=True, exist_ok=True)
     shape = deploy.Shape(
-        args.layers, args.tokens_per_block, args.num_blocks, args.seed, args.device
+        layers=args.layers,
+        tokens_per_block=args.tokens_per_block,
+        num_blocks=args.num_blocks,
+        seed=args.seed,
+        device=args.device,
+        hidden_size=args.hidden_size,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        max_seq_len=args.max_seq_len,
+        dtype=args.dtype,
     )
     deps: list[deploy.Deployment] = []
     for name in args.deployment_names:
@@ -384,7 +442,13 @@ def main(argv: Sequence[str]) -> int:
             consumers = args.engines - args.producers
             deps.append(
                 deploy.disaggregated(
-                    args.producers, consumers, shape, logdir, args.transport, args.store_size
+                    args.producers,
+                    consumers,
+                    shape,
+                    logdir,
+                    args.transport,
+                    args.store_size,
+                    args.store_device,
                 )
             )
     deps += [deploy.target(u) for u in args.target]
@@ -393,7 +457,7 @@ def main(argv: Sequence[str]) -> int:
         f"disagg bench serve: {len(reqs)} requests from {trace.source} ({prompt:,} prompt "
         f"tokens, {trace.block_tokens}-token blocks, time x{args.time_scale:g}, lengths "
         f"x{args.length_scale:g}); engines per deployment: {args.engines} "
-        f"({args.layers} layers, {args.device}); transport {args.transport}",
+        f"({args.model}, {args.dtype}, {args.device}); transport {args.transport}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
@@ -427,7 +491,12 @@ def main(argv: Sequence[str]) -> int:
             "engines": args.engines,
             "producers": args.producers,
             "layers": args.layers,
+            "model": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            "num_blocks": args.num_blocks,
             "transport": args.transport,
+            "store": {"size": args.store_size, "device": args.store_device},
             "slo": {"ttft_s": args.slo_ttft, "tbt_s": args.slo_tbt},
             "cpus": os.cpu_count(),
         }

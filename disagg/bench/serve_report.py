@@ -15,7 +15,8 @@ prompt tokens sent; ``prefill_computed`` = engine tokens computed minus decode s
 ``bytes_moved`` = bytes the producers pushed; ``moved_gbps`` = those bytes / run wall time
 (an average over the run, not the transfer speed); ``claims_hit``/``_miss``/``_failed``
 and ``loads_failed``: the consumers' counters (why a prompt was not served remotely). A
-target without those counters gets ``None`` there.
+target without those counters gets ``None`` there. ``engine`` (set by the caller) = what
+the started engines report in ``/disagg/info``: model name (the shape), dtype, device.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ interface, as a container needs).
 
 ``--engine reference`` (default) runs the reference engine (a seeded tiny llama) behind an
 OpenAI-compatible server (:mod:`disagg.serve.app`); producer and consumer must use the same
-engine shape flags and ``--seed`` (the weights come from the seed). ``--engine trtllm``
+engine shape flags (``--layers --hidden-size --heads --kv-heads --head-dim
+--intermediate-size --tokens-per-block --num-blocks --max-seq-len --dtype``) and ``--seed``
+(the weights come from the seed), e.g. ~1B parameters in bf16 on a GPU: ``--device cuda
+--dtype bfloat16 --layers 16 --hidden-size 2048 --heads 16 --kv-heads 8 --head-dim 128
+--intermediate-size 8192``. ``/disagg/info`` reports the shape the engine runs. ``--engine trtllm``
 writes the ``--extra_llm_api_options`` YAML and execs ``trtllm-serve``
 (:mod:`disagg.serve.trtllm`).
 
@@ -56,22 +60,76 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=port, default=8000, help="HTTP port")
     p.add_argument("--model", default=None, help="model name/path (trtllm; echoed by reference)")
-    p.add_argument("--device", default="cpu", help="reference engine device: cpu | cuda[:N]")
-    p.add_argument("--layers", type=positive_int, default=4, help="reference: number of layers")
+    add_shape_args(p)
     p.add_argument("--windows", default="full", help="reference: per-layer windows, e.g. 64,full")
     p.add_argument("--kv-manager", choices=("v1", "v2"), default="v2", help="reference")
-    p.add_argument("--tokens-per-block", type=positive_int, default=32, help="reference")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="debug adds tracebacks")
+    return p
+
+
+# the reference engine's shape: flag -> (EngineConfig field, default); ``disagg bench
+# serve`` and ``disagg bench overhead`` take the same names
+SHAPE_FLAGS: dict[str, tuple[str, int]] = {
+    "--layers": ("num_layers", 4),
+    "--hidden-size": ("hidden_size", 128),
+    "--heads": ("num_heads", 4),
+    "--kv-heads": ("num_kv_heads", 2),
+    "--head-dim": ("head_dim", 32),
+    "--intermediate-size": ("intermediate_size", 256),
+    "--tokens-per-block": ("tokens_per_block", 32),
+    "--num-blocks": ("num_blocks", 1024),
+    "--max-seq-len": ("max_seq_len", 8192),
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_shape_args(p: argparse.ArgumentParser, defaults: bool = True, seed: bool = True) -> None:
+    """The reference engine's shape flags (``SHAPE_FLAGS``, ``--dtype``, ``--device``, and
+    ``--seed`` unless ``seed=False``); producer and consumer must be given the same ones.
+    ``defaults=False`` leaves each None (a caller that fills its own)."""
+    for flag, (field, default) in SHAPE_FLAGS.items():
+        what = field.replace("num_", "").replace("_", " ")
+        p.add_argument(
+            flag,
+            type=positive_int,
+            default=default if defaults else None,
+            help=f"reference engine: {what}" + ("" if defaults else f" (default {default})"),
+        )
     p.add_argument(
-        "--num-blocks", type=positive_int, default=1024, help="reference: KV pages per pool"
+        "--dtype",
+        choices=DTYPES,
+        default="float32" if defaults else None,
+        help="reference engine: weights and KV dtype",
     )
+    p.add_argument("--device", default="cpu", help="reference engine device: cpu | cuda[:N]")
+    if not seed:
+        return
     p.add_argument(
         "--seed",
         type=non_negative_int,
         default=0,
         help="reference: weights seed (same on both roles)",
     )
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="debug adds tracebacks")
-    return p
+
+
+def shape_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the shape flags (None: the default)."""
+    out: dict[str, Any] = {}
+    for flag, (field, default) in SHAPE_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        out[field] = default if value is None else value
+    out["dtype"] = args.dtype or "float32"
+    out["device"], out["seed"] = args.device, args.seed
+    return out
+
+
+def shape_error(e: ValueError) -> str:
+    """EngineConfig's ``ValueError`` as one line that names the flag to change."""
+    msg = str(e).removeprefix("EngineConfig: ")
+    fields = {field: flag for flag, (field, _) in SHAPE_FLAGS.items()}
+    fields.update(dtype="--dtype", device="--device", window="--windows")
+    names = [n for n in fields if msg.startswith(n)] or [n for n in fields if n in msg]
+    return f"argument {fields[names[0]]}: {msg}" if names else msg
 
 
 def _usage(msg: str) -> int:
@@ -102,15 +160,10 @@ def engine_config(args: argparse.Namespace) -> Any:
             f"argument --windows: {args.windows!r}: give 'full' or token counts, "
             "comma-separated, e.g. 64,full"
         ) from None
-    cfg = EngineConfig(
-        num_layers=args.layers,
-        tokens_per_block=args.tokens_per_block,
-        num_blocks=args.num_blocks,
-        kv_manager=args.kv_manager,
-        windows=windows,
-        seed=args.seed,
-        device=args.device,
-    )
+    try:
+        cfg = EngineConfig(kv_manager=args.kv_manager, windows=windows, **shape_kwargs(args))
+    except ValueError as e:
+        raise ValueError(shape_error(e)) from None
     if cfg.kv_manager == "v1" and len(cfg.layer_groups) > 1:
         raise ValueError(
             f"argument --windows: {args.windows!r}: more than one distinct window (VSWA) "
@@ -194,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ecfg = engine_config(args)
         except ValueError as e:
-            return _usage(f"engine shape: {str(e).removeprefix('EngineConfig: ')}")
+            return _usage(f"engine shape: {e}")
     try:
         cfg = load_checked_config(args.config, args.role)
     except ConfigError as e:

@@ -20,7 +20,9 @@ Routes
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
         request counters and a latency histogram.
     ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
-        needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`).
+        needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`);
+        ``/disagg/info`` also carries ``engine``: the engine's shape (its ``model`` name,
+        ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``).
 
 Every request gets an id (the ``X-Request-Id`` header, or a new one), echoed in the answer's
 header and in the structured log line.
@@ -251,6 +253,15 @@ def build_app(
     async def info(request: web.Request) -> web.Response:
         svc = _service(role)
         out: dict[str, Any] = {"role": role, "instance_id": instance_id, "model": model_name}
+        cfg = getattr(engine_loop.engine, "config", None)
+        if cfg is not None and hasattr(cfg, "model_name"):
+            out["engine"] = {
+                "model": cfg.model_name,
+                **{
+                    k: getattr(cfg, k)
+                    for k in ("dtype", "device", "num_blocks", "tokens_per_block", "max_seq_len")
+                },
+            }
         if svc is not None and role == "producer" and svc.store is not None:
             events = svc.events.endpoint if svc.events is not None else None
             out.update(

@@ -146,3 +146,52 @@ def test_target_measures_a_running_deployment(
         assert dep.procs[0].proc is not None and dep.procs[0].proc.poll() is None  # still up
     finally:
         dep.stop()
+
+
+@pytest.mark.timeout(240)
+def test_engine_shape_reaches_every_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Non-default shape flags reach the aggregated instances and both disaggregated roles:
+    each engine's ``/disagg/info`` names that model (checked by the bench on start)."""
+    from disagg.engine.reference import EngineConfig
+
+    shape = ["--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "1"]
+    shape += ["--head-dim", "16", "--intermediate-size", "96", "--dtype", "bfloat16"]
+    shape += ["--num-blocks", "128", "--max-seq-len", "2048"]
+    argv = ["serve", "--rate", "50", "--requests", "2", "--input-len", "64", "--output-len", "2"]
+    assert main([*argv, *shape, "--warmup", "0", "--json"]) == 0
+    rep = _last_json(capsys.readouterr().out)
+    want = EngineConfig(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=16,
+        intermediate_size=96,
+    ).model_name  # fmt: skip
+    assert "-h64-l2-a4-kv1-d16-i96-" in want and rep["model"] == want
+    assert rep["dtype"] == "bfloat16" and rep["num_blocks"] == 128
+    rows = {r["deployment"]: r for r in rep["results"]}
+    assert set(rows) == {"aggregated", "disaggregated"}
+    for r in rows.values():
+        assert r["engine"] == f"{want} bfloat16 cpu" and r["ok"] == 2, r
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--heads", "6", "--kv-heads", "4"], "argument --heads: num_heads must be a multiple"),
+        (["--head-dim", "33"], "argument --head-dim: head_dim must be even"),
+        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["--hidden-size", "0"], "argument --hidden-size: 0 is below 1"),
+        (["--device", "gpu"], "argument --device"),
+        (["--max-seq-len", "64"], "--max-seq-len 64"),
+    ],
+)
+def test_bad_engine_shape_is_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(["serve", "--rate", "1", *argv])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
