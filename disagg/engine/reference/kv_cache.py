@@ -301,21 +301,20 @@ class RequestKv:
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
         gid = self.mgr.layer_group[layer]
         tpb = self.mgr.tpb
-        pos = torch.arange(lo, hi)
         lst = self.pages[gid]
-        blocks = (pos // tpb).tolist()
-        slots = []
-        for b in blocks:
-            s = lst[b] if b < len(lst) else BAD
-            if s < 0:
-                raise RuntimeError(f"layer {layer}: position block {b} has no page")
-            slots.append(s)
+        # per block, not per position: a decode step reads the whole context every layer
+        b0, b1 = lo // tpb, (hi - 1) // tpb + 1 if hi > lo else lo // tpb
+        need = lst[b0:b1]
+        for i in range(b1 - b0):
+            if i >= len(need) or need[i] < 0:
+                raise RuntimeError(f"layer {layer}: position block {b0 + i} has no page")
         dev = self.mgr.groups[gid].pools[0].device
         views = [p.view(p.shape[0], p.shape[1], 2, *self.shape) for p in self.mgr.groups[gid].pools]
+        pos = torch.arange(lo, hi, device=dev)
         return (
             views,
-            torch.tensor(slots, device=dev),
-            (pos % tpb).to(dev),
+            torch.tensor(need, dtype=torch.long, device=dev)[pos // tpb - b0],
+            pos % tpb,
             self.mgr.layer_index[layer],
         )
 

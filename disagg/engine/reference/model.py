@@ -137,12 +137,14 @@ class TinyLlama:
         kf = keys.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
         vf = vals.float().repeat_interleave(rep, dim=1)
         scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) / math.sqrt(hd)
-        qpos = pos[:, None]
-        kpos = torch.arange(lo, start + n)[None, :]
+        # the mask on the scores' device: built on the CPU, a 12k-token prompt's mask took
+        # longer than the layer's matrix products on a GPU
+        qpos = torch.arange(start, start + n, device=scores.device)[:, None]
+        kpos = torch.arange(lo, start + n, device=scores.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-        scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
+        scores = scores.masked_fill(~mask[None], float("-inf"))
         attn = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).reshape(n, -1)
         if self.tp is not None:
             attn = self.tp.allgather_heads(attn, f"layer {i} attention heads")
