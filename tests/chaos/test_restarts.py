@@ -152,6 +152,8 @@ def test_producer_own_pause_does_not_free_live_leases(children):  # noqa: F811
     eng, c = in_process(consumer_conf(f"sc{next(_ids)}", [control]))
     reqs = [_hold(eng, i + 1, tokens) for i, tokens in enumerate(PROMPTS[:2])]
     assert _state(p)["leases"] == 2
+    # live owners: their keepalive has renewed with this producer before it is paused
+    assert wait_for(lambda: c.metrics["leases_renewed"] >= 2, 5)
     pause_s = 4 * OWNER_DEAD_S + LEASE_TTL_S  # far past both: every judge would fire
     os.kill(p.proc.pid, signal.SIGSTOP)
     try:
@@ -160,7 +162,7 @@ def test_producer_own_pause_does_not_free_live_leases(children):  # noqa: F811
         os.kill(p.proc.pid, signal.SIGCONT)
     time.sleep(3 * LEASE_TTL_S)  # several sweeps and renewals after the resume
     st = _state(p)
-    assert st["leases"] == 2, st
+    assert st["leases"] == 2, (st, dict(c.metrics))
     assert st["lease_stats"]["freed_dead_owner"] == 0 and st["lease_stats"]["expired"] == 0
     assert st["metrics"].get("sweeper_stalls", 0) >= 1
     for r in reqs:
