@@ -23,7 +23,6 @@ Call it before anything imports ``disagg.engine`` (``DISAGG_TRTLLM_SRC`` does it
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import logging
 import sys
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .layout import _raw_view
 
 _PYEXEC = "tensorrt_llm._torch.pyexecutor"
 
@@ -130,20 +131,7 @@ def convert_to_torch_tensor(w: TensorWrapper) -> torch.Tensor:
     device = w.device or ADDRESS_DEVICE["device"]
     if nbytes == 0:
         return torch.empty(w.shape, dtype=w.dtype, device=device)
-    if device == "cpu":
-        buf = (ctypes.c_uint8 * nbytes).from_address(w.data_ptr)
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-    else:
-
-        class _Cuda:
-            __cuda_array_interface__ = {
-                "shape": (nbytes,),
-                "typestr": "|u1",
-                "data": (w.data_ptr, False),
-                "version": 3,
-            }
-
-        flat = torch.as_tensor(_Cuda(), device=device)
+    flat = _raw_view(w.data_ptr, nbytes, device)
     return flat.view(w.dtype).as_strided(w.shape, strides)
 
 

@@ -20,8 +20,8 @@ import sys
 import time
 
 from ...cliargs import Parser, usage
-from .cli_checks import problem
-from .config import RUNTIMES, ConnectorSpec, EngineConfig, parse_windows
+from .cli_checks import config_from_args, problem
+from .config import RUNTIMES, ConnectorSpec
 from .executor import Engine
 
 
@@ -88,29 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(names) and not all(names):
         print("error: give all three --connector-* options or none", file=sys.stderr)
         return 2
-    cfg = EngineConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        num_layers=a.layers,
-        num_heads=a.heads,
-        num_kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        windows=parse_windows(a.windows),
-        tokens_per_block=a.tokens_per_block,
-        kv_manager=a.kv_manager,
-        chunk_size=a.chunk_size,
-        tp=a.tp,
-        overlap=a.overlap,
-        runtime=a.runtime,
-        connector_manager=a.connector_manager,
-        num_blocks=a.num_blocks,
-        max_seq_len=a.max_seq_len,
-        device=a.device,
-        seed=a.seed,
-        dtype=a.dtype,
-        enable_block_reuse=not a.no_block_reuse,
-        capture_pages=a.dump_pages is not None,
-    )
+    cfg = config_from_args(a)
     spec = (
         ConnectorSpec(names[0], names[1], names[2], json.loads(a.connector_extra))
         if all(names)

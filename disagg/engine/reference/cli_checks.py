@@ -30,6 +30,33 @@ _FLAGS = {
 }
 
 
+def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the arguments describe (``ValueError`` naming the field)."""
+    return EngineConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        windows=parse_windows(a.windows),
+        tokens_per_block=a.tokens_per_block,
+        kv_manager=a.kv_manager,
+        chunk_size=a.chunk_size,
+        tp=a.tp,
+        overlap=a.overlap,
+        runtime=a.runtime,
+        connector_manager=a.connector_manager,
+        num_blocks=a.num_blocks,
+        max_seq_len=a.max_seq_len,
+        device=a.device,
+        seed=a.seed,
+        dtype=a.dtype,
+        enable_block_reuse=not a.no_block_reuse,
+        capture_pages=a.dump_pages is not None,
+    )
+
+
 def problem(a: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, as one line, or None."""
     for flag, value, low in (
@@ -40,7 +67,7 @@ def problem(a: argparse.Namespace) -> str | None:
         if value < low:
             return f"argument {flag}: {value}: give an integer >= {low}"
     try:
-        windows = parse_windows(a.windows)
+        parse_windows(a.windows)
     except ValueError:
         return (
             f"argument --windows: {a.windows!r}: give 'full' or token counts, comma-separated, "
@@ -63,23 +90,7 @@ def problem(a: argparse.Namespace) -> str | None:
     if why is not None:
         return f"argument --device: {a.device!r}: {why}"
     try:
-        cfg = EngineConfig(
-            vocab_size=a.vocab,
-            hidden_size=a.hidden,
-            num_layers=a.layers,
-            num_heads=a.heads,
-            num_kv_heads=a.kv_heads,
-            head_dim=a.head_dim,
-            windows=windows,
-            tokens_per_block=a.tokens_per_block,
-            kv_manager=a.kv_manager,
-            chunk_size=a.chunk_size,
-            tp=a.tp,
-            num_blocks=a.num_blocks,
-            max_seq_len=a.max_seq_len,
-            device=a.device,
-            dtype=a.dtype,
-        )
+        cfg = config_from_args(a)
     except ValueError as e:
         msg = str(e).removeprefix("EngineConfig: ")
         names = [n for n in _FLAGS if msg.startswith(n)] or [n for n in _FLAGS if n in msg]
