@@ -312,11 +312,19 @@ def test_reset_and_replay(line):
     run(prod, ps, max_tokens=1)
     cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode="auto")
     rid = cons.add_request(ps[0], 4)
-    while not cons.requests[rid].forwarded:
+    for _ in range(500):
+        if cons.requests[rid].forwarded or cons.results[rid].finished:
+            break
         cons.step()
+        time.sleep(0.002)
+    assert cons.requests[rid].forwarded, cons.results[rid]
     cons.replay(rid)
-    while cons.has_work():
+    for _ in range(2000):
+        if not cons.has_work():
+            break
         cons.step()
+        time.sleep(0.002)
+    assert not cons.has_work(), f"the replayed request is stuck: {cons.requests[rid]}"
     res = cons.results[rid]
     assert cons.stats.replays == 1
     assert res.error is None and res.tokens == mono[0]

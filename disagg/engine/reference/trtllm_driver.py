@@ -148,6 +148,7 @@ class TrtllmDriver(Driver):
         self.cache = cache_cls(hashes, self.features.grouped == "dict")
         self._views: dict[int, TrtRequest] = {}
         self._async: dict[int, bool] = {}
+        self._parked: set[int] = set()  # answered async, not yet reported loaded
         self._alloc_params = len(
             inspect.signature(self.mgrs[0].update_state_after_alloc).parameters
         )
@@ -206,6 +207,8 @@ class TrtllmDriver(Driver):
                 "query_num_new_matched_tokens",
             )[0]
         self._async[rid] = bool(is_async)
+        if is_async:
+            self._parked.add(rid)
         return int(n), bool(is_async)
 
     def commit(self, req: Any, start: int, offered: int, honoured: int) -> None:
@@ -292,11 +295,19 @@ class TrtllmDriver(Driver):
         return out
 
     def get_finished(self, saving: list[int], loading: list[int]) -> tuple[set[int], set[int]]:
-        before = set(self.mgrs[0].finished_async_loading_requests)
         self.calls["get_finished"] += 1
         got = self._all(lambda r: self.mgrs[r].get_finished(), "get_finished")
         fin_save = {int(r.request_id) for r in got[0]}
-        fin_load = set(self.mgrs[0].finished_async_loading_requests) - before
+        # a load is over once every rank reported it: the manager then holds the request in
+        # finished_async_loading_requests and no longer in its pending sets (a replayed
+        # request may already be there from its first load: not a membership diff)
+        m = self.mgrs[0]
+        fin_load = {
+            rid
+            for rid in self._parked
+            if rid in m.finished_async_loading_requests and not self.pending_transfer(rid)
+        }
+        self._parked -= fin_load
         return fin_save, fin_load
 
     def close(self) -> None:
