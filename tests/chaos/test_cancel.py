@@ -33,6 +33,16 @@ def _cleanup():
     close_all_services()
 
 
+def drain(eng: Engine, steps: int = 500) -> None:
+    """Step until the engine is idle (bounded: a request stuck parked fails the test)."""
+    for _ in range(steps):
+        if not eng.has_work():
+            break
+        eng.step()
+        time.sleep(0.01)
+    assert not eng.has_work()
+
+
 def _slots_bytes(eng: Engine, slots: list[list[int]]) -> dict[tuple[int, int], bytes]:
     return {(g, s): eng.page_bytes(g, s) for g, group in enumerate(slots) for s in group if s >= 0}
 
@@ -68,12 +78,7 @@ def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypa
     assert cons.results[rid].error == "cancelled"
     assert cons.requests[rid].state == "cancelled", "pages freed while the load still lands"
     go.set()
-    for _ in range(500):
-        if not cons.has_work():
-            break
-        cons.step()
-        time.sleep(0.01)
-    assert not cons.has_work()
+    drain(cons)
     assert csvc.data.poll(load.transfer_id).state is TransferState.DONE
     before = _slots_bytes(cons, slots)
     time.sleep(0.5)  # nothing of the transfer may land after the pages were freed
@@ -157,12 +162,7 @@ def test_tp_cancel_keeps_the_pages_until_every_rank_reported(monkeypatch):
     cons.step()
     assert cons.requests[rid].state == "cancelled"
     go.set()
-    for _ in range(500):
-        if not cons.has_work():
-            break
-        cons.step()
-        time.sleep(0.01)
-    assert not cons.has_work()
+    drain(cons)
     for r, svc in enumerate(rank_services(psvc)):
         svc.data._wait_writable = plain[r]
     assert wait_for(lambda: all(s.leases.active() == 0 for s in rank_services(psvc)))
