@@ -114,7 +114,13 @@ class ProducerLink:
         return time.monotonic() >= self.down_until
 
     def call(
-        self, ch: _Channel, msg: Any, fingerprint: Fingerprint, data_endpoint: str, timeout_s: float
+        self,
+        ch: _Channel,
+        msg: Any,
+        fingerprint: Fingerprint,
+        data_endpoint: str,
+        timeout_s: float,
+        data_caps: m.DataCaps | None = None,
     ) -> Any:
         """``msg``'s reply, saying Hello first when the channel needs it, all within
         ``timeout_s``. A request the producer refuses as coming from before its restart
@@ -129,7 +135,7 @@ class ProducerLink:
             sent = False
             try:
                 if not ch.ready:  # first use, or after any failure (the socket may be new)
-                    self._hello(ch, fingerprint, data_endpoint, deadline)
+                    self._hello(ch, fingerprint, data_endpoint, deadline, data_caps)
                 out = self._bind(msg)
                 sent = True
                 return ch.client.call(out, timeout_s=_left(deadline, out, self.endpoint))
@@ -146,7 +152,12 @@ class ProducerLink:
         raise AssertionError("unreachable")
 
     def _hello(
-        self, ch: _Channel, fingerprint: Fingerprint, data_endpoint: str, deadline: float
+        self,
+        ch: _Channel,
+        fingerprint: Fingerprint,
+        data_endpoint: str,
+        deadline: float,
+        data_caps: m.DataCaps | None = None,
     ) -> None:
         hello = m.Hello(
             v=V,
@@ -154,6 +165,7 @@ class ProducerLink:
             role="consumer",
             fingerprint=fingerprint,
             data_endpoint=data_endpoint,
+            data_caps=data_caps or m.DataCaps(),
             transport=self.transport,
             incarnation=self.consumer_incarnation,
         )

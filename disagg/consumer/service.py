@@ -270,7 +270,7 @@ class ConsumerService(ConnectorService):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
             fp = self.fingerprint_for(link.tp_rank)
-            return link.call(ch, msg, fp, self.data.endpoint, timeout)
+            return link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)
         finally:
             ch.lock.release()
 
@@ -505,6 +505,7 @@ class ConsumerService(ConnectorService):
                     transfer_id=load.transfer_id,
                     token=load.token,
                     data_endpoint=self.data.endpoint,
+                    data_caps=self.data.capabilities,
                     first_block=load.push_first,
                     num_blocks=(
                         load.claimed.num_blocks if load.push_blocks is None else load.push_blocks

@@ -385,6 +385,7 @@ class ProducerService(ControlPlane, ConnectorService):
                 msg.token,
                 pages,
                 deadline_s=max(0.001, job.deadline - time.monotonic()),
+                caps=msg.data_caps,
             )
         except Exception as exc:  # the consumer's transfer fails (deadline or report)
             with self._push_cv:

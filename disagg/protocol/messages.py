@@ -62,6 +62,22 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 # --- handshake -------------------------------------------------------------------------
 
 
+class DataCaps(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a receiver's data plane takes, beyond the plane's base behaviour. The consumer
+    sends its plane's ``capabilities`` in ``Hello`` and in every ``Push``; the producer's
+    plane reads them from the Push (``post_push(caps=...)``), never from the address.
+    A field a plane does not use stays at its default."""
+
+    parts: bool = False  # ipc: takes a push in several parts (the first lands early)
+    tcp_segment_bytes: NonNeg = 0  # ucx tcp: packed host batches may come cut this big
+    tcp_am: bool = False  # ucx tcp: takes active-message fragments of tcp_segment_bytes
+    iov_recv: bool = False  # ucx tcp: receives packed segments straight into host slots
+    direct: bool = False  # ucx shm: runs may land in the rows as they are read
+    rma: NonNeg = 0  # ucx: reads store rows itself from RMA headers of this version
+
+
+
+
 class Hello(Message, frozen=True, tag="hello"):
     """``incarnation``: the sender's (consumer process's) incarnation."""
 
@@ -71,6 +87,7 @@ class Hello(Message, frozen=True, tag="hello"):
     data_endpoint: Str = ""
     transport: Str = "zmq"
     incarnation: Incarnation = 0
+    data_caps: DataCaps = DataCaps()
 
 
 class HelloOk(Message, frozen=True, tag="hello_ok"):
@@ -208,6 +225,7 @@ class Push(Message, frozen=True, tag="push"):
     # synchronous consumer can compute layer i while later layers are still in flight.
     layerwise: bool = False
     incarnation: Incarnation = 0
+    data_caps: DataCaps = DataCaps()  # what the receiver at data_endpoint takes
 
     def __post_init__(self) -> None:
         for g, slots in enumerate(self.dst_slots):

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..protocol.messages import DataCaps
+
 # Frames carry at most this many payload bytes: larger zmq frames are slower (deps.md §4).
 FRAME_BYTES = 1 << 20
 
@@ -220,7 +222,13 @@ class DataPlane(abc.ABC):
     @property
     @abc.abstractmethod
     def endpoint(self) -> str:
-        """Where senders push to (pass it in the control Push message)."""
+        """Where senders push to: an address only (pass it in the control Push message)."""
+
+    @property
+    def capabilities(self) -> DataCaps:
+        """What this receiver takes beyond the plane's base behaviour (pass it in the
+        control Push message with ``endpoint``; the sender's ``post_push(caps=...)``)."""
+        return DataCaps()
 
     @abc.abstractmethod
     def expect(
@@ -259,8 +267,10 @@ class DataPlane(abc.ABC):
         token: bytes,
         pages: Sequence[PageSource],
         deadline_s: float = 30.0,
+        caps: DataCaps | None = None,
     ) -> Any:
         """Start sending ``pages`` to a receiver; returns a handle for ``poll_push``.
+        ``caps``: the receiver's ``capabilities`` (None: only the plane's base behaviour).
         Raises ValueError at once for malformed input (shapes, slots < -1)."""
 
     @abc.abstractmethod

@@ -530,6 +530,7 @@ class IpcDataPlane(BookedReceiver, DataPlane):
         token: bytes,
         pages: Sequence[RowsSource],
         deadline_s: float = 30.0,
+        caps: m.DataCaps | None = None,
     ) -> PushHandle:
         """Announce ``pages`` to the receiver at ``endpoint``; it copies them itself.
         Called from the producer's push pool (any thread); returns at once (the sender

@@ -1912,6 +1912,7 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         token: bytes,
         pages: Sequence[RowsSource],
         deadline_s: float = 30.0,
+        caps: m.DataCaps | None = None,
     ) -> PushHandle:
         if not endpoint.startswith(("ucx+tcp://", "ucx+shm://", "ucx+addr://")):
             raise ValueError(f"not a UCX data endpoint: {endpoint!r}")

@@ -1024,6 +1024,7 @@ class ZmqDataPlane(BookedReceiver, DataPlane):
         token: bytes,
         pages: Sequence[RowsSource],
         deadline_s: float = 30.0,
+        caps: m.DataCaps | None = None,
     ) -> PushHandle:
         """Queue ``pages`` for the peer at ``endpoint``; returns at once. Each source is
         a uint8 ``[n, page_bytes]`` tensor or ``StoreRows`` of a host slab (left in place:
