@@ -275,11 +275,11 @@ def run_instance(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, required=True)
     add_shape_args(ap)
     args = ap.parse_args(argv)
-    from aiohttp import web
 
     from ..engine.reference import Engine, EngineConfig
     from ..serve.app import build_app
     from ..serve.engine_loop import EngineLoop
+    from ..serve.runner import run_app
 
     ecfg = EngineConfig(kv_manager="v2", **shape_kwargs(args))
     loop = EngineLoop(lambda: Engine(ecfg))
@@ -291,7 +291,7 @@ def run_instance(argv: list[str]) -> int:
 
     app.on_cleanup.append(on_cleanup)
     print(f"aggregated instance on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=5)
+    run_app(app, host=args.host, port=args.port)
     return 0
 
 

@@ -20,9 +20,13 @@ Deadlines are not ordered (renewals move them), so ``sweep`` looks at every leas
 
 Liveness is judged by the judge's own clock: a sweep that comes more than ``stall_after_s``
 after the previous one means this process was itself stalled (stopped, starved), so the
-silence it would count was partly its own. That sweep frees nothing; it gives every owner
-a fresh OWNER_DEAD_AFTER and every lease a fresh TTL from now (LEASE_MAX_HOLD is kept), so
-an owner really gone is freed at most one such period later than it would have been.
+silence it would count was partly its own. That sweep frees nothing; it opens STALL_GRACE
+(``stall_grace_s``, default OWNER_DEAD_AFTER + 2 x LEASE_TTL): no owner is declared dead
+and no lease expires before it ends unless the owner is heard from first (then it is judged
+as usual again). The grace covers what a live owner needs to reach us again after our
+resume: its calls that timed out while we were stopped, a new connection and Hello, and
+a few of its renewals (every TTL/3). LEASE_MAX_HOLD is kept, and an owner really gone is
+freed at most one STALL_GRACE later than it would have been.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class LeaseTable:
         max_hold_s: float = DEFAULT_LEASE_MAX_HOLD_S,
         first_id: int = 1,
         stall_after_s: float | None = None,
+        stall_grace_s: float | None = None,
     ):
         if max_hold_s < max_ttl_s:
             raise ValueError(
@@ -110,6 +115,9 @@ class LeaseTable:
         self._last_seen: dict[str, float] = {}
         self._ids = itertools.count(first_id)
         self.stall_after_s = stall_after_s
+        self.stall_grace_s = (
+            owner_dead_after_s + 2 * max_ttl_s if stall_grace_s is None else stall_grace_s
+        )
         self._last_sweep: float | None = None
         self._lock = threading.Lock()
         self.stats = LeaseStats()
@@ -282,12 +290,15 @@ class LeaseTable:
         return len(freed)
 
     def _forgive(self, now: float) -> None:
-        """We were stalled: every owner and lease starts a fresh grace period (lock held)."""
+        """We were stalled: nobody is judged before STALL_GRACE from now (lock held). An
+        owner's silence is counted from the grace's end (a heartbeat restarts it at once);
+        a lease's deadline moves to the grace's end at least (a renewal sets it as usual)."""
         self.stats.stalls_forgiven += 1
+        grace_end = now + self.stall_grace_s
         for o in self._last_seen:
-            self._last_seen[o] = now
+            self._last_seen[o] = max(self._last_seen[o], grace_end - self.owner_dead_after_s)
         for lease in self._leases.values():
-            lease.deadline = max(lease.deadline, min(now + lease.ttl_s, lease.hold_until))
+            lease.deadline = max(lease.deadline, min(grace_end, lease.hold_until))
 
     def free_owner(self, owner: str) -> int:
         """Free every lease of ``owner`` now (its process restarted); returns how many."""

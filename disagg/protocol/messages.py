@@ -76,8 +76,6 @@ class DataCaps(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     rma: NonNeg = 0  # ucx: reads store rows itself from RMA headers of this version
 
 
-
-
 class Hello(Message, frozen=True, tag="hello"):
     """``incarnation``: the sender's (consumer process's) incarnation."""
 

@@ -153,13 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    from aiohttp import web
-
     from ..serve import logs
+    from ..serve.runner import run_app
     from .app import ProxyState, build_app
 
     logs.setup(args.log_level)
     state = ProxyState(producers, consumers, events, events_curve=curve, limits=limits)
     print(f"disagg proxy: on http://{args.host}:{args.port}", flush=True)
-    web.run_app(build_app(state), host=args.host, port=args.port, print=None, shutdown_timeout=5)
+    run_app(build_app(state), host=args.host, port=args.port)
     return 0

@@ -173,11 +173,10 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def run_reference(args: argparse.Namespace, cfg: DisaggConfig, ecfg: Any) -> int:
-    from aiohttp import web
-
     from ..engine.reference import ConnectorSpec, Engine
     from .app import build_app
     from .engine_loop import EngineLoop
+    from .runner import run_app
 
     role = cfg.role
     spec = ConnectorSpec(
@@ -209,7 +208,7 @@ def run_reference(args: argparse.Namespace, cfg: DisaggConfig, ecfg: Any) -> int
     )
     # print() too: tests and operators wait for this line.
     print(f"disagg serve: {role} {cfg.instance_id} on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=5)
+    run_app(app, host=args.host, port=args.port)
     return 0
 
 

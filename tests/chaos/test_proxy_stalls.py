@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -250,6 +251,17 @@ def _raw_post(url: str, data: bytes) -> tuple[int, Any]:
         return e.code, json.loads(raw)
 
 
+def _raw_request(url: str, raw: bytes) -> bytes:
+    """Send ``raw`` bytes to the server at ``url`` and read its answer until it closes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
 def _requests_seen(url: str) -> float:
     _, text = sp.get(f"{url}/metrics")
     return sum(
@@ -296,6 +308,16 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
     assert status == 413 and "larger than" in body["error"]["message"], body
     status, text = sp.get(f"{url}/no/such/route")
     assert status == 404 and json.loads(text)["error"]["code"] == 404
+    # requests aiohttp cannot even parse: still one JSON line, naming what was wrong
+    for raw, why in [
+        (b"GARBAGE\r\n\r\n", "method"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", "header"),
+        (b"\x16\x03\x01\x00\xa5\x01\x00", "HTTPS"),
+    ]:
+        head, _, payload = _raw_request(url, raw).partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == b"400" and b"application/json" in head, head
+        body = json.loads(payload)
+        assert why in body["error"]["message"] and "\n" not in body["error"]["message"], body
     if target == "x":  # nothing reached an upstream except the one valid request
         after = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")}
         assert after["c"] + after["c1"] == seen["c"] + seen["c1"] + 1

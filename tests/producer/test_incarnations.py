@@ -137,11 +137,31 @@ def test_a_stalled_sweeper_forgives_once_then_judges():
     # the producer itself was stopped for 5 s: the owner's silence is ours
     assert table.sweep(now=t0 + 5.25) == 0
     assert table.active() == 1 and table.stats.stalls_forgiven == 1
-    assert table.sweep(now=t0 + 5.5) == 0  # inside the fresh grace
-    # the owner stays silent past a whole OWNER_DEAD_AFTER of our own clock: dead
-    assert table.sweep(now=t0 + 5.75) == 0
-    assert table.sweep(now=t0 + 6.0) == 1
+    # STALL_GRACE (0.6 + 2 x 1.0 s from the resume) covers the owner's reconnect: neither
+    # its silence nor the lease's TTL is judged inside it
+    assert table.stall_grace_s == 2.6
+    for at in (5.5, 6.25, 7.0, 7.75):
+        assert table.sweep(now=t0 + at) == 0
+    # the owner stays silent past the grace's end on our own clock: dead
+    assert table.sweep(now=t0 + 7.9) == 1
     assert table.stats.freed_dead_owner == 1 and store.pinned_blocks() == 0
+
+
+def test_an_owner_heard_from_after_a_stall_is_judged_as_usual_again():
+    store = BlockStore(64, 64 * 8)
+    keys = [bytes([i]) * 16 for i in range(2)]
+    store.plan(keys)
+    store.commit(keys)
+    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=1.0)
+    t0 = time.monotonic()
+    table.heartbeat("owner", now=t0)
+    table.grant("owner", "r", keys, 1.0)
+    assert table.sweep(now=t0 + 0.25) == 0
+    assert table.sweep(now=t0 + 5.25) == 0  # our own stall: the grace opens
+    table.heartbeat("owner", now=t0 + 5.5)  # it reached us again, then went silent
+    assert table.sweep(now=t0 + 6.0) == 0
+    assert table.sweep(now=t0 + 6.2) == 1  # one OWNER_DEAD_AFTER after it was heard
+    assert table.stats.freed_dead_owner == 1
 
 
 def test_without_stall_detection_the_pause_would_have_freed_a_live_lease():
