@@ -11,7 +11,9 @@ Block states (DESIGN §4), each with a named way out so nothing is stuck forever
 - When the store is full, a new save evicts the least-recently-used unpinned STORED block;
   if none can be evicted the save is dropped (counted), never blocking the engine.
 - Every STORED block carries a checksum of its bytes, so corruption is detectable
-  (``verify``) and a push can prove what it sent.
+  (``verify``). It is computed where the store lives, for a whole commit at once: xxh3 of
+  each host row, or on a GPU one batched kernel whose sums stay on the GPU (a host hash of
+  a device store copied every block to the host: 190 ms of a 12k-token prompt's prefill).
 
 Claims look keys up in *runs*: the blocks one ``plan`` call created, in order, with their
 keys packed in one ``bytes`` like a Claim's ``KeyBlob`` and their rows in one array. A
@@ -72,7 +74,6 @@ class Entry:
     row: int
     state: BlockState
     planned_at: float
-    checksum: int = 0
     dead: bool = False  # dropped from the index while pinned
     run: _Run | None = field(default=None, repr=False)  # the plan call that created it
     pos: int = 0  # its index in ``run``
@@ -135,6 +136,7 @@ class BlockStore:
             self.slab = torch.empty((capacity, block_bytes), dtype=torch.uint8, device=dev)
         self.block_bytes = block_bytes
         self.capacity = capacity
+        self._sums = _Checksums(self.slab)
         self.save_timeout_s = save_timeout_s
         self._entries: dict[bytes, Entry] = {}
         # STORED blocks in least-recently-used order. Pinning does not remove a key (claims
@@ -227,10 +229,10 @@ class BlockStore:
                 if e is None or e.state is BlockState.STORED:
                     continue
                 e.state = BlockState.STORED
-                e.checksum = _checksum(self.slab[e.row])
                 if self._pins[e.row] == 0:
                     self._lru[key] = None
                 done.append(key)
+            self._sums.record(_rows_of([self._entries[k] for k in done]))
             self.stats.saves_committed += len(done)
             self._changed.notify_all()
         if done:
@@ -453,11 +455,8 @@ class BlockStore:
     def verify(self) -> int:
         """Re-read every STORED block against its checksum; returns the number corrupted."""
         with self._lock:
-            bad = sum(
-                1
-                for e in self._entries.values()
-                if e.state is BlockState.STORED and _checksum(self.slab[e.row]) != e.checksum
-            )
+            stored = [e for e in self._entries.values() if e.state is BlockState.STORED]
+            bad = self._sums.mismatches(_rows_of(stored))
         self.stats.corruptions_found += bad
         return bad
 
@@ -525,4 +524,64 @@ def _common_keys(mine: bytes, blob: bytes, p: int) -> int:
 
 
 def _checksum(row: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(row.cpu().contiguous().numpy().data)
+    return xxhash.xxh3_64_intdigest(row.contiguous().numpy().data)
+
+
+# Device rows are summed this many bytes at a time (the gathered copy is a temporary).
+_SUM_CHUNK_BYTES = 64 << 20
+
+
+class _Checksums:
+    """One checksum per slab row. Host slab: xxh3-64 of the row. Device slab: a linear
+    hash of the row's 8-byte words (bytes when the row is not a whole number of them)
+    with fixed random odd weights, wrapping mod 2**64: a changed word always changes it.
+    Device sums are enqueued on the current stream and stay on the device."""
+
+    def __init__(self, slab: torch.Tensor, batched: bool | None = None) -> None:
+        self.slab = slab
+        self.device = slab.device.type != "cpu" if batched is None else batched
+        if not self.device:
+            self.host = np.zeros(slab.shape[0], dtype=np.uint64)
+            return
+        width = slab.shape[1]
+        words = width // 8 if width % 8 == 0 else width
+        g = torch.Generator().manual_seed(0x5EED)
+        w = torch.randint(-(1 << 62), 1 << 62, (words,), generator=g, dtype=torch.int64)
+        self.weights = (w * 2 + 1).to(slab.device)
+        self.sums = torch.zeros(slab.shape[0], dtype=torch.int64, device=slab.device)
+
+    def _device_sums(self, rows: np.ndarray) -> torch.Tensor:
+        idx = torch.from_numpy(rows).to(self.slab.device)
+        out = torch.empty(len(rows), dtype=torch.int64, device=self.slab.device)
+        step = max(1, _SUM_CHUNK_BYTES // max(1, self.slab.shape[1]))
+        for i in range(0, len(rows), step):
+            part = self.slab.index_select(0, idx[i : i + step])
+            if self.weights.numel() * 8 == part.shape[1]:
+                words = part.view(torch.int64)
+            else:
+                words = part.to(torch.int64)
+            out[i : i + step] = (words * self.weights).sum(dim=1)
+        return out
+
+    def _host_sums(self, rows: np.ndarray) -> np.ndarray:
+        return np.fromiter(
+            (_checksum(self.slab[int(r)]) for r in rows), dtype=np.uint64, count=len(rows)
+        )
+
+    def record(self, rows: np.ndarray) -> None:
+        """Checksum these rows' bytes as they are now."""
+        if len(rows) == 0:
+            return
+        if self.device:
+            self.sums[torch.from_numpy(rows).to(self.slab.device)] = self._device_sums(rows)
+        else:
+            self.host[rows] = self._host_sums(rows)
+
+    def mismatches(self, rows: np.ndarray) -> int:
+        """How many of these rows no longer match their recorded checksum."""
+        if len(rows) == 0:
+            return 0
+        if self.device:
+            idx = torch.from_numpy(rows).to(self.slab.device)
+            return int((self._device_sums(rows) != self.sums[idx]).sum().item())
+        return int(np.count_nonzero(self._host_sums(rows) != self.host[rows]))

@@ -2,11 +2,12 @@
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from disagg.producer.leases import LeaseTable
-from disagg.producer.store import BlockState, BlockStore
+from disagg.producer.store import BlockState, BlockStore, _Checksums
 from disagg.protocol.errors import ErrorCode, ProtocolError
 
 
@@ -35,6 +36,22 @@ def test_plan_commit_dedup_and_checksums():
     assert s.verify() == 0
     s.slab[int(rows[0]), 3] ^= 0xFF  # a flipped byte is found
     assert s.verify() == 1
+
+
+@pytest.mark.parametrize("width", [64, 60])  # 8-byte words, or bytes
+@pytest.mark.parametrize("batched", [False, True])  # host xxh3, or the device kernel's sums
+def test_checksums_find_every_changed_row(batched, width):
+    slab = torch.randint(0, 256, (40, width), dtype=torch.uint8)
+    sums = _Checksums(slab, batched=batched)
+    rows = np.array([3, 7, 8, 30, 31], dtype=np.int64)
+    sums.record(rows)
+    assert sums.mismatches(rows) == 0
+    slab[7, width - 1] ^= 1
+    slab[30, 0] ^= 0x80
+    slab[5, 2] ^= 1  # not recorded: not checked
+    assert sums.mismatches(rows) == 2
+    sums.record(np.array([7], dtype=np.int64))  # rewritten and recommitted
+    assert sums.mismatches(rows) == 1
 
 
 def test_full_store_evicts_lru_unpinned_and_drops_when_all_pinned():

@@ -3,8 +3,10 @@
 The model owns no KV: each layer writes its new keys/values through a ``KvIO`` and reads
 the keys/values it attends to back through it, so whatever a connector writes into the
 pages is exactly what the model sees. Attention is computed per request in float32 over
-the gathered KV, so a token's output does not depend on how its prompt was chunked or
-whether its prefix was computed here or loaded (up to float rounding of the projections).
+the gathered KV (in float32 on the CPU; on CUDA with PyTorch's fused attention in the
+model's dtype, with the same explicit mask for every chunk, so one kernel serves them all),
+so a token's output does not depend on how its prompt was chunked or whether its prefix
+was computed here or loaded (up to float rounding).
 
 Tensor parallelism across processes (``tp``: a ``TpGroup``, the MPI mode): this process is
 one rank; its pools hold only its KV-head shard, so it attends with its own query heads
@@ -22,8 +24,11 @@ import math
 from typing import Protocol
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import EngineConfig
+
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 class TpGroup(Protocol):
@@ -50,6 +55,18 @@ class KvIO(Protocol):
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _mask(start: int, lo: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n, start + n - lo]``: which keys from position ``lo`` each query of positions
+    ``[start, start+n)`` attends to. Built on the KV's device: built on the CPU, a
+    12k-token prompt's mask took longer than the layer's matrix products on a GPU."""
+    qpos = torch.arange(start, start + n, device=device)[:, None]
+    kpos = torch.arange(lo, start + n, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
 
 
 class TinyLlama:
@@ -87,12 +104,28 @@ class TinyLlama:
         self.lm_head = w(h, cfg.vocab_size)
         self._offsets: dict[str, torch.Tensor] = {}
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        self._rope_cache: tuple[tuple[int, int, torch.device], torch.Tensor, torch.Tensor] | None
+        self._rope_cache = None
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # cos/sin from float64 positions: identical per position however the prompt is split.
-        ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        cos = ang.cos().to(torch.float32).to(x.device)[:, None, :]
-        sin = ang.sin().to(torch.float32).to(x.device)[:, None, :]
+    def _rope_tables(
+        self, start: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[n, 1, head_dim/2]`` of positions ``[start, start+n)`` on ``device``,
+        built once per forward chunk (every layer's q and k use them): each build is a
+        host computation and a copy that waits for the device."""
+        cached = self._rope_cache
+        if cached is not None and cached[0] == (start, n, device):
+            return cached[1], cached[2]
+        # from float64 positions: identical per position however the prompt is split
+        pos = torch.arange(start, start + n, dtype=torch.float64)
+        ang = pos[:, None] * self.inv_freq[None, :]
+        cos = ang.cos().to(torch.float32).to(device)[:, None, :]
+        sin = ang.sin().to(torch.float32).to(device)[:, None, :]
+        self._rope_cache = ((start, n, device), cos, sin)
+        return cos, sin
+
+    def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        cos, sin = self._rope_tables(start, x.shape[0], x.device)
         xf = x.float()
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -121,10 +154,9 @@ class TinyLlama:
         back (this rank's shard), then all-gather the heads (see the module docstring)."""
         cfg, p = self.cfg, self.layers[i]
         n, hd = x.shape[0], cfg.head_dim
-        pos = torch.arange(start, start + n)
         hn = _rms_norm(x, p["attn_norm"])
-        q = self._rope((hn @ p["wq"]).view(n, cfg.num_heads, hd), pos)
-        k = self._rope((hn @ p["wk"]).view(n, cfg.num_kv_heads, hd), pos)
+        q = self._rope((hn @ p["wq"]).view(n, cfg.num_heads, hd), start)
+        k = self._rope((hn @ p["wk"]).view(n, cfg.num_kv_heads, hd), start)
         v = (hn @ p["wv"]).view(n, cfg.num_kv_heads, hd)
         kv.write(i, start, k, v)
         window = cfg.layer_windows[i]
@@ -134,18 +166,28 @@ class TinyLlama:
         if self.tp is not None:  # this rank's query heads: those of its KV heads
             per = cfg.num_heads // self.tp.size
             q = q[:, self.tp.rank * per : (self.tp.rank + 1) * per]
-        kf = keys.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
-        vf = vals.float().repeat_interleave(rep, dim=1)
-        scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) / math.sqrt(hd)
-        # the mask on the scores' device: built on the CPU, a 12k-token prompt's mask took
-        # longer than the layer's matrix products on a GPU
-        qpos = torch.arange(start, start + n, device=scores.device)[:, None]
-        kpos = torch.arange(lo, start + n, device=scores.device)[None, :]
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos > qpos - window
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        attn = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).reshape(n, -1)
+        if keys.is_cuda:
+            # fused attention: a 12k-token prompt's 16 x 12k x 12k float32 score matrices
+            # took most of a 1B model's prefill (973 ms against ~31 ms of matrix products)
+            kh = keys.to(q.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vh = vals.to(q.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            # not cuDNN's kernel: it builds a plan per new shape on the host, and every
+            # decode step has a new key length (a consumer's steps took 0.9 s). A whole
+            # prompt from position 0 is plain causal: the flash kernel, no mask.
+            whole = start == lo == 0 and keys.shape[0] == n and window is None
+            mask = None if whole else _mask(start, lo, n, window, keys.device)[None, None]
+            with sdpa_kernel(_SDPA_BACKENDS):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], kh[None], vh[None], attn_mask=mask, is_causal=whole
+                )
+            attn = out[0].transpose(0, 1).reshape(n, -1)
+        else:
+            kf = keys.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
+            vf = vals.float().repeat_interleave(rep, dim=1)
+            scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) / math.sqrt(hd)
+            mask = _mask(start, lo, n, window, keys.device)
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            attn = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).reshape(n, -1)
         if self.tp is not None:
             attn = self.tp.allgather_heads(attn, f"layer {i} attention heads")
         x = x + attn.to(x.dtype) @ p["wo"]
