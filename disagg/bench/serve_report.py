@@ -9,8 +9,8 @@ end = send to the last byte. ``goodput_rps`` = requests that met both SLOs (TTFT
 
 From the deployment's ``/metrics`` (deltas over the measured run, summed over its engine
 servers): ``remote_share`` = prompt tokens loaded through the connector (remote blocks) /
-prompt tokens sent; ``prefill_computed`` = engine tokens computed minus decode steps
-(output tokens - 1 per request); ``prefill_saved`` = prompt tokens - ``prefill_computed``
+prompt tokens sent (every request's, failed ones too); ``prefill_computed`` = engine
+tokens computed minus decode steps (output tokens received - 1 per request); ``prefill_saved`` = prompt tokens - ``prefill_computed``
 (negative when a deployment computes more prefill than one pass over every prompt);
 ``bytes_moved`` = bytes the producers pushed; ``moved_gbps`` = those bytes / run wall time
 (an average over the run, not the transfer speed); ``claims_hit``/``_miss``/``_failed``
@@ -103,7 +103,9 @@ def summarize(
     gaps = [g for r in ok for g in r.gaps()]
     e2e = [r.done - r.sent for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    prompt = sum(r.prompt_tokens for r in ok)
+    # the servers' counters cover every request sent, failed ones too (their prefill
+    # ran, their blocks moved, their decode steps ran until they broke)
+    prompt = sum(r.prompt_tokens for r in records)
     good = 0
     for r in ok:
         g = r.gaps()
@@ -129,7 +131,7 @@ def summarize(
         row.update(device_hit_tokens=None, bytes_moved=None, moved_gbps=None)
         row.update({k: None for k in CLAIMS})
         return row
-    decode_steps = sum(max(0, r.output_tokens - 1) for r in ok)
+    decode_steps = sum(max(0, r.output_tokens - 1) for r in records)
     computed = int(counters["computed"]) - decode_steps
     row["remote_share"] = counters["connector_matched"] / prompt if prompt else None
     row["remote_tokens"] = int(counters["connector_matched"])

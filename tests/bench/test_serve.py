@@ -109,8 +109,10 @@ def test_summarize_arithmetic() -> None:
     assert r["ttft_p50_ms"] == pytest.approx(1100)  # 200 ms and 2000 ms
     assert r["output_tokens"] == 4 and r["output_tps"] == pytest.approx(2.0)
     assert r["slo_attainment"] == pytest.approx(1 / 3)  # a only: b's TTFT is 2 s
-    assert r["prefill_computed"] == 140 - 2 and r["prefill_saved"] == 150 - 138
-    assert r["remote_share"] == pytest.approx(0.5) and r["moved_gbps"] == pytest.approx(1.0)
+    # the counters cover every request sent, the failed one too (220 prompt tokens)
+    assert r["prompt_tokens"] == 220
+    assert r["prefill_computed"] == 140 - 2 and r["prefill_saved"] == 220 - 138
+    assert r["remote_share"] == pytest.approx(75 / 220) and r["moved_gbps"] == pytest.approx(1.0)
     assert summarize("t", "external", [a], 1.0, None, 1.0, 0.1)["remote_share"] is None
 
 
