@@ -10,8 +10,9 @@ optional dependency it needs) gives a clear message instead of breaking every co
     disagg keys NAME [--dir DIR] [--force]   ZMQ CURVE key pair: NAME.key (secret, 0600)
                                              and NAME.key.pub
     disagg config check [FILE]               validate and print the normalised config
-                                             (FILE defaults to $TRTLLM_DISAGG_CONFIG,
-                                             then $DISAGG_CONFIG); exit 2 on error
+                                             and the tuning switches in force (FILE
+                                             defaults to $TRTLLM_DISAGG_CONFIG, then
+                                             $DISAGG_CONFIG); exit 2 on error
 
 Everything after a delegated command's name is passed unchanged to its ``main(argv)``.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -127,23 +127,9 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from disagg.config import ConfigError, load_config
+    from disagg.config import check
 
-    try:
-        cfg = load_config(args.file)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    data = cfg.to_dict()
-    if args.format == "json":
-        print(json.dumps(data, indent=2))
-    else:
-        import yaml
-
-        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
-    sys.stdout.flush()
-    print(f"{cfg.source}: OK", file=sys.stderr)
-    return 0
+    return check.run(args.file, args.format)
 
 
 # --------------------------------------------------------------------------- main
