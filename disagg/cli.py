@@ -13,6 +13,7 @@ optional dependency it needs) gives a clear message instead of breaking every co
                                              and the tuning switches in force (FILE
                                              defaults to $TRTLLM_DISAGG_CONFIG, then
                                              $DISAGG_CONFIG); exit 2 on error
+    disagg config reference                  the config reference (docs/configuration.md)
 
 Everything after a delegated command's name is passed unchanged to its ``main(argv)``.
 """
@@ -132,6 +133,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return check.run(args.file, args.format)
 
 
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from disagg.config import reference
+
+    sys.stdout.write(reference.markdown())
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -168,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
     check.set_defaults(func=_cmd_config)
+    ref = config_sub.add_parser(
+        "reference", help="print the config reference (docs/configuration.md) as Markdown"
+    )
+    ref.set_defaults(func=_cmd_config_reference)
     return parser
 
 
