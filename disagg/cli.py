@@ -10,8 +10,10 @@ optional dependency it needs) gives a clear message instead of breaking every co
     disagg keys NAME [--dir DIR] [--force]   ZMQ CURVE key pair: NAME.key (secret, 0600)
                                              and NAME.key.pub
     disagg config check [FILE]               validate and print the normalised config
-                                             (FILE defaults to $TRTLLM_DISAGG_CONFIG,
-                                             then $DISAGG_CONFIG); exit 2 on error
+                                             and the tuning switches in force (FILE
+                                             defaults to $TRTLLM_DISAGG_CONFIG, then
+                                             $DISAGG_CONFIG); exit 2 on error
+    disagg config reference                  the config reference (docs/configuration.md)
 
 Everything after a delegated command's name is passed unchanged to its ``main(argv)``.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -127,22 +128,15 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from disagg.config import ConfigError, load_config
+    from disagg.config import check
 
-    try:
-        cfg = load_config(args.file)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    data = cfg.to_dict()
-    if args.format == "json":
-        print(json.dumps(data, indent=2))
-    else:
-        import yaml
+    return check.run(args.file, args.format)
 
-        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
-    sys.stdout.flush()
-    print(f"{cfg.source}: OK", file=sys.stderr)
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from disagg.config import reference
+
+    sys.stdout.write(reference.markdown())
     return 0
 
 
@@ -182,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
     check.set_defaults(func=_cmd_config)
+    ref = config_sub.add_parser(
+        "reference", help="print the config reference (docs/configuration.md) as Markdown"
+    )
+    ref.set_defaults(func=_cmd_config_reference)
     return parser
 
 

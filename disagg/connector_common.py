@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import tuning
 from .config import ConfigError, DisaggConfig, load_config
 
 
 def resolve_config(llm_args: Any, role: str) -> DisaggConfig:
     """The instance's config: ``llm_args.disagg_config`` or ``llm_args.disagg["config"]`` (a
     DisaggConfig, dict or path: how the reference engine passes it), else the file named by ``TRTLLM_DISAGG_CONFIG``
-    / ``DISAGG_CONFIG`` (TensorRT-LLM forwards only ``TRTLLM*`` variables to its workers)."""
+    / ``DISAGG_CONFIG`` (TensorRT-LLM forwards only ``TRTLLM*`` variables to its workers).
+    Its ``tuning:`` section becomes this process's switches (``tuning.install``)."""
     extra = getattr(llm_args, "disagg", None) or {}
     given = getattr(llm_args, "disagg_config", None) or extra.get("config")
     if isinstance(given, DisaggConfig):
@@ -26,6 +28,8 @@ def resolve_config(llm_args: Any, role: str) -> DisaggConfig:
             f"role: this is the {role} connector but the config says role={cfg.role!r}; point "
             f"TRTLLM_DISAGG_CONFIG at a {role} config or load the {cfg.role} connector classes"
         )
+    tuning.install(cfg.tuning)
+    tuning.current()  # a bad DISAGG_* value fails the connector here, by name
     return cfg
 
 

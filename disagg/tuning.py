@@ -1,24 +1,32 @@
 """Expert switches: every ``DISAGG_*`` tuning variable, read and checked in one place.
 
 Each field of ``Tuning`` is one switch; ``None`` means "the built-in default" (what that
-default is depends on the host and is documented where the switch is used). A config
-file's ``tuning:`` section sets them (``install``); an environment variable named in
-``ENV`` overrides the config for its field. ``current()`` is what the code reads: it is
-cheap (cached per environment snapshot), so planes may read it per push, and a test may
-change the environment between two planes.
+default is depends on the host; each field's description says it). A config file's
+``tuning:`` section sets them (``install``); an environment variable named in ``ENV``
+overrides the config for its field. ``current()`` is what the code reads: it is cheap
+(cached per environment snapshot), so planes may read it per push, and a test may change
+the environment between two planes. ``sources()`` says where each set value came from.
 
 A bad value is one ``TuningError`` line naming the variable (or config field), what it
-holds and what it takes.
+holds and what it takes. An empty variable counts as unset.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect as mi
+from msgspec import Meta
+
+# A float switch must be finite: ``gt=0`` alone lets ``inf`` through, and msgspec's bounds
+# must themselves be finite.
+_FLOAT_MAX = sys.float_info.max
 
 
 class TuningError(ValueError):
@@ -26,32 +34,171 @@ class TuningError(ValueError):
 
 
 class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Expert switches for A/B runs and hosts the defaults do not fit. ``None``: default."""
+    """Expert switches for A/B runs and hosts the defaults do not fit; null: the default.
+    Defaults are the measured best; each switch's environment variable overrides it."""
 
-    require_native: bool | None = None  # fail at import when a C helper is not built
-    spin_us: int | None = None  # ipc/stream receivers: busy-poll this long before blocking
-    stream_pipe: bool | None = None  # tcp plane, same host: offer and accept the pipe
-    stream_tcp_msg_bytes: int | None = None  # tcp plane: payload per batch over TCP
-    stream_tcp_sndbuf: bool | None = None  # tcp plane: ask for a 4 MiB TCP send buffer
-    ipc_parts: tuple[int, ...] | None = None  # ipc plane: leading part sizes in pages
-    ucx_iov: bool | None = None  # UCX: scatter-gather (iov) sends and receives at all
-    ucx_rma: bool | None = None  # UCX: one-sided reads of store rows
-    ucx_rma_readers: int | None = None  # UCX: threads reading one RMA batch
-    ucx_mapped: bool | None = None  # UCX shm: copy from a mapped producer store
-    ucx_cma_guard: bool | None = None  # UCX: turn UCX's abort on a failed CMA copy into an error
-    ucx_tcp_iov: bool | None = None  # UCX tcp: iov sends of store rows
-    ucx_tcp_iov_recv: bool | None = None  # UCX tcp: iov receives straight into host slots
-    tp_hang_timeout_s: float | None = None  # reference engine MPI: a rank waits this long
+    require_native: (
+        Annotated[
+            bool,
+            Meta(
+                description="a C helper that is not built is an import error instead of a "
+                "slower fallback (CI sets it); default off"
+            ),
+        ]
+        | None
+    ) = None
+    spin_us: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="ipc plane: microseconds to busy-poll, GIL "
+                "released, before blocking; ipc_spin_us wins over it; default 2000 on 8+ CPUs, "
+                "0 below",
+            ),
+        ]
+        | None
+    ) = None
+    stream_pipe: (
+        Annotated[
+            bool,
+            Meta(
+                description="stream data plane (transport: zmq) on ipc://: pages >= 64 KiB through a vmsplice'd pipe; "
+                "false on either side keeps the plain AF_UNIX stream; default on"
+            ),
+        ]
+        | None
+    ) = None
+    stream_tcp_msg_bytes: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="stream data plane (transport: zmq) on tcp://: payload bytes per batch message (at "
+                "most 8 MiB); default 2097152",
+            ),
+        ]
+        | None
+    ) = None
+    stream_tcp_sndbuf: (
+        Annotated[
+            bool,
+            Meta(
+                description="stream data plane (transport: zmq) on tcp://: the sender asks for a 4 MiB send buffer "
+                "where net.core.wmem_max allows it; false keeps the kernel's autotuning; "
+                "default on"
+            ),
+        ]
+        | None
+    ) = None
+    ipc_parts: (
+        Annotated[
+            tuple[Annotated[int, Meta(ge=0)], ...],
+            Meta(
+                description="ipc plane sender: page counts of the leading parts a large device "
+                "push is cut into (0: never cut); default: pushes of 12288+ pages leave as "
+                "their first half (at most 8192 pages) and the rest",
+                examples=[[4096]],
+            ),
+        ]
+        | None
+    ) = None
+    ucx_iov: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX: scatter-gather (iov) sends and receives at all; false "
+                "gathers into the send ring; default on"
+            ),
+        ]
+        | None
+    ) = None
+    ucx_rma: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX on shm: the consumer reads the producer's store one-sided; "
+                "false keeps tag messages; default on"
+            ),
+        ]
+        | None
+    ) = None
+    ucx_rma_readers: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="UCX on shm: threads (each with its own UCX worker) that copy "
+                "a consumer's one-sided reads; the config key ucx_rma_readers wins over it; "
+                "default 2 on 2+ CPUs, else 1",
+            ),
+        ]
+        | None
+    ) = None
+    ucx_mapped: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX on shm: the consumer copies from a mapping of the producer's "
+                "UCX-allocated store; false (either side) keeps the one-sided reads; default on"
+            ),
+        ]
+        | None
+    ) = None
+    ucx_cma_guard: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX: a failed cma read or write (the peer died) fails that request "
+                "instead of UCX aborting this process; false restores UCX's abort; default on"
+            ),
+        ]
+        | None
+    ) = None
+    ucx_tcp_iov: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX tcp sender: scattered store rows leave as one iov message per "
+                "2 MiB segment; default: on where the context has large tcp segments (the "
+                "hardened tcp settings)"
+            ),
+        ]
+        | None
+    ) = None
+    ucx_tcp_iov_recv: (
+        Annotated[
+            bool,
+            Meta(
+                description="UCX tcp receiver: each packed segment for host slots is one iov "
+                "receive straight into the slots; default: on under the hardened tcp settings"
+            ),
+        ]
+        | None
+    ) = None
+    tp_hang_timeout_s: (
+        Annotated[
+            float,
+            Meta(
+                gt=0,
+                le=_FLOAT_MAX,
+                extra={"unit": "seconds"},
+                description="reference engine, MPI mode: a rank waiting this long on the others "
+                "raises RankHangError; read when the rank's communicator is made, before a "
+                "connector loads its config, so set it by its variable; default 120",
+            ),
+        ]
+        | None
+    ) = None
 
 
 # field -> environment variable that overrides it
 ENV: dict[str, str] = {name: "DISAGG_" + name.upper() for name in Tuning.__struct_fields__}
 
-_MINIMUM: dict[str, float] = {
-    "spin_us": 0,
-    "stream_tcp_msg_bytes": 1,
-    "ucx_rma_readers": 1,
-    "tp_hang_timeout_s": 1e-9,
+_HINTS: dict[str, Any] = {
+    name: hint
+    for name, hint in typing.get_type_hints(Tuning, include_extras=True).items()
+    if name in ENV
 }
 
 _lock = threading.Lock()
@@ -59,47 +206,65 @@ _installed = Tuning()
 _cache: tuple[tuple[Any, ...], Tuning] | None = None
 
 
-def _kind(name: str) -> str:
-    hint = Tuning.__annotations__[name]
-    for kind in ("tuple", "bool", "int", "float"):
-        if kind in str(hint):
-            return kind
-    raise AssertionError(name)
+def _type(name: str) -> mi.Type:
+    """The schema type of switch ``name`` without its ``None``."""
+    t = mi.type_info(_HINTS[name])
+    assert isinstance(t, mi.UnionType)
+    return next(x for x in t.types if not isinstance(x, mi.NoneType))
+
+
+def _bare(name: str) -> mi.Type:
+    t = _type(name)
+    return t.type if isinstance(t, mi.Metadata) else t
+
+
+def takes(name: str) -> str:
+    """What the environment variable of switch ``name`` takes, in words."""
+    from .config.errors import describe  # disagg.config imports this module
+
+    bare = _bare(name)
+    if isinstance(bare, mi.BoolType):
+        return "0 or 1"
+    if isinstance(bare, mi.VarTupleType):
+        return f"comma-separated page counts, each {describe(bare.item_type)}, e.g. 2048,4096"
+    return describe(_type(name))
+
+
+def _checked(name: str, value: Any, shown: str) -> Any:
+    try:
+        return msgspec.convert(value, _HINTS[name])
+    except msgspec.ValidationError:
+        raise TuningError(f"{shown}: expected {takes(name)}") from None
 
 
 def _parse(name: str, raw: str) -> Any:
     """One environment value for field ``name``; TuningError names the variable."""
-    var, text, kind = ENV[name], raw.strip(), _kind(name)
+    text = raw.strip()
     if text == "":
         return None
+    bare = _bare(name)
+    value: Any = text  # what does not parse stays text, which _checked refuses by name
     try:
-        if kind == "bool":
-            if text not in ("0", "1"):
-                raise ValueError
-            return text == "1"
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        if isinstance(bare, mi.BoolType):
+            value = {"0": False, "1": True}.get(text, text)
+        elif isinstance(bare, mi.IntType):
+            value = int(text)
+        elif isinstance(bare, mi.FloatType):
+            value = float(text)
+        elif isinstance(bare, mi.VarTupleType):
+            value = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
-        takes = {
-            "bool": "0 or 1",
-            "int": "an integer",
-            "float": "a number",
-            "tuple": "comma-separated page counts, e.g. 2048,4096",
-        }[kind]
-        raise TuningError(f"{var}={raw!r}: expected {takes}") from None
+        pass
+    return _checked(name, value, f"{ENV[name]}={raw!r}")
 
 
-def _check(t: Tuning, where: Mapping[str, str]) -> Tuning:
-    for name, low in _MINIMUM.items():
-        value = getattr(t, name)
-        if value is not None and value < low:
-            raise TuningError(f"{where[name]}={value!r}: must be >= {low:g}")
-    if t.ipc_parts is not None and any(n < 0 for n in t.ipc_parts):
-        raise TuningError(f"{where['ipc_parts']}={t.ipc_parts!r}: page counts must be >= 0")
-    return t
+def check(section: Tuning) -> Tuning:
+    """``section`` with every switch checked (a ``Tuning`` built in code is not)."""
+    for name in ENV:
+        value = getattr(section, name)
+        if value is not None:
+            _checked(name, value, f"tuning.{name}={value!r}")
+    return section
 
 
 def from_env(environ: Mapping[str, str] | None = None, base: Tuning | None = None) -> Tuning:
@@ -108,14 +273,13 @@ def from_env(environ: Mapping[str, str] | None = None, base: Tuning | None = Non
     base = Tuning() if base is None else base
     changes = {name: _parse(name, env[var]) for name, var in ENV.items() if var in env}
     changes = {k: v for k, v in changes.items() if v is not None}
-    where = {name: ENV[name] if name in changes else f"tuning.{name}" for name in ENV}
-    return _check(msgspec.structs.replace(base, **changes), where)
+    return msgspec.structs.replace(base, **changes)
 
 
 def install(section: Tuning) -> None:
     """Make a config's ``tuning:`` section the base under the environment's overrides."""
     global _installed, _cache
-    _check(section, {name: f"tuning.{name}" for name in ENV})
+    check(section)
     with _lock:
         _installed, _cache = section, None
 

@@ -667,3 +667,34 @@ def test_check_llm_api_options_catches():
         "unexpected keys ['connector']",
     ):
         assert fragment in text
+
+
+def test_pickled_copy_keeps_its_source(tmp_path):
+    import pickle
+
+    cfg = load_config(write(tmp_path, "c.yaml", YAML_TEXT))
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and again.source == cfg.source
+
+
+@pytest.mark.parametrize(
+    "data,field,fragment",
+    [
+        ({"role": 3}, "role", "valid values: producer, consumer"),
+        (dict(PRODUCER, metrics={"host": "*"}), "metrics.host", "0.0.0.0"),
+        (with_(PRODUCER, "producer", store_size=1.5), "producer.store_size", "4GiB"),
+        (with_(CONSUMER, "consumer", producers=[[]]), "consumer.producers[0]", "rank order"),
+        (
+            with_(CONSUMER, "consumer", producers=[["tcp://a:1", "tcp://*:2"]]),
+            "consumer.producers[0][1]",
+            "wildcard",
+        ),
+        ({**PRODUCER, 1: 2}, "1", "keys must be strings"),
+        (dict(PRODUCER, instance_id="  "), "instance_id", "non-empty string"),
+        (dict(PRODUCER, transport="ipc", ipc_spin_us=1.5), "ipc_spin_us", "integer >= 0"),
+    ],
+)
+def test_more_errors_name_their_field(data, field, fragment):
+    e = err(data)
+    assert e.field == field and str(e).startswith(f"{field}") and fragment in str(e)
+    assert "\n" not in str(e)

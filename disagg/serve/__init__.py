@@ -30,6 +30,7 @@ import logging
 import sys
 from typing import Any
 
+from .. import tuning
 from ..cliargs import Parser, cuda_problem, non_negative_int, port, positive_int
 from ..config import ROLES, ConfigError, DisaggConfig, load_config
 
@@ -138,7 +139,8 @@ def _usage(msg: str) -> int:
 
 
 def load_checked_config(path: str | None, role: str | None) -> DisaggConfig:
-    """Load and validate the config; the file's role must equal ``--role`` (if given)."""
+    """Load and validate the config; the file's role must equal ``--role`` (if given). Its
+    ``tuning:`` section is installed, and a bad ``DISAGG_*`` value is a ConfigError here."""
     cfg = load_config(path)
     if role is not None and cfg.role != role:
         raise ConfigError(
@@ -146,6 +148,11 @@ def load_checked_config(path: str | None, role: str | None) -> DisaggConfig:
             f"{cfg.role} or point --config at a {role} config",
             "role",
         )
+    try:
+        tuning.install(cfg.tuning)
+        tuning.current()
+    except tuning.TuningError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

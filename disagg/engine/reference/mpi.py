@@ -15,7 +15,7 @@ simulation loops over ranks: ``bcast`` (the leader's answers), ``allgather``
 collective, NCCL's stand-in) on another, so a rank stuck in a layer and a rank that went
 on to the executor's next collective can never pair up: they wait on each other, as
 TensorRT-LLM's ranks would, forever. Here "forever" is ``hang_timeout_s`` (default 120 s,
-``DISAGG_TP_HANG_TIMEOUT_S``): then the waiting rank raises ``RankHangError`` naming the
+``tuning.tp_hang_timeout_s``, ``DISAGG_TP_HANG_TIMEOUT_S``): then the waiting rank raises ``RankHangError`` naming the
 collective (fatal), and a script should ``abort()`` the job (a collective left pending
 cannot be cancelled, and ``MPI_Finalize`` would wait for it).
 
@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ... import tuning
 from .connector_driver import RankHangError
 
 DEFAULT_HANG_TIMEOUT_S = 120.0
@@ -91,9 +92,7 @@ class MpiComm:
         self._exec = base.Dup()  # the executor's (connector answers, get_finished)
         self._model = base.Dup()  # the layers' (a different channel, as NCCL is)
         if hang_timeout_s is None:
-            hang_timeout_s = float(
-                os.environ.get("DISAGG_TP_HANG_TIMEOUT_S", DEFAULT_HANG_TIMEOUT_S)
-            )
+            hang_timeout_s = tuning.current().tp_hang_timeout_s or DEFAULT_HANG_TIMEOUT_S
         if hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, not {hang_timeout_s}")
         self.hang_timeout_s = hang_timeout_s
