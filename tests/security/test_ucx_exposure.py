@@ -218,8 +218,8 @@ def test_a_forged_put_from_another_host_is_refused(attacker, monkeypatch):
     assert not hit, f"a forged put from another host landed in the consumer's pool ({said})"
 
 
-# The operator's form of the hardening (README): the same settings a host tcp plane now
-# takes by default (TCP_HARDENING), given in the environment
+# The operator's form of the hardening (docs/design/security.md): the settings a tcp
+# plane takes by default (TCP_HARDENING), given in the environment
 HARDENED = {f"UCX_{k}": v for k, v in TCP_HARDENING.items()}
 
 
