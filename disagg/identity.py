@@ -65,7 +65,7 @@ def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) ->
 
 @dataclass(frozen=True)
 class RequestIdentity:
-    """What besides its tokens decides a request's KV (DESIGN §3): its cache salt, its LoRA
+    """What besides its tokens decides a request's KV: its cache salt, its LoRA
     adapter, and its multimodal inputs (images whose placeholder tokens are equal give
     different KV). Requests whose identities differ never share block keys, so KV computed
     under one adapter or image is never loaded for another: that is a miss, not a wrong

@@ -151,7 +151,7 @@ class ConnectorService:
     ) -> bytes:
         """The key-chain seed of requests of identity ``ident`` (a bare string is a cache
         salt) on rank ``tp_rank`` (default: ours). Keys differ per rank and per identity
-        (DESIGN §3). Cached, except for multimodal identities (one per request)."""
+        (rank and identity are in the seed). Cached, except for multimodal identities (one per request)."""
         if not isinstance(ident, RequestIdentity):
             token = None if ident is None else str(cache_salt_id(ident))
             ident = RequestIdentity(cache_salt=token)

@@ -1,4 +1,4 @@
-"""deploy/: the trtllm-serve YAMLs against the contract's bring-up rules (§9-§10), the example
+"""deploy/: the trtllm-serve YAMLs against TensorRT-LLM's connector bring-up rules, the example
 disagg configs, launch.sh, the Dockerfile and the docker-compose file."""
 
 from __future__ import annotations
@@ -62,18 +62,18 @@ def test_named_classes_exist(role):
 def test_bring_up_rules(role):
     opts = trtllm_yaml(role)
     kv = opts["kv_cache_config"]
-    assert kv["enable_block_reuse"] is True  # §9: reuse off -> rejected / prefix ignored
-    assert kv.get("enable_partial_reuse") is False  # §9 runtime: non-aligned match declined
-    assert "cuda_graph_config" in opts and opts["cuda_graph_config"] is None  # §9 CUDA graphs
-    for key in ("host_cache_size", "disk_cache_size"):  # §9: secondary tier > 0 refused
+    assert kv["enable_block_reuse"] is True  # reuse off -> rejected / prefix ignored
+    assert kv.get("enable_partial_reuse") is False  # non-aligned match declined
+    assert "cuda_graph_config" in opts and opts["cuda_graph_config"] is None  # CUDA graphs
+    for key in ("host_cache_size", "disk_cache_size"):  # secondary tier > 0 refused
         assert not kv.get(key), key
-    assert opts.get("max_beam_width", 1) == 1  # §9: beams refused
-    assert opts.get("speculative_config") is None  # §9: speculative decoding refused
+    assert opts.get("max_beam_width", 1) == 1  # beams refused
+    assert opts.get("speculative_config") is None  # speculative decoding refused
     for key in ("pipeline_parallel_size", "pp_size", "context_parallel_size", "cp_size"):
-        assert opts.get(key, 1) == 1, key  # §9: PP/CP refused
+        assert opts.get(key, 1) == 1, key  # PP/CP refused
     policy = opts.get("scheduler_config", {}).get("capacity_scheduler_policy")
-    assert policy in (None, "GUARANTEED_NO_EVICT")  # §9: V1 needs GUARANTEED_NO_EVICT
-    assert not opts.get("enable_attention_dp")  # §9: ADP needs supports_attention_dp
+    assert policy in (None, "GUARANTEED_NO_EVICT")  # V1 needs GUARANTEED_NO_EVICT
+    assert not opts.get("enable_attention_dp")  # ADP needs supports_attention_dp
     assert check_llm_api_options(opts) == []
 
 

@@ -120,8 +120,9 @@ def bench_ipc_plane(
     plane = IpcDataPlane(bind)
     plane.register_regions([[pool]])
     # Warm-up: the first pushes of a fresh plane run 20-50% slower, easing over 5-10
-    # pushes back to back (H200 VM, session 14: per-push times in docs/perf/
-    # h200-session14/), so one warm-up push left the median of five in that transient.
+    # pushes back to back (cold CPU, threads asleep past the spin window); after one
+    # warm-up push the median of five still fell inside that transient
+    # (docs/design/data-planes.md).
     rounds = [1] * IPC_WARMUP_PUSHES + [d for d in depths for _ in range(repeats)]
     promised = [dst_slots.tolist()]
     for tid in range(1, sum(rounds) + 1):

@@ -55,7 +55,7 @@ DEFAULT_CAPACITIES = (100_000, 1_000_000, 3_000_000, 10_000_000, 100_000_000)
 DEFAULT_PRODUCERS = (1, 4)
 DEFAULT_PREFILL_TPS = 20_000.0
 SEED = b"disagg/bench/reuse"[:16]
-# The Mooncake FAST'25 paper on its conversation trace (see ../shared/traces/README.md).
+# The Mooncake FAST'25 paper on its conversation trace (docs/design/traces.md).
 PAPER = {
     "theoretical": 0.40,
     "pooled_vs_per_node_max": 2.36,

@@ -1,8 +1,8 @@
 """Our contract-faithful definitions of TensorRT-LLM's KV cache connector base classes.
 
-Used only when TensorRT-LLM is not importable. Written from
-``shared/trtllm-connector-contract.md`` §3-§5 (not from TensorRT-LLM's code): same names,
-signatures, abstract methods and defaults, including the per-layer-group forms that fold
+Used only when TensorRT-LLM is not importable. Written from TensorRT-LLM's documented
+connector API (the worker, the scheduler and the data handed to ``build_connector_meta``),
+not from its code: same names, signatures, abstract methods and defaults, including the per-layer-group forms that fold
 back to the flat ones, and the stand-in that lets a grouped-only connector instantiate.
 """
 
@@ -77,7 +77,7 @@ class RequestData:
 
 @dataclass
 class PrefixLoad:
-    """One load a reservation was accepted for (contract §4.3; TensorRT-LLM main, #17974):
+    """One load a reservation was accepted for (TensorRT-LLM main, #17974):
     the exact interval ``[start, end)`` (absolute prompt positions, block-aligned) of the
     reservation ``reservation_id`` to load for request ``request_id``, into the complete
     destination page lists ``block_ids_by_layer_group[g][ordinal]`` (``-1``: no page)."""
@@ -182,7 +182,8 @@ class KvCacheConnectorWorker(ABC):
         failed; the runtime restarts them. Cleared on return."""
         return set()
 
-    # Opt-in prefix reservations (contract §4.3): all three hooks or none.
+    # Opt-in prefix reservations (docs/design/prefix-reservations.md): all three hooks or
+    # none.
     def get_finished_prefix_loads(self) -> list[int]:
         """Every iteration (prefix-aware scheduling): reservation ids whose loads finished
         on this worker (reads and writes over); must not wait for other workers."""
@@ -243,7 +244,8 @@ class KvCacheConnectorScheduler(ABC):
     def wait_for_initialization(self) -> None:
         """Once at the end of bring-up, after KV registration and hook installation."""
 
-    # Opt-in prefix reservations (contract §4.3): all three hooks or none.
+    # Opt-in prefix reservations (docs/design/prefix-reservations.md): all three hooks or
+    # none.
     def reserve_prefix(
         self, request: Any, num_computed_tokens: int, reservation_id: int
     ) -> tuple[int, bool]:

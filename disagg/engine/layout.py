@@ -1,4 +1,4 @@
-"""KV cache layout descriptions, written from the TensorRT-LLM connector contract (§8).
+"""KV cache layout descriptions, written from TensorRT-LLM's ``KvCacheLayout`` API.
 
 These mirror ``tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout`` (the union of
 the two stored variants) so a connector written against them runs unchanged on either.

@@ -1,6 +1,6 @@
 """The producer's block store: a fixed byte budget of store blocks, indexed by content key.
 
-Block states (DESIGN §4), each with a named way out so nothing is stuck forever:
+Block states, each with a named way out so nothing is stuck forever:
 
     PLANNED  --first layer copied-->  STAGING  --commit-->  STORED  --evict (unpinned)--> gone
        |                                 |

@@ -1,4 +1,4 @@
-"""Content keys of blocks and pages (DESIGN §3).
+"""Content keys of blocks and pages.
 
 Key of block i: ``h_i = xxh3_128(h_{i-1} || int64-LE tokens of block i)`` with
 ``h_{-1} = Namespace.seed()``. Everything that changes what a page's bytes mean is in the

@@ -22,15 +22,16 @@ fall through to least-loaded, which is safe.
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import threading
+import urllib.request
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
-
-import httpx
 
 from ..protocol import messages as m
 from ..protocol.keys import block_keys
@@ -226,12 +227,14 @@ class EventFeeds:
         url = self._by_instance.get(producer)
         if url is None:
             raise OSError(f"no HTTP URL known for producer {producer!r}")
+        # A blocking GET on the subscriber's thread; urlopen raises HTTPError (an OSError)
+        # on a non-2xx answer.
         try:
-            r = httpx.get(f"{url}/disagg/snapshot", timeout=self._timeout_s)
-            r.raise_for_status()
-        except httpx.HTTPError as e:
+            with urllib.request.urlopen(f"{url}/disagg/snapshot", timeout=self._timeout_s) as r:
+                body = r.read()
+        except (OSError, http.client.HTTPException) as e:
             raise OSError(f"snapshot of {producer} from {url}: {e}") from e
-        d = r.json()
+        d = json.loads(body)
         return m.SnapshotOk(
             v=PROTOCOL_VERSION,
             producer=d["producer"],

@@ -43,4 +43,3 @@ def setup(level: str = "info") -> None:
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we log requests ourselves
-    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -2,7 +2,7 @@
  *
  * Why C: a Python loop that polls (select(0), Event.is_set) takes the GIL between polls,
  * so it slows the thread doing the work and, when that thread holds the GIL, sleeps on
- * the GIL itself (measured on the H200 VM in session 6: no gain). Here the whole window
+ * the GIL itself (measured on the H200 VM: no gain). Here the whole window
  * runs without the GIL; only the return takes it back.
  *
  * wait_readable(fd, spin_ns, publish=()) -> bool: poll(fd, POLLIN) with a zero timeout

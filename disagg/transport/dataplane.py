@@ -42,7 +42,7 @@ import torch
 
 from ..protocol.messages import DataCaps
 
-# Frames carry at most this many payload bytes: larger zmq frames are slower (deps.md §4).
+# Frames carry at most this many payload bytes: larger zmq frames are slower.
 FRAME_BYTES = 1 << 20
 
 

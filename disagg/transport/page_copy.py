@@ -9,7 +9,7 @@ rows and writes its own page slots), so it is the one place where bytes move:
   size into random slots): 1.83-1.87 TB/s for block sizes 2048-8192 and 8-16 warps,
   against about 0.87 TB/s for ``index_select`` + ``index_copy_`` (two passes, and
   ``index_copy_`` scatters at about 0.4 TB/s) and 2.06 TB/s for one contiguous
-  device-to-device copy. Re-measured side by side (a micro benchmark of session 5, cuda
+  device-to-device copy. Re-measured side by side (a micro benchmark, cuda
   events, median of 7; d2d 2.05-2.07 TB/s): 16 KiB pages 1.82-1.86 TB/s (0.89-0.90 of
   d2d) with int32 or int64 indices; torch ``index_select`` alone 1.81 (0.88),
   ``index_copy_`` alone 0.37 (0.18), both 0.30 (0.15); hints (``tl.multiple_of`` /
@@ -21,7 +21,7 @@ rows and writes its own page slots), so it is the one place where bytes move:
   (``launch_device``): on the H200's VM each Python step before a launch costs tens of
   microseconds on a CPU just woken. Once the JIT compiled the kernel for a prepared copy
   and 16-byte aligned index arrays, ``launch_raw`` launches that compiled kernel with raw
-  addresses (session 6, H200, CPU time of one launch hot / after a 2 ms sleep: JIT 44 /
+  addresses (H200, CPU time of one launch hot / after a 2 ms sleep: JIT 44 /
   79 us, direct with int pointers and a cached stream handle 12 / 26; in the ipc plane's
   receiver 63 -> 35-49 us).
 - **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.

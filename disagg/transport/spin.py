@@ -7,7 +7,7 @@ wake, and then runs its first few hundred microseconds 2-3x slower than a busy t
 spins for a bounded window (``spin_us``) before it blocks: a message arriving within the
 window is seen at once, by a warm CPU. The spin runs in C with the GIL released
 (``_spin.c``), so it never holds back the interpreter's other threads; a Python polling
-loop did (session 6: no gain).
+loop did (measured on the H200 VM: no gain).
 
 The cost is one core per spinning thread for at most ``spin_us`` after each wake-up with
 work; an idle thread blocks as before (the window restarts only after events). Off (0)

@@ -123,7 +123,7 @@ def test_failed_forward_on_the_producer_gives_its_pages_back():
 
     # the producer keeps saving whole blocks, and a consumer loads them correctly (another
     # prompt: V1 itself publishes the failed request's unfilled pages on the producer's
-    # device, TensorRT-LLM's own hazard, see README "Reliability")
+    # device, TensorRT-LLM's own hazard, see docs/design/reliability.md)
     worker.save_kv_layer = save
     fresh = prompts(n=1, length=300, seed=9)
     produced = run(prod, fresh, 1)

@@ -1,8 +1,8 @@
 """Chaos matrix: a peer killed with SIGKILL (or its network cut) at each point of a load.
 
 The killed role runs in its own process (``chaos_role.py``); the surviving role runs in
-this process so its state can be inspected directly. Every case checks (DESIGN §5, issue
-5): each request returns the monolithic tokens or fails with an error naming a request,
+this process so its state can be inspected directly. Every case checks the consumer's
+rules: each request returns the monolithic tokens or fails with an error naming a request,
 within its deadline; no wrong token; the survivor's leases and store return to baseline.
 
 Short timeouts keep each case within a few seconds: leases 1 s, heartbeats 0.2 s, an owner

@@ -2,7 +2,7 @@
 given (``DISAGG_TRTLLM_SRC=<tree>``, loaded by ``disagg.engine`` with only the C++ parts
 stood in for; or an installed ``tensorrt_llm``), else against our fallback copies.
 
-``.ci/run`` runs it once per tree in ``../shared/trtllm-src/`` (each its own process:
+``.ci/run`` runs it once per tree under ``$DISAGG_TRTLLM_TREES`` (each its own process:
 ``disagg.engine`` binds one line per process) and once on the fallback copies.
 """
 

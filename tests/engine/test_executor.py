@@ -1,4 +1,4 @@
-"""The executor drives a connector as TensorRT-LLM's does (contract §7, §13)."""
+"""The executor drives a connector as TensorRT-LLM's does (``py_executor.py``'s order)."""
 
 from __future__ import annotations
 

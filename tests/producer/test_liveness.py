@@ -20,7 +20,7 @@ def fill(store: BlockStore, keys: list[bytes], value: int) -> None:
 
 def test_lease_freed_mid_push_cannot_let_its_rows_be_reused():
     """A lease swept (dead owner, TTL) while its push is in flight must not let the
-    pushed rows be evicted and rewritten under the data plane (anchors §5.1)."""
+    pushed rows be evicted and rewritten under the data plane."""
     s = BlockStore(64, 64 * 4)
     fill(s, [key(i) for i in range(4)], 7)
     t = LeaseTable(s, max_ttl_s=1.0, owner_dead_after_s=0.5)

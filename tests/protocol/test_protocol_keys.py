@@ -111,7 +111,7 @@ def test_tokens_array_converts_once_and_keys_agree():
 
 
 def _by_formula(seed: bytes, toks: list[int], tpb: int) -> list[bytes]:
-    """DESIGN §3 spelled out: h_i = xxh3_128(h_{i-1} || int64-LE tokens of block i)."""
+    """The key chain spelled out: h_i = xxh3_128(h_{i-1} || int64-LE tokens of block i)."""
     import struct
 
     import xxhash

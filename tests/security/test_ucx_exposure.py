@@ -1,5 +1,5 @@
 """UCX's tcp transport takes one-sided writes at any address of a process from any peer
-that reaches its sockets (found in the tenth session: docs/spikes/ucx-put/NOTES.md). The
+that reaches its sockets (docs/design/security.md). The
 UCX plane keeps tcp off every network it was not asked to serve (``_exposure_config``):
 ``shm`` planes load no tcp transport, ``tcp`` planes only on their bind address's device.
 
@@ -218,8 +218,8 @@ def test_a_forged_put_from_another_host_is_refused(attacker, monkeypatch):
     assert not hit, f"a forged put from another host landed in the consumer's pool ({said})"
 
 
-# The operator's form of the hardening (README): the same settings a host tcp plane now
-# takes by default (TCP_HARDENING), given in the environment
+# The operator's form of the hardening (docs/design/security.md): the settings a tcp
+# plane takes by default (TCP_HARDENING), given in the environment
 HARDENED = {f"UCX_{k}": v for k, v in TCP_HARDENING.items()}
 
 
@@ -239,8 +239,8 @@ def test_hardened_settings_refuse_the_put_even_with_tcp_on_every_device(attacker
 
 @pytest.mark.netns
 def test_the_forged_put_is_real_when_tcp_serves_every_device(attacker, monkeypatch):
-    """The control: UCX's tcp on every device with its put on (the behaviour before the
-    tenth session, or an operator's ``UCX_NET_DEVICES=all UCX_TCP_PUT_ENABLE=y``) lets the
-    same peer write the consumer's memory."""
+    """The control: UCX's tcp on every device with its put on (UCX's defaults, as an
+    operator's ``UCX_NET_DEVICES=all UCX_TCP_PUT_ENABLE=y`` sets them) lets the same peer
+    write the consumer's memory."""
     hit, said = _attack(attacker, monkeypatch, UCX_NET_DEVICES="all", UCX_TCP_PUT_ENABLE="y")
     assert hit, f"the control attack did not land: {said}"

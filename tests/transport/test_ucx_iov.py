@@ -98,8 +98,7 @@ HARDENED = {
     "UCX_TCP_TX_SEG_SIZE": "2m",
     "UCX_TCP_RX_SEG_SIZE": "2m",
 }
-# the protocol before the eleventh session (put rendezvous, UCX's 8 KiB tcp segments),
-# chosen by an operator
+# UCX's own protocol (put rendezvous, its 8 KiB tcp segments), chosen by an operator
 EARLIER = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
 
 

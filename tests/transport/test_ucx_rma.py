@@ -612,9 +612,9 @@ def test_reader_lanes_share_a_batch_byte_exact(readers, monkeypatch):
 
     pb, n = 65536, 160
     # The progress thread posts one 64 KiB read per loop turn (16 MiB by default: the
-    # whole 10 MiB batch in its first turn). Otherwise, on a loaded box (fresh-clone CI
-    # next to other work, after 9a98f45), it could read everything before a lane thread
-    # was scheduled, leaving nothing to check about the lanes.
+    # whole 10 MiB batch in its first turn). Otherwise, on a loaded box, it could read
+    # everything before a lane thread was scheduled, leaving nothing to check about the
+    # lanes.
     monkeypatch.setattr(ucx_plane, "_RMA_TURN", pb)
     rng = np.random.default_rng(5)
     rows = np.concatenate([rng.permutation(2 * n)[: n - 40], np.arange(200, 240)])

@@ -74,9 +74,9 @@ def _sender(pushes, q_out, q_go):
 def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
     """Random store rows into random slots, pushed once to the receiver's endpoint (it
     offers ``seg=2m``: headers under ``_HDR_TCP_SEG_TAG``, segments of at most
-    ``TCP_SEG_BYTES``; its ``iovrx=1`` is left out here, as a sender before the twelfth
-    session ignored it: test_ucx_iovrecv.py covers the packed cut) and once to the same endpoint without the segment offer, as a
-    receiver before the ninth session advertised it (``_HDR_TAG``, one ``SEG_BYTES``
+    ``TCP_SEG_BYTES``; its ``iovrx=1`` is left out here, as a sender that does not pack
+    ignores it: test_ucx_iovrecv.py covers the packed cut) and once to the same endpoint without the segment offer, as a
+    receiver without the offer advertises it (``_HDR_TAG``, one ``SEG_BYTES``
     segment; ``tcpam=1`` kept, since a hardened sender refuses an endpoint without it):
     both land byte for byte."""
     rng = np.random.default_rng(5)

@@ -102,7 +102,8 @@ class EngineConfig:
     store_blocks_on_release: bool = True
     # TensorRT-LLM main's SchedulerConfig.enable_prefix_aware_scheduling (V2 only): a
     # connector offering the three reservation hooks is asked ``reserve_prefix`` at
-    # admission and loads through ``SchedulerOutput.prefix_loads`` (contract §4.3).
+    # admission and loads through ``SchedulerOutput.prefix_loads``
+    # (docs/design/prefix-reservations.md).
     prefix_aware_scheduling: bool = False
     # Caps an accepted reservation at this many tokens (block-aligned down): stands for the
     # token-budget / KV-capacity limits that make TensorRT-LLM accept a shorter range.

@@ -1,10 +1,11 @@
 """Connector bring-up and the manager-side bookkeeping of TensorRT-LLM's
-``KvCacheConnectorManager`` (contract §7.1, §7.5, §7.8), for ``tp`` simulated ranks.
+``KvCacheConnectorManager`` (bring-up, ``get_finished``, parallelism), for ``tp`` simulated
+ranks.
 
 Every call into the connector goes through ``Driver`` so ``stats`` counts it: scheduler
 calls once (rank 0 only), worker calls once per rank (counts are rank 0's).
 
-Ranks in one process, faithfully (contract §7.7, §7.8). In TensorRT-LLM each TP rank is its
+Ranks in one process, faithfully (failure paths under parallelism). In TensorRT-LLM each TP rank is its
 own MPI process: an exception in a forward hook (``wait_for_layer_load``, ``save_kv_layer``,
 the forward-pass callable, ``wait_for_save``) is caught by *that rank's* ``_forward_step``
 and ``_handle_errors`` fails *that rank's* batch; a rank whose hook did not raise goes on
@@ -200,7 +201,8 @@ class Driver:
             self._count("register_forward_pass_callable", rank0=r == self.ranks[0])
             self.callables.append(w.register_forward_pass_callable() or None)
         self.n_groups = len(kv.groups)
-        # Bring-up checks, then registration, then wait_for_initialization (§7.1, §9).
+        # Bring-up checks, then registration, then wait_for_initialization, as TensorRT-LLM
+        # brings a connector up (the checks refuse what its bring-up refuses).
         if not cfg.enable_block_reuse:
             raise NotImplementedError("a KV connector requires enable_block_reuse=True")
         if cfg.kv_manager == "v1":
@@ -226,7 +228,7 @@ class Driver:
         if self.leader and hasattr(self.scheduler, "wait_for_initialization"):
             self._count("wait_for_initialization")  # the 1.1-era ABC has no such hook
             self.scheduler.wait_for_initialization()
-        # get_finished bookkeeping, per rank held here (§7.5).
+        # get_finished bookkeeping, per rank held here (as KvCacheConnectorManager does).
         # ids handed in and not yet returned, per rank; saving and loading apart, as the
         # manager keeps them in two dicts (a request parked on a load that ends while the
         # load lands is in both)

@@ -1,5 +1,5 @@
 """The executor loop: drives the model, the paged cache and a connector exactly as
-TensorRT-LLM's PyTorch executor does (contract §7 and §13).
+TensorRT-LLM's PyTorch executor does (``py_executor.py``'s call order and failure paths).
 
 One ``Engine.step()`` is one executor iteration:
 
@@ -29,7 +29,7 @@ One ``Engine.step()`` is one executor iteration:
 7. ``get_finished`` every iteration, forward or not.
 
 Prefix-aware scheduling (``EngineConfig.prefix_aware_scheduling``, V2, a connector with
-all three reservation hooks; contract §4.3 and TensorRT-LLM main's UT-RES / UT-EXEC, cited
+all three reservation hooks; TensorRT-LLM main's reservation and executor unit tests, cited
 in docs/design/prefix-reservations.md), instead of ``get_num_new_matched_tokens``:
 
 - admission: ``reserve_prefix(req, P, reservation_id)`` (a fresh id per attempt), the

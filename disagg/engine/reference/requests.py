@@ -57,7 +57,7 @@ class PrefixState:
 
 
 class Request:
-    """The ``LlmRequest`` attributes connectors read (contract §6)."""
+    """The ``LlmRequest`` attributes connectors read."""
 
     def __init__(
         self,
