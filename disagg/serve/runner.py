@@ -60,6 +60,7 @@ def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: flo
             await runner.cleanup()
 
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     task = loop.create_task(serve())
     try:
         loop.run_until_complete(task)
