@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .. import tuning
 from ..pages import copy_rows, gather_rows, scatter_rows
 
 # Host path: rows gathered per chunk; about the size of a core's share of L2/L3.
@@ -55,7 +56,7 @@ try:  # the C row copy (_rowcopy.c, built by pip install; optional like the key 
     from . import _rowcopy
 except ImportError:  # no compiler at install time: torch/numpy two-pass copy below
     _rowcopy = None  # type: ignore[assignment]
-    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+    if tuning.current().require_native:
         raise
 
 

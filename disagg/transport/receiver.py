@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .. import tuning
 from ..protocol import messages as m
 from .dataplane import RegionSpec, TransferState, TransferStatus
 
@@ -36,7 +36,7 @@ try:  # the one-pass batch check (_slotcheck.c); numpy below when it was not bui
     from . import _slotcheck
 except ImportError:
     _slotcheck = None  # type: ignore[assignment]
-    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+    if tuning.current().require_native:
         raise
 
 # what a batch check found wrong: _slotcheck's codes, which the numpy fallback uses too

@@ -19,33 +19,29 @@ from __future__ import annotations
 
 import os
 
+from .. import tuning
+
 try:  # the C spin (_spin.c, built by pip install; optional like the other helpers)
     from . import _spin
 except ImportError:  # no compiler at install time: threads block at once
     _spin = None  # type: ignore[assignment]
-    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+    if tuning.current().require_native:
         raise
 
 # Below this many CPUs a spinning thread takes a core the peer process needs (the 2-core
 # CI box: producer, consumer and their threads share two cores).
 MIN_CPUS_TO_SPIN = 8
 DEFAULT_SPIN_US = 2000  # a few pushes' round trips on the H200 (one 1 GiB push: ~1.5 ms)
-ENV = "DISAGG_SPIN_US"
+ENV = tuning.ENV["spin_us"]  # the environment variable of the spin window
 
 
 def default_spin_us() -> int:
-    """``DISAGG_SPIN_US`` if set, else DEFAULT_SPIN_US on hosts with at least
-    MIN_CPUS_TO_SPIN CPUs (0 below, and 0 without the C module)."""
+    """``tuning.spin_us`` (``DISAGG_SPIN_US``) if set, else DEFAULT_SPIN_US on hosts with
+    at least MIN_CPUS_TO_SPIN CPUs (0 below, and 0 without the C module)."""
     if _spin is None:
         return 0
-    raw = os.environ.get(ENV)
-    if raw is not None:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV}={raw!r}: expected microseconds, e.g. {ENV}=2000") from None
-        if value < 0:
-            raise ValueError(f"{ENV}={raw!r}: must be >= 0 (0 turns spinning off)")
+    value = tuning.current().spin_us
+    if value is not None:
         return value
     return DEFAULT_SPIN_US if (os.cpu_count() or 1) >= MIN_CPUS_TO_SPIN else 0
 
