@@ -4,7 +4,7 @@ gather socket I/O (disagg/transport/_streamio.c) and the UCX plane's batched RMA
 (disagg/transport/_ucxrma.c) and the receiver's one-pass batch check
 (disagg/transport/_slotcheck.c). ``optional``: without a C compiler the install still
 succeeds and each module falls back to a slower pure-Python path (keys.py, page_copy.py,
-zmq_plane.py; the UCX plane to its tag path). CI sets DISAGG_REQUIRE_NATIVE=1, under which
+tcp/rowio.py; the UCX plane to its tag path). CI sets DISAGG_REQUIRE_NATIVE=1, under which
 a missing extension is an error."""
 
 from setuptools import Extension, setup

@@ -71,6 +71,18 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def transport(text: str) -> str:
+    """A data plane name (``config.TRANSPORTS``); a former name is refused naming its
+    new one."""
+    from .config import RENAMED_TRANSPORTS, TRANSPORTS
+
+    if text in RENAMED_TRANSPORTS:
+        raise argparse.ArgumentTypeError(RENAMED_TRANSPORTS[text])
+    if text not in TRANSPORTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(TRANSPORTS)}")
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

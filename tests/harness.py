@@ -64,7 +64,7 @@ def make_producer(
     **section: Any,
 ) -> tuple[Engine, Any]:
     """A producer engine and its service (control on a free loopback port);
-    ``transport`` sets the top-level data plane (``zmq``/``ucx``), ``top`` adds other
+    ``transport`` sets the top-level data plane (``tcp``/``ucx``/``ipc``), ``top`` adds other
     top-level keys (``ucx_channel``...)."""
     name = f"p{next(_ids)}"
     conf: dict[str, Any] = {

@@ -32,7 +32,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "role: producer\nproducer:\n  store_size: 64MiB\nmetrics:\n  port: 9100\n"
         "  host: every interface\n"
     )
-    return {"GOOD": str(good), "BADHOST": str(bad_host), "MISSING": str(d / "nope.yaml")}
+    renamed = d / "zmq.yaml"
+    renamed.write_text("role: producer\ntransport: zmq\nproducer:\n  store_size: 64MiB\n")
+    return {
+        "GOOD": str(good),
+        "BADHOST": str(bad_host),
+        "ZMQ": str(renamed),
+        "MISSING": str(d / "nope.yaml"),
+    }
 
 
 # (argv after `python -m disagg` (or ENGINE ...), what the line must name)
@@ -52,9 +59,11 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["demo", "--chunk-size", "-4"], ["--chunk-size", "-4"]),
     (["demo", "--store-device", "cuda"], ["--store-device", "cuda"]),
     (["demo", "--nope"], ["--nope"]),
+    (["demo", "--transport", "zmq"], ["--transport", "'zmq' was renamed", "'tcp'"]),
     # disagg bench
     (["bench", "transfer", "--page-sizes", "64KB"], ["--page-sizes", "64KB", "64KiB"]),
-    (["bench", "transfer", "--transports", "zmq,rdma"], ["--transports", "rdma", "zmq-tcp"]),
+    (["bench", "transfer", "--transports", "tcp,rdma"], ["--transports", "rdma", "tcp-tcp"]),
+    (["bench", "transfer", "--transports", "zmq-tcp"], ["--transports", "renamed", "tcp-tcp"]),
     (["bench", "transfer", "--total", "0"], ["--total", "0"]),
     (["bench", "transfer", "--repeats", "0"], ["--repeats", "0"]),
     (["bench", "query", "--prompt-lens", "1k"], ["--prompt-lens", "1k"]),
@@ -71,6 +80,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["serve", "--windows", "64,full", "--kv-manager", "v1", "--config", "GOOD"], ["--windows"]),
     (["serve", "--role", "consumer", "--config", "GOOD"], ["role", "consumer", "producer"]),
     (["serve", "--config", "MISSING"], ["nope.yaml", "not found"]),
+    (["serve", "--config", "ZMQ"], ["transport", "'zmq' was renamed; use 'tcp'"]),
     (["serve", "--config", "GOOD", "--tensor-parallel"], ["--tensor-parallel"]),
     # disagg proxy
     (["proxy"], ["--producers"]),
@@ -82,6 +92,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     # disagg config / keys
     (["config", "check", "BADHOST"], ["metrics.host", "every interface"]),
     (["config", "check", "MISSING"], ["nope.yaml", "not found"]),
+    (["config", "check", "ZMQ"], ["transport", "'zmq' was renamed; use 'tcp'"]),
     (["config", "lint"], ["lint"]),
     (["keys", "../evil"], ["../evil"]),
     (["keys"], ["name"]),

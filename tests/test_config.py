@@ -57,7 +57,7 @@ def _clean_env(monkeypatch):
 
 def test_producer_defaults():
     cfg = DisaggConfig.from_dict(PRODUCER)
-    assert cfg.role == "producer" and cfg.transport == "zmq" and cfg.consumer is None
+    assert cfg.role == "producer" and cfg.transport == "tcp" and cfg.consumer is None
     p = cfg.producer
     assert isinstance(p, ProducerConfig) and cfg.section is p
     assert p.store_size == 1 << 30
@@ -186,7 +186,7 @@ def test_wrong_section_for_role():
 @pytest.mark.parametrize(
     "data,field,suggestion",
     [
-        (dict(PRODUCER, transprt="zmq"), "transprt", "transport"),
+        (dict(PRODUCER, transprt="tcp"), "transprt", "transport"),
         (with_(PRODUCER, "producer", store_sise="1GiB"), "producer.store_sise", "store_size"),
         (
             with_(CONSUMER, "consumer", claim_timout_s=1),
@@ -309,8 +309,17 @@ def test_bad_choices(section, base, key, value):
 
 
 def test_bad_transport():
-    e = err(dict(PRODUCER, transport="tcp"))
-    assert e.field == "transport" and "zmq, ucx" in str(e)
+    e = err(dict(PRODUCER, transport="rdma"))
+    assert e.field == "transport" and "tcp, ucx, ipc" in str(e)
+
+
+def test_transport_zmq_is_refused_naming_tcp():
+    e = err(dict(PRODUCER, transport="zmq"))
+    assert e.field == "transport"
+    assert str(e) == (
+        "transport: 'zmq' was renamed; use 'tcp' "
+        "(plain TCP/Unix stream sockets; control stays on ZMQ)"
+    )
 
 
 def test_transport_checksum():
@@ -321,7 +330,7 @@ def test_transport_checksum():
     e = err(dict(PRODUCER, transport_checksum="yes"))
     assert e.field == "transport_checksum" and "true or false" in str(e)
     e = err(dict(PRODUCER, transport="ucx", transport_checksum=True))
-    assert e.field == "transport_checksum" and "only the zmq" in str(e)
+    assert e.field == "transport_checksum" and "only the tcp" in str(e)
 
 
 def test_ucx_channel_and_readers():

@@ -195,7 +195,7 @@ def disaggregated(
     consumers: int,
     shape: Shape,
     logdir: Path,
-    transport: str = "zmq",
+    transport: str = "tcp",
     store_size: str = "256MiB",
     store_device: str = "cpu",
 ) -> Deployment:
@@ -220,7 +220,7 @@ def disaggregated(
     for i in range(consumers):
         port = free_port()
         cfg = logdir / f"consumer-{i}.yaml"
-        data = f"\n  data: tcp://127.0.0.1:{free_port()}" if transport == "zmq" else ""
+        data = f"\n  data: tcp://127.0.0.1:{free_port()}" if transport == "tcp" else ""
         cfg.write_text(
             f"role: consumer\ninstance_id: bench-decode-{i}\ntransport: {transport}\n"
             f"consumer:\n  producers: [{', '.join(controls)}]{data}\n"

@@ -62,14 +62,14 @@ def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -
     import torch
 
     from ..transport.dataplane import StoreRows
-    from ..transport.ipc_plane import IpcDataPlane
+    from ..transport.ipc import IpcDataPlane
 
     plane = IpcDataPlane()
     store = plane.register_source(
         torch.randint(0, 255, (rows, page_bytes), dtype=torch.uint8, device="cuda")
     )
     q.put(store)  # for the parent's byte check (CUDA IPC through torch)
-    endpoint, src_rows, dst_slots, rounds = go.get()
+    endpoint, caps, src_rows, dst_slots, rounds = go.get()
     pages = [(0, StoreRows(store, src_rows, ((0, page_bytes),)), dst_slots)]
     tid, times = 0, []
     try:
@@ -78,7 +78,7 @@ def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -
             handles = []
             for _ in range(depth):
                 tid += 1
-                handles.append(plane.post_push(endpoint, tid, 1, b"bench", pages))
+                handles.append(plane.post_push(endpoint, tid, 1, b"bench", pages, caps=caps))
             for h in handles:
                 st = plane.wait_push(h, 60)
                 if not st.done:
@@ -110,7 +110,7 @@ def bench_ipc_plane(
     import torch
     import torch.multiprocessing as mp
 
-    from ..transport.ipc_plane import IpcDataPlane
+    from ..transport.ipc import IpcDataPlane
 
     n = max(1, total // page_bytes)
     gen = np.random.default_rng(page_bytes)
@@ -133,7 +133,7 @@ def bench_ipc_plane(
     child.start()
     try:
         store = q.get(timeout=120)
-        go.put((plane.endpoint, src_rows, dst_slots, rounds))
+        go.put((plane.endpoint, plane.capabilities, src_rows, dst_slots, rounds))
         status, times = out.get(timeout=600)
         if status != "ok":
             raise RuntimeError(f"ipc plane producer: {times}")

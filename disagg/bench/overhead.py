@@ -1,6 +1,6 @@
 """``disagg bench overhead``: what disaggregation itself adds to one request's TTFT.
 
-    disagg bench overhead [--prompt-lens 1024,4096] [--repeats 3] [--transport zmq|ipc|ucx]
+    disagg bench overhead [--prompt-lens 1024,4096] [--repeats 3] [--transport tcp|ipc|ucx]
                           [--layers 4] [--hidden-size 128 --heads 4 --kv-heads 2
                           --head-dim 32 --intermediate-size 256] [--dtype float32]
                           [--device cpu|cuda] [--store-device cpu|pinned|cuda] [--json]
@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
+from ..cliargs import transport
 from ..consumer import ConsumerScheduler, ConsumerWorker
 from .reuse import OneLineParser
 
 EVENTS: dict[str, list[float]] = {"claim": [], "load_start": [], "loaded": []}
-PLANES = {"zmq": "zmq-tcp", "ipc": "ipc-shm", "ucx": "ucx-tcp"}
+PLANES = {"tcp": "tcp-tcp", "ipc": "ipc-shm", "ucx": "ucx-tcp"}
 
 
 class TimedConsumerScheduler(ConsumerScheduler):
@@ -305,7 +306,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--prompt-lens", default="1024,4096")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--transport", choices=sorted(PLANES), default="zmq")
+    ap.add_argument("--transport", type=transport, default="tcp", help="tcp, ipc or ucx")
     for flag, default in SHAPE.items():
         ap.add_argument(f"--{flag}", type=int, default=default, help="reference engine shape")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

@@ -2,7 +2,7 @@
 against disaggregated, over the real HTTP path.
 
     disagg bench serve --trace T.jsonl [--limit N] [--time-scale S] [--length-scale L]
-                       [--seed S] [--engines K] [--producers P] [--transport zmq|ipc|ucx]
+                       [--seed S] [--engines K] [--producers P] [--transport tcp|ipc|ucx]
                        [--store-size 256MiB] [--store-device cpu|pinned|cuda]
                        [--layers 4 --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 32
                         --intermediate-size 256 --dtype float32 --device cpu|cuda[:N]
@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cliargs import cuda_problem
+from ..cliargs import cuda_problem, transport
 from ..config import STORE_DEVICES
 from ..serve import SHAPE_FLAGS, add_shape_args, shape_error, shape_kwargs
 from . import deploy
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engines", type=int, help="engines per deployment (default 2)")
     ap.add_argument("--producers", type=int, help="disaggregated: producers (default K/2)")
     add_shape_args(ap, defaults=False, seed=False)  # --layers: 2 with --quick, else 4
-    ap.add_argument("--transport", choices=("zmq", "ipc", "ucx"), default="zmq")
+    ap.add_argument("--transport", type=transport, default="tcp", help="tcp, ipc or ucx")
     ap.add_argument("--store-size", default="256MiB", help="each producer's block store")
     ap.add_argument("--store-device", choices=STORE_DEVICES, default="cpu", help="its memory")
     ap.add_argument("--deployments", default="aggregated,disaggregated")

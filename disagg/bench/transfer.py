@@ -59,8 +59,8 @@ from . import ceilings
 from .units import fmt_size, median
 
 ALL_TRANSPORTS = (
-    "zmq-tcp",
-    "zmq-ipc",
+    "tcp-tcp",
+    "tcp-unix",
     "ucx-tcp",
     "ucx-shm",
     "ucx-cuda",
@@ -71,8 +71,8 @@ ALL_TRANSPORTS = (
 )
 # transport -> (reported transport, channel, medium whose ceiling applies)
 SPEC = {
-    "zmq-tcp": ("zmq", "tcp", "tcp"),
-    "zmq-ipc": ("zmq", "ipc", "ipc"),
+    "tcp-tcp": ("tcp", "tcp", "tcp"),
+    "tcp-unix": ("tcp", "unix", "ipc"),  # an AF_UNIX socket (ipc:// endpoint)
     "ucx-tcp": ("ucx", "tcp", "tcp"),
     "ucx-shm": ("ucx", "shm", "shm"),
     "ucx-cuda": ("ucx", "cuda", "d2d"),  # device memory both sides: UCX cuda_ipc
@@ -117,17 +117,17 @@ def unavailable(name: str, cuda: bool) -> tuple[str, str] | None:
 
 
 def _make_plane(name: str) -> Any:
-    if name == "zmq-tcp":
-        from ..transport.zmq_plane import ZmqDataPlane
+    if name == "tcp-tcp":
+        from ..transport.tcp import TcpDataPlane
 
-        return ZmqDataPlane("tcp://127.0.0.1:0")
-    if name == "zmq-ipc":
-        from ..transport.zmq_plane import ZmqDataPlane
+        return TcpDataPlane("tcp://127.0.0.1:0")
+    if name == "tcp-unix":
+        from ..transport.tcp import TcpDataPlane
 
         path = os.path.join(tempfile.gettempdir(), f"disagg-bench-{os.getpid()}.ipc")
-        return ZmqDataPlane(f"ipc://{path}")
+        return TcpDataPlane(f"ipc://{path}")
     if name.startswith("ipc-"):
-        from ..transport.ipc_plane import IpcDataPlane
+        from ..transport.ipc import IpcDataPlane
 
         return IpcDataPlane()
     from ..transport.ucx_plane import UcxDataPlane
@@ -151,7 +151,7 @@ def _store(n: int, page_bytes: int) -> np.ndarray:
 
 
 def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
-    """Serve push requests ("push", endpoint, tid, src rows, dst slots) until told to stop;
+    """Serve push requests ("push", endpoint, caps, tid, src rows, dst slots) until told to stop;
     for a tcp / ipc row, first the raw stream of the row's paired ceiling (``_serve_raw``)."""
     import torch
 
@@ -181,9 +181,9 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, endpoint, tid, src, dst = msg
+            _, endpoint, caps, tid, src, dst = msg
             pages = [(0, *push_source(plane, rows, src, cols, dst))]
-            h = plane.post_push(endpoint, tid, 1, b"bench", pages, deadline_s=300)
+            h = plane.post_push(endpoint, tid, 1, b"bench", pages, deadline_s=300, caps=caps)
             st = plane.wait_push(h, 300)
             conn.send(("pushed", st.error))
     except Exception:
@@ -255,7 +255,7 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
                 plane.expect(tid, 1, b"bench", [n], 300)
                 c = ceiling()  # paired: the same conditions as the push right after it
                 t = time.perf_counter()
-                conn.send(("push", plane.endpoint, tid, src, dst))
+                conn.send(("push", plane.endpoint, plane.capabilities, tid, src, dst))
                 st, reply = _await(plane, tid, conn, 300)
                 dt = time.perf_counter() - t
                 reply = reply or conn.recv()
@@ -518,8 +518,15 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Former names, refused with the one to use.
+RENAMED = {"zmq-tcp": "tcp-tcp", "zmq-ipc": "tcp-unix"}
+
+
 def transport_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
+    for t in names:
+        if t in RENAMED:
+            raise argparse.ArgumentTypeError(f"{t!r} was renamed; use {RENAMED[t]!r}")
     unknown = [t for t in names if t not in SPEC]
     if unknown or not names:
         raise argparse.ArgumentTypeError(

@@ -37,9 +37,13 @@ from .values import (
 )
 
 # The data planes `transport:` names, and the one used when it is not given.
-Transport = Literal["zmq", "ucx", "ipc"]
+Transport = Literal["tcp", "ucx", "ipc"]
 TRANSPORTS: tuple[str, ...] = typing.get_args(Transport)
-DEFAULT_TRANSPORT: Transport = "zmq"
+DEFAULT_TRANSPORT: Transport = "tcp"
+# Former `transport:` names, refused with what to write instead.
+RENAMED_TRANSPORTS: dict[str, str] = {
+    "zmq": "'zmq' was renamed; use 'tcp' (plain TCP/Unix stream sockets; control stays on ZMQ)",
+}
 
 Role = Literal["producer", "consumer"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
@@ -322,6 +326,12 @@ def _default_instance_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+def _refuse_renamed(transport: Any) -> None:
+    """A former ``transport:`` name is one error naming its new one."""
+    if isinstance(transport, str) and transport in RENAMED_TRANSPORTS:
+        raise err("transport", RENAMED_TRANSPORTS[transport])
+
+
 class DisaggConfig(Section, frozen=True, dict=True):
     """The whole file. `producer` is set iff role = producer, `consumer` iff consumer."""
 
@@ -357,7 +367,7 @@ class DisaggConfig(Section, frozen=True, dict=True):
     transport_checksum: Annotated[
         bool,
         Meta(
-            description="zmq only: xxh3-64 over every payload, checked by the consumer (a "
+            description="tcp only: xxh3-64 over every payload, checked by the consumer (a "
             "mismatch fails the transfer); used only when both sides set it"
         ),
     ] = False
@@ -419,14 +429,18 @@ class DisaggConfig(Section, frozen=True, dict=True):
         Meta(description="expert switches; each DISAGG_* variable overrides its own"),
     ] = msgspec.field(default_factory=Tuning)
 
+    def __post_init__(self) -> None:
+        _refuse_renamed(self.transport)  # before its field check words it as unknown
+        super().__post_init__()
+
     def _check(self) -> None:
         if self.instance_id is None:
             self._set("instance_id", _default_instance_id(self.role))
-        if self.transport_checksum and self.transport != "zmq":
+        if self.transport_checksum and self.transport != "tcp":
             raise err(
                 "transport_checksum",
-                f"only the zmq data plane checksums payloads; transport is "
-                f"'{self.transport}' (remove transport_checksum or set transport: zmq)",
+                f"only the tcp data plane checksums payloads; transport is "
+                f"'{self.transport}' (remove transport_checksum or set transport: tcp)",
             )
         for name, plane, what in (
             ("ucx_channel", "ucx", "a UCX"),
@@ -490,6 +504,8 @@ class DisaggConfig(Section, frozen=True, dict=True):
         if base_dir is not None and isinstance(data, Mapping):
             if isinstance(data.get("security"), Mapping):
                 data = {**data, "security": resolve_key_paths(dict(data["security"]), base_dir)}
+        if isinstance(data, Mapping):
+            _refuse_renamed(data.get("transport"))
         cfg: DisaggConfig = convert(data, cls)
         cfg.__dict__["source"] = source
         return cfg

@@ -91,7 +91,7 @@ class ProducerLink:
         curve: CurveClientKeys | None = None,
         index: int = 0,
         tp_rank: int = 0,
-        transport: str = "zmq",
+        transport: str = "tcp",
     ):
         self.endpoint = endpoint
         self.owner = owner

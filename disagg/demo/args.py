@@ -7,7 +7,14 @@ import argparse
 import importlib.util
 from typing import Any
 
-from ..cliargs import Parser, UsageError, cuda_problem, non_negative_int, positive_int
+from ..cliargs import (
+    Parser,
+    UsageError,
+    cuda_problem,
+    non_negative_int,
+    positive_int,
+    transport,
+)
 
 MAX_SEQ_LEN = 8192  # the reference engine's default (EngineConfig.max_seq_len)
 DESCRIPTION = """\
@@ -35,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp", type=positive_int, default=1, help="tensor parallel ranks of every instance"
     )
     shape.add_argument(
-        "--transport", choices=["zmq", "ucx", "ipc"], default="zmq", help="data plane"
+        "--transport", type=transport, default="tcp", help="data plane: tcp, ucx or ipc"
     )
     shape.add_argument(
         "--sync",

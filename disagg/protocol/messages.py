@@ -83,7 +83,7 @@ class Hello(Message, frozen=True, tag="hello"):
     role: Str
     fingerprint: Fingerprint
     data_endpoint: Str = ""
-    transport: Str = "zmq"
+    transport: Str = "tcp"
     incarnation: Incarnation = 0
     data_caps: DataCaps = DataCaps()
 
@@ -96,7 +96,7 @@ class HelloOk(Message, frozen=True, tag="hello_ok"):
     instance_id: Str
     fingerprint: Fingerprint
     data_endpoint: Str = ""
-    transport: Str = "zmq"
+    transport: Str = "tcp"
     features: Annotated[list[Str], msgspec.Meta(max_length=64)] = []
     incarnation: Incarnation = 0  # the producer process's
 

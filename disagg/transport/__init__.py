@@ -1,10 +1,11 @@
 """Transport: control RPC (ZMQ ROUTER/DEALER), block events (PUB/SUB) and the data
-plane (DataPlane interface, ZMQ implementation). Knows nothing of engines or keys."""
+plane (DataPlane interface; the tcp plane here, ``ipc`` and UCX by ``factory``). Knows
+nothing of engines or keys."""
 
 from .control import ControlClient, ControlServer
 from .dataplane import DataPlane, PageSource, RegionSpec, TransferState, TransferStatus
 from .events import EventPublisher, EventSubscriber
-from .zmq_plane import PushHandle, ZmqDataPlane
+from .tcp import PushHandle, TcpDataPlane
 
 __all__ = [
     "ControlClient",
@@ -16,6 +17,6 @@ __all__ = [
     "PushHandle",
     "RegionSpec",
     "TransferState",
+    "TcpDataPlane",
     "TransferStatus",
-    "ZmqDataPlane",
 ]

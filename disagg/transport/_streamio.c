@@ -1,4 +1,4 @@
-/* Scatter/gather socket I/O for the zmq plane's payload stream (zmq_plane.py).
+/* Scatter/gather socket I/O for the tcp plane's payload stream (tcp/rowio.py).
  *
  * Why C: a push moves thousands of pages that lie in random store rows and land in random
  * page slots. Here the kernel copies each byte exactly once per side, straight from the
@@ -21,7 +21,7 @@
  * bytes had moved. The caller's thread must be the only one doing I/O on the socket
  * while a call runs (another may shut it down: the call then ends at once).
  *
- * The pipe path (same-host streams, MODE_PIPE in zmq_plane.py): splice_rows vmsplices the
+ * The pipe path (same-host streams, MODE_PIPE in tcp/wire.py): splice_rows vmsplices the
  * pieces into a pipe (pages referenced, not copied), recv_rows with a `watch` socket
  * readv()s them out of a non-blocking pipe, pipe_drain waits until the pipe is empty (the
  * sender's rows are free only then). All three also end at once when the watched stream
@@ -237,7 +237,7 @@ static int wait_pipe(int fd, short events, int watch, double deadline, int *err)
     }
 }
 
-/* The pipe payload path (same-host streams; see zmq_plane.py): sending, vmsplice the
+/* The pipe payload path (same-host streams; see tcp/rowio.py): sending, vmsplice the
  * pieces into the pipe `fd` (the pages are referenced, not copied: the receiver's readv
  * is the only copy, so the caller must keep the rows unchanged until the pipe has been
  * drained, see pipe_drain); receiving, readv them out of the pipe into the pieces.

@@ -208,8 +208,8 @@ def push_source(
 
 
 class DataPlane(abc.ABC):
-    """Both sides of page transfer. Implementations: ZmqDataPlane (zmq_plane.py),
-    UcxDataPlane (ucx_plane.py), IpcDataPlane (ipc_plane.py, one host only)."""
+    """Both sides of page transfer. Implementations: TcpDataPlane (``tcp/``),
+    UcxDataPlane (UCX), IpcDataPlane (``ipc/``, one host only)."""
 
     # --- receiver ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -313,9 +313,9 @@ def _wait(poll: Any, timeout_s: float) -> TransferStatus:
         delay = min(delay * 2, 0.01)
 
 
-def __getattr__(name: str) -> Any:  # dataplane.ZmqDataPlane without an import cycle
-    if name == "ZmqDataPlane":
-        from .zmq_plane import ZmqDataPlane
+def __getattr__(name: str) -> Any:  # dataplane.TcpDataPlane without an import cycle
+    if name == "TcpDataPlane":
+        from .tcp import TcpDataPlane
 
-        return ZmqDataPlane
+        return TcpDataPlane
     raise AttributeError(name)

@@ -15,18 +15,19 @@ def make_data_plane(
     ucx_rma_readers: int | None = None,
     ipc_spin_us: int | None = None,
 ) -> DataPlane:
-    """``zmq`` (always available), ``ucx`` (needs ``pip install disagg[ucx]``) or ``ipc``
-    (producer and consumer on one host: the consumer copies from the producer's store).
+    """``tcp`` (plain TCP / Unix stream sockets, always available), ``ucx`` (needs ``pip
+    install disagg[ucx]``) or ``ipc`` (producer and consumer on one host: the consumer
+    copies from the producer's store).
 
     ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told.
-    ``checksum`` (config ``transport_checksum``): xxh3-64 over every zmq payload, checked
-    by the receiver; only the zmq plane has it (ValueError for the others).
+    ``checksum`` (config ``transport_checksum``): xxh3-64 over every tcp payload, checked
+    by the receiver; only the tcp plane has it (ValueError for the others).
     ``ucx_channel`` (``tcp`` when None) and ``ucx_rma_readers`` (None: the plane's
     default) go to the UCX plane; ``ipc_spin_us`` (None: ``spin.default_spin_us()``) to
     the ipc plane; ValueError for the others."""
-    if checksum and transport != "zmq":
+    if checksum and transport != "tcp":
         raise ValueError(
-            f"transport_checksum: only the zmq data plane checksums, not {transport!r}"
+            f"transport_checksum: only the tcp data plane checksums, not {transport!r}"
         )
     if (ucx_channel is not None or ucx_rma_readers is not None) and transport != "ucx":
         raise ValueError(
@@ -39,17 +40,17 @@ def make_data_plane(
         port = bind.rsplit(":", 1)[1]
         if port != "0":
             advertise = f"tcp://{advertise_host}:{port}"
-    if transport == "zmq":
-        from .zmq_plane import ZmqDataPlane
+    if transport == "tcp":
+        from .tcp import TcpDataPlane
 
-        return ZmqDataPlane(bind, advertise=advertise, checksum=checksum)
+        return TcpDataPlane(bind, advertise=advertise, checksum=checksum)
     if transport == "ucx":
         try:
             from .ucx_plane import UcxDataPlane
         except ImportError as exc:
             raise RuntimeError(
                 f"transport: 'ucx' needs the ucxx package ({exc}); install it with "
-                "`pip install disagg[ucx]` or set transport: zmq"
+                "`pip install disagg[ucx]` or set transport: tcp"
             ) from exc
         return UcxDataPlane(
             bind,
@@ -58,7 +59,11 @@ def make_data_plane(
             rma_readers=ucx_rma_readers,
         )
     if transport == "ipc":
-        from .ipc_plane import IpcDataPlane
+        from .ipc import IpcDataPlane
 
         return IpcDataPlane(bind, advertise=advertise, spin_us=ipc_spin_us)
-    raise ValueError(f"transport: unknown data plane {transport!r}; use 'zmq', 'ucx' or 'ipc'")
+    from ..config import RENAMED_TRANSPORTS
+
+    if transport in RENAMED_TRANSPORTS:
+        raise ValueError(f"transport: {RENAMED_TRANSPORTS[transport]}")
+    raise ValueError(f"transport: unknown data plane {transport!r}; use 'tcp', 'ucx' or 'ipc'")

@@ -41,10 +41,8 @@ class FrameError(Exception):
 
 def sockaddr(endpoint: str) -> tuple[int, Any]:
     """(address family, address) of ``tcp://host:port`` or ``ipc://path``; ValueError
-    naming the endpoint otherwise. ``*`` binds every IPv4 address, like ZMQ's. A query
-    (``?parts=1``: what the receiver there takes) is not part of the address."""
+    naming the endpoint otherwise. ``*`` binds every IPv4 address, like ZMQ's."""
     scheme, sep, rest = endpoint.partition("://")
-    rest = rest.partition("?")[0]
     if sep and scheme == "ipc" and rest:
         return socket.AF_UNIX, rest
     if sep and scheme == "tcp":

@@ -17,18 +17,18 @@ def _last_json(out: str) -> dict:
 
 def test_bench_transfer_quick_json(capsys):
     assert (
-        main(["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "zmq-tcp", "--json"])
+        main(["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "tcp-tcp", "--json"])
         == 0
     )
     rep = _last_json(capsys.readouterr().out)
     (row,) = rep["results"]
     assert {"transport", "channel", "page_bytes", "gbps", "ceiling_gbps", "ratio"} <= set(row)
-    assert row["transport"] == "zmq" and row["page_bytes"] == 65536
+    assert row["transport"] == "tcp" and row["page_bytes"] == 65536
     assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
     assert row["ceiling_paired"] is True and row["ratio_paired_median"] > 0
 
 
-@pytest.mark.parametrize("name", ["zmq-tcp", "ucx-tcp", "ipc-shm"])
+@pytest.mark.parametrize("name", ["tcp-tcp", "ucx-tcp", "ipc-shm"])
 def test_bench_transfer_ceiling_is_paired_per_row(name):
     """Each repetition times one ceiling run (raw TCP from the producer process / memcpy)
     and one push in the row's own processes: as many ceiling times as pushes."""
@@ -97,11 +97,11 @@ def test_bench_transfer_rows_without_cuda_are_listed_apart(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the rows run")
-    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "zmq-tcp,ucx-cuda"]
+    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "tcp-tcp,ucx-cuda"]
     assert main([*argv, "--json"]) == 0
     out = capsys.readouterr().out
     rep = _last_json(out)
-    assert [r["transport"] for r in rep["results"]] == ["zmq"]
+    assert [r["transport"] for r in rep["results"]] == ["tcp"]
     (s,) = rep["skipped"]
     assert s["transport"] == "ucx-cuda" and s["reason"] == "no CUDA device"
     table = out.strip().rsplit("\n", 1)[0]
@@ -114,7 +114,7 @@ def test_bench_transfer_plot(tmp_path):
 
     rows = [
         {"transport": t, "channel": c, "page_bytes": pb, "gbps": g, "ceiling_gbps": 2 * g}
-        for t, c, g in (("zmq", "tcp", 0.5), ("nixl", "ucx", 1.0))
+        for t, c, g in (("tcp", "tcp", 0.5), ("nixl", "ucx", 1.0))
         for pb in (16384, 1 << 20)
     ] + [{"transport": "ucx", "channel": "tcp", "page_bytes": 16384, "gbps": None}]
     report = {
@@ -145,7 +145,7 @@ def test_bench_plot_draws_each_rows_paired_ceiling(tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
     rows = [
-        {"transport": "zmq", "channel": "tcp", "page_bytes": pb, "gbps": g, "ceiling_gbps": c}
+        {"transport": "tcp", "channel": "tcp", "page_bytes": pb, "gbps": g, "ceiling_gbps": c}
         for pb, g, c in ((16384, 0.5, 1.5), (1 << 20, 1.0, 2.5))
     ]
     report = {"results": rows, "ceilings_gbps": {"raw_tcp": 9.0}, "total_bytes": 1 << 20}

@@ -59,11 +59,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def slow_pushes(svc: Any, pause_s: float, on_start: Any = None) -> None:
-    """Many small messages, and a pause after the first one of each push (zmq plane);
+    """Many small messages, and a pause after the first one of each push (tcp plane);
     ``on_start(transfer_id)`` runs at the pause (default: print a ``push_started`` event)."""
-    from disagg.transport import zmq_plane
+    from disagg.transport import tcp
 
-    zmq_plane.MSG_BYTES = 16 << 10
+    tcp.plan.MSG_BYTES = 16 << 10
     plane = svc.data
     original = plane._wait_writable
     seen: dict[int, int] = {}

@@ -21,7 +21,7 @@ from harness import (
 
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.producer.store import BlockState
-from disagg.transport import zmq_plane
+from disagg.transport import tcp
 from disagg.transport.dataplane import TransferState
 
 CFG = EngineConfig(**SHAPE, capture_pages=True)
@@ -56,7 +56,7 @@ def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypa
     cancelled request's blocks for reuse: they hold the loaded bytes)."""
     from chaos_role import slow_pushes
 
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes changes it
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes changes it
     cfg = EngineConfig(**SHAPE, capture_pages=True, kv_manager=kv_manager, runtime="main")
     ps = prompts(n=2, length=300)
     prod, psvc = make_producer(cfg)
@@ -138,7 +138,7 @@ def test_tp_cancel_keeps_the_pages_until_every_rank_reported(monkeypatch):
     from chaos_role import slow_pushes
     from harness import rank_endpoints, rank_services
 
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)
     cfg = EngineConfig(**dict(SHAPE, tp=2), kv_manager="v2", runtime="main", capture_pages=True)
     ps = prompts(n=2, length=300)
     prod, psvc = make_producer(cfg)

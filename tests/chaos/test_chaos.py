@@ -338,7 +338,7 @@ def test_ipc_producer_killed_after_claim_fails_by_name(children, mono):
 # -- the consumer dies -----------------------------------------------------------------
 
 
-def prefilled_producer(transport: str = "zmq") -> tuple[Any, int]:
+def prefilled_producer(transport: str = "tcp") -> tuple[Any, int]:
     prod, psvc = in_process({**producer_conf(f"sp{next(_ids)}"), "transport": transport})
     prod.generate(PROMPTS, max_tokens=1)
     return psvc, psvc.store.used_blocks()
@@ -367,9 +367,9 @@ def test_consumer_killed_holding_leases_frees_them(children):
 def test_consumer_killed_while_receiving_frees_everything(children, monkeypatch):
     from chaos_role import slow_pushes
 
-    from disagg.transport import zmq_plane
+    from disagg.transport import tcp
 
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes changes it
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes changes it
     psvc, used = prefilled_producer()
     started = threading.Event()
     slow_pushes(psvc, 2.0, on_start=lambda tid: started.set())

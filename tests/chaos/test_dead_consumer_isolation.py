@@ -96,7 +96,7 @@ def children():
         c.close()
 
 
-@pytest.mark.parametrize("transport", ["zmq", "ipc"])
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_dead_consumer_does_not_stall_pushes_to_others(children, transport):
     prod, psvc = make_producer(
         CFG,

@@ -33,7 +33,7 @@ from disagg.consumer.connector import KvLoadFailedError
 from disagg.engine import FEATURES, USING_TRTLLM
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.engine.reference.config import RUNTIMES
-from disagg.transport import zmq_plane
+from disagg.transport import tcp
 
 MANAGER = "trtllm" if USING_TRTLLM else "reference"
 # the fallback copies stand for every line, each as its executor behaves
@@ -172,7 +172,7 @@ def test_cancelled_request_pages_are_never_written_after_release(line, monkeypat
     lease goes back within a bound, and the next request's tokens and pages are right."""
     from chaos_role import slow_pushes
 
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes sets it
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes sets it
     cfg = cfg_for(line, kv_manager="v1", num_blocks=24)
     ps = prompts(n=1, length=300)
     fresh = prompts(n=1, length=300, seed=99)  # no producer holds it

@@ -89,7 +89,7 @@ def test_incompatible_peer_is_a_miss_and_is_counted():
 
 
 def test_another_transport_is_refused_at_hello_and_is_a_miss(caplog):
-    """A consumer on ``ipc`` against a ``zmq`` producer: refused by name at Hello (never
+    """A consumer on ``ipc`` against a ``tcp`` producer: refused by name at Hello (never
     a push to a plane that cannot read it), recomputed, right tokens."""
     cfg = EngineConfig(**SHAPE)
     ps = prompts(n=1)
@@ -276,7 +276,7 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
 
     from disagg.consumer.service import Claimed, Load
     from disagg.protocol import PageBatch, encode
-    from disagg.transport.zmq_plane import StreamPush
+    from disagg.transport.tcp import StreamPush
 
     cfg = EngineConfig(**SHAPE)  # 2 layers, one group
     cons, csvc = make_consumer(cfg, ["tcp://127.0.0.1:9"], load_timeout_s=5.0)
@@ -320,9 +320,9 @@ def test_failed_load_fails_over_to_another_producer_holding_the_blocks(monkeypat
     sys.path.insert(0, str(Path(__file__).parent.parent / "chaos"))
     from chaos_role import slow_pushes
 
-    from disagg.transport import zmq_plane
+    from disagg.transport import tcp
 
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", zmq_plane.MSG_BYTES)  # slow_pushes sets it
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes sets it
     cfg = EngineConfig(**SHAPE, kv_manager="v2", capture_pages=True)
     ps = prompts(n=1, length=300)
     p0, psvc0 = make_producer(cfg)

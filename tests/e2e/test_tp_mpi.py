@@ -84,7 +84,7 @@ def _run_phase(i: int, ph: dict[str, Any], role: str, comm: Any, world: Any) -> 
         conf = {
             "role": "producer",
             "instance_id": name,
-            "transport": "zmq",
+            "transport": "tcp",
             "producer": {"control": "tcp://127.0.0.1:0", "store_size": "64MiB"},
         }
         eng = Engine(cfg, _spec("producer", conf), comm=comm)
@@ -106,7 +106,7 @@ def _run_phase(i: int, ph: dict[str, Any], role: str, comm: Any, world: Any) -> 
         conf = {
             "role": "consumer",
             "instance_id": name,
-            "transport": "zmq",
+            "transport": "tcp",
             "consumer": {
                 "producers": [endpoints],
                 "claim_timeout_s": 3.0,

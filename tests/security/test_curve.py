@@ -34,7 +34,7 @@ from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient, ControlServer, EventPublisher, EventSubscriber
-from disagg.transport.zmq_plane import StreamPush, ZmqDataPlane
+from disagg.transport.tcp import StreamPush, TcpDataPlane
 
 DEADLINE = 0.5
 
@@ -249,7 +249,7 @@ def test_an_authenticated_peer_cannot_act_as_another_consumer(keys):
 
 @pytest.fixture
 def receiver():
-    plane = ZmqDataPlane("tcp://127.0.0.1:0")
+    plane = TcpDataPlane("tcp://127.0.0.1:0")
     yield plane
     plane.close()
 
@@ -321,7 +321,7 @@ def test_no_page_can_be_read_without_the_authenticated_channel(keys):
         assert ei.value.code is ErrorCode.UNKNOWN_LEASE
     assert psvc.metrics["pushes_done"] == 0 and psvc.metrics.get("pages_pushed", 0) == 0
 
-    plane = ZmqDataPlane("tcp://127.0.0.1:0")
+    plane = TcpDataPlane("tcp://127.0.0.1:0")
     try:
         d = zmq.Context.instance().socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)

@@ -45,7 +45,7 @@ from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode
 from disagg.protocol.version import MAX_CONTROL_FRAME
 from disagg.transport import ControlClient, EventSubscriber
-from disagg.transport.zmq_plane import StreamPush, ZmqDataPlane
+from disagg.transport.tcp import StreamPush, TcpDataPlane
 
 pytestmark = pytest.mark.fuzz
 
@@ -174,7 +174,7 @@ def live():
     prod, psvc = make_producer(cfg, events="tcp://127.0.0.1:0", lease_ttl_s=2.0, push_timeout_s=1.0)
     run(prod, prompts(n=3), 1)
     assert psvc.store.keys(), "the producer stored no block"
-    sink = ZmqDataPlane("tcp://127.0.0.1:0")
+    sink = TcpDataPlane("tcp://127.0.0.1:0")
     yield psvc, sink
     sink.close()
     close_all_services()
@@ -195,7 +195,7 @@ def _call(d: zmq.Socket, msg: m.Message) -> m.Message:
     return m.decode(d.recv_multipart()[-1])
 
 
-def _control_seeds(psvc: Any, sink: ZmqDataPlane, d: zmq.Socket) -> list[dict[str, Any]]:
+def _control_seeds(psvc: Any, sink: TcpDataPlane, d: zmq.Socket) -> list[dict[str, Any]]:
     """Valid messages of every kind, with real keys and a real lease of the fuzzer's own
     (so mutations reach deep into the handler), a foreign lease and unknown ones."""
     fp = psvc.fingerprint
@@ -442,7 +442,7 @@ def _payload(rng: random.Random, pb: int) -> list[bytes]:
     ]
 
 
-def _sync(plane: ZmqDataPlane, sock: StreamPush, lease: int) -> None:
+def _sync(plane: TcpDataPlane, sock: StreamPush, lease: int) -> None:
     """Messages on one connection are handled in order: once a sentinel transfer sent
     last is DONE, every earlier message has been handled."""
     tid, tok = secrets.randbits(60), secrets.token_bytes(16)
@@ -455,7 +455,7 @@ def test_data_plane_strangers_cannot_write_a_byte(live):
     psvc, _ = live
     pb, slots, tid, lease = 64, 48, 7777, 3
     g0, g1, regions = _pools(slots, pb)
-    plane = ZmqDataPlane("tcp://127.0.0.1:0")
+    plane = TcpDataPlane("tcp://127.0.0.1:0")
     sock = _push_socket(plane.endpoint)
     try:
         plane.register_regions(regions)
@@ -487,7 +487,7 @@ def test_data_plane_strangers_cannot_write_a_byte(live):
         # and writes exactly the slots it was given.
         src0 = torch.randint(0, 256, (3, pb), dtype=torch.uint8)
         src1 = torch.randint(0, 256, (2, pb), dtype=torch.uint8)
-        sender = ZmqDataPlane("tcp://127.0.0.1:0")
+        sender = TcpDataPlane("tcp://127.0.0.1:0")
         try:
             h = sender.post_push(
                 plane.endpoint, tid, lease, token, [(0, src0, [4, 5, 9]), (1, src1, [0, 7])]
@@ -513,7 +513,7 @@ def test_data_plane_a_lying_token_holder_stays_inside_the_regions(live):
     about slots, sizes and payloads writes only inside registered regions."""
     pb, slots, lease = 64, 16, 5
     g0, g1, regions = _pools(slots, pb)
-    plane = ZmqDataPlane("tcp://127.0.0.1:0")
+    plane = TcpDataPlane("tcp://127.0.0.1:0")
     sock = _push_socket(plane.endpoint)
     rng = random.Random(SEED + 2)
     try:

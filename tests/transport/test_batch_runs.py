@@ -1,6 +1,6 @@
 """A batch header's runs are checked as numbers before they are expanded into slots
 (``ReceiverBook.accept_runs``). A peer holding a transfer's token (a buggy producer) once
-could name ``2**40`` pages in one run: the zmq plane's connection thread died in a 8 TiB
+could name ``2**40`` pages in one run: the tcp plane's connection thread died in a 8 TiB
 allocation (the transfer waited for its deadline), and smaller forged counts would have
 allocated gigabytes or, on the UCX plane, cut billions of segments in a Python loop.
 Now each such header fails its transfer by name and the plane keeps serving."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from disagg.protocol.messages import PageBatch, TransferDone, encode
-from disagg.transport import ZmqDataPlane, receiver, zmq_plane
+from disagg.transport import TcpDataPlane, receiver, tcp
 from disagg.transport.receiver import ReceiverBook
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,13 +82,13 @@ def test_a_wrong_page_size_or_group_is_named_first():
     assert book.accept_batch(rx, forged) == "batch for layer group 3, but only 1 expected"
 
 
-def test_zmq_plane_fails_a_forged_count_and_keeps_the_connection():
+def test_tcp_plane_fails_a_forged_count_and_keeps_the_connection():
     """Before: the connection thread died in ``np.arange`` (8 TiB), the transfer stayed
     PENDING until its deadline and the stream was dropped."""
-    rx = ZmqDataPlane()
+    rx = TcpDataPlane()
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     try:
         rx.expect(40, 1, b"t", [1], 30.0)
         s.send_multipart([encode(_batch([(0, 2**40)], tid=40))])

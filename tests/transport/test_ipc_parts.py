@@ -1,5 +1,5 @@
 """Pushes in parts on the ipc plane: a large device push leaves as several messages so
-the receiver starts copying the first while the rest arrive (ipc_plane.py, "Parts").
+the receiver starts copying the first while the rest arrive (``disagg.transport.ipc.parts``).
 
 CI has no GPU, so these cut host pushes too (``_parts_host``); the CUDA path is the same
 code with device copies landing on the landing thread (GPU runs: DISAGG_TEST_DEVICE=cuda).
@@ -18,17 +18,18 @@ import torch
 from test_ipc_plane import _dial, _frame, _read_frame
 
 from disagg.protocol import ipc as wire
-from disagg.transport import ipc_plane
+from disagg.protocol.messages import DataCaps
 from disagg.transport.dataplane import StoreRows, TransferState
-from disagg.transport.ipc_plane import (
+from disagg.transport.ipc import IpcDataPlane, sender
+from disagg.transport.ipc.parts import (
     PARTS_FIRST_MAX,
+    PARTS_MIN_PAGE_BYTES,
     PARTS_MIN_PAGES,
-    IpcDataPlane,
-    _cut,
-    _Landing,
-    _part_sizes,
-    _parts_setting,
+    cut,
+    part_sizes,
+    parts_setting,
 )
+from disagg.transport.ipc.receiver import Landing
 
 pytestmark = pytest.mark.timeout(60)
 DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
@@ -56,40 +57,40 @@ def _store(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_part_sizes_cut_while_twice_as_much_remains():
-    assert _part_sizes(16384, (2048, 4096)) == [2048, 4096, 10240]
-    assert _part_sizes(12288, (2048, 4096)) == [2048, 10240]  # 10240 < 3 * 4096
-    assert _part_sizes(6143, (2048, 4096)) == [6143]
-    assert _part_sizes(100, ()) == [100]
-    assert _part_sizes(0, (2, 4)) == [0]
+    assert part_sizes(16384, (2048, 4096)) == [2048, 4096, 10240]
+    assert part_sizes(12288, (2048, 4096)) == [2048, 10240]  # 10240 < 3 * 4096
+    assert part_sizes(6143, (2048, 4096)) == [6143]
+    assert part_sizes(100, ()) == [100]
+    assert part_sizes(0, (2, 4)) == [0]
 
 
 def test_default_parts_are_halves_from_the_minimum_with_a_capped_first():
-    assert _part_sizes(16384, None) == [8192, 8192]
-    assert _part_sizes(PARTS_MIN_PAGES + 1, None) == [6145, 6144]
-    assert _part_sizes(32768, None) == [PARTS_FIRST_MAX, 32768 - PARTS_FIRST_MAX]
-    assert _part_sizes(PARTS_MIN_PAGES - 1, None) == [PARTS_MIN_PAGES - 1]
-    assert _part_sizes(0, None) == [0]
+    assert part_sizes(16384, None) == [8192, 8192]
+    assert part_sizes(PARTS_MIN_PAGES + 1, None) == [6145, 6144]
+    assert part_sizes(32768, None) == [PARTS_FIRST_MAX, 32768 - PARTS_FIRST_MAX]
+    assert part_sizes(PARTS_MIN_PAGES - 1, None) == [PARTS_MIN_PAGES - 1]
+    assert part_sizes(0, None) == [0]
 
 
 def test_cut_spans_batches_in_order_with_no_empty_piece():
-    assert _cut([3, 5], [2, 4, 2]) == [[(0, 0, 2)], [(0, 2, 3), (1, 0, 3)], [(1, 3, 5)]]
-    assert _cut([4], [4]) == [[(0, 0, 4)]]
-    assert _cut([], [0]) == [[]]
+    assert cut([3, 5], [2, 4, 2]) == [[(0, 0, 2)], [(0, 2, 3), (1, 0, 3)], [(1, 3, 5)]]
+    assert cut([4], [4]) == [[(0, 0, 4)]]
+    assert cut([], [0]) == [[]]
 
 
 def test_parts_setting_from_argument_and_environment(monkeypatch):
     monkeypatch.delenv("DISAGG_IPC_PARTS", raising=False)
-    assert _parts_setting(None) is None  # the default: a capped first half
-    assert _parts_setting([0]) == () and _parts_setting([]) == ()
+    assert parts_setting(None) is None  # the default: a capped first half
+    assert parts_setting([0]) == () and parts_setting([]) == ()
     monkeypatch.setenv("DISAGG_IPC_PARTS", "512, 1024")
-    assert _parts_setting(None) == (512, 1024)
+    assert parts_setting(None) == (512, 1024)
     monkeypatch.setenv("DISAGG_IPC_PARTS", "0")
-    assert _parts_setting(None) == ()
+    assert parts_setting(None) == ()
     monkeypatch.setenv("DISAGG_IPC_PARTS", "lots")
     with pytest.raises(ValueError, match="DISAGG_IPC_PARTS='lots'"):
-        _parts_setting(None)
+        parts_setting(None)
     with pytest.raises(ValueError, match=">= 0"):
-        _parts_setting([-1])
+        parts_setting([-1])
 
 
 @pytest.mark.parametrize("parts", [(2, 4), (1,), ()])
@@ -106,7 +107,7 @@ def test_a_push_in_parts_lands_exactly_across_groups(planes, parts):
     slots = [rng.choice(32, 9, replace=False), rng.choice(32, 11, replace=False)]
     rx.expect(1, 5, b"t", [9, 11], 10.0, [s.tolist() for s in slots])
     pages = [(g, StoreRows(slab, rows[g], ((0, WIDTH),)), slots[g].tolist()) for g in (0, 1)]
-    h = tx.post_push(rx.endpoint, 1, 5, b"t", pages)
+    h = tx.post_push(rx.endpoint, 1, 5, b"t", pages, caps=rx.capabilities)
     assert tx.wait_push(h, 10).done, tx.poll_push(h)
     assert rx.wait(1, 10).done, rx.poll(1)
     for g in (0, 1):
@@ -118,17 +119,18 @@ def test_a_push_in_parts_lands_exactly_across_groups(planes, parts):
     assert rx.stats["pages"] == 20 and tx.poll_push(h).nbytes == 20 * WIDTH
 
 
-def test_a_receiver_without_parts_gets_one_message(planes):
-    """An endpoint without ``?parts=1`` (a receiver of an older version) is never sent
-    parts: it would finish the transfer on the first."""
+@pytest.mark.parametrize("caps", [None, DataCaps()], ids=["no_caps", "caps_without_parts"])
+def test_a_receiver_whose_caps_do_not_say_parts_gets_one_message(planes, caps):
+    """Parts go only where the receiver's capabilities say ``parts`` (a receiver that
+    takes none would finish the transfer on the first); the endpoint is the bare
+    address."""
     rx, tx = planes(), planes(push_parts=(1,))
-    assert rx.endpoint.endswith("?parts=1")
+    assert rx.capabilities.parts and "?" not in rx.endpoint
     slab = tx.register_source(_store(8))
     regions = [torch.zeros((8, WIDTH), dtype=torch.uint8, device=DEVICE)]
     rx.register_regions([regions])
     rx.expect(2, 1, b"t", [4], 10.0)
-    old = rx.endpoint.removesuffix("?parts=1")
-    h = tx.post_push(old, 2, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])])
+    h = tx.post_push(rx.endpoint, 2, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])], caps=caps)
     assert tx.wait_push(h, 10).done and rx.wait(2, 10).done
     assert tx.stats["push_parts_sent"] == 0
     assert torch.equal(regions[0][:4], slab[:4])
@@ -144,7 +146,12 @@ def test_a_bad_later_part_fails_the_transfer_by_name(planes):
     rx.expect(3, 1, b"t", [8], 10.0)
     rows = np.array([0, 1, 2, 3, 4, 5, 6, 999])  # the last part's last row is beyond
     h = tx.post_push(
-        rx.endpoint, 3, 1, b"t", [(0, StoreRows(slab, rows, ((0, WIDTH),)), list(range(8)))]
+        rx.endpoint,
+        3,
+        1,
+        b"t",
+        [(0, StoreRows(slab, rows, ((0, WIDTH),)), list(range(8)))],
+        caps=rx.capabilities,
     )
     st = tx.wait_push(h, 10)
     assert st.failed and "reads up to byte" in st.error, st
@@ -202,7 +209,7 @@ def test_a_refused_part_is_answered_only_after_earlier_copies_end(planes, monkey
 
     sock = _dial(rx.endpoint)
     try:
-        blocker = _Landing(None, None, 0.0, 8, last=False, events=[SlowCopy()])  # type: ignore[arg-type]
+        blocker = Landing(None, None, 0.0, 8, last=False, events=[SlowCopy()])  # type: ignore[arg-type]
         real_land = rx._land
         monkeypatch.setattr(rx, "_land", lambda lnd: None if lnd is blocker else real_land(lnd))
         blocker.rx = object()  # type: ignore[assignment]  # not a refusal: waits on its events
@@ -232,7 +239,7 @@ def test_module_default_cuts_only_device_pushes(planes):
     regions = [torch.zeros((8, WIDTH), dtype=torch.uint8)]
     rx.register_regions([regions])
     rx.expect(9, 1, b"t", [4], 10.0)
-    h = tx.post_push(rx.endpoint, 9, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])])
+    h = tx.post_push(rx.endpoint, 9, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])], caps=rx.capabilities)
     assert tx.wait_push(h, 10).done and rx.wait(9, 10).done
     assert tx.stats["push_parts_sent"] == 0
 
@@ -243,14 +250,14 @@ def test_default_cut_is_two_halves_that_land_exactly(planes, monkeypatch):
     whole. Every page lands in its slot either way."""
     monkeypatch.delenv("DISAGG_IPC_PARTS", raising=False)
     seen: list[tuple[int, int, int]] = []  # (transfer, part, pages) as the receiver got them
-    rx_push = ipc_plane.IpcDataPlane._rx_push
+    rx_push = IpcDataPlane._rx_push
 
     def record(self, msg, conn):
         pages = sum(len(b.slots) // b.index_bytes for b in msg.batches)
         seen.append((msg.transfer_id, msg.part, pages))
         return rx_push(self, msg, conn)
 
-    monkeypatch.setattr(ipc_plane.IpcDataPlane, "_rx_push", record)
+    monkeypatch.setattr(IpcDataPlane, "_rx_push", record)
     rx, tx = planes(), planes()
     n = PARTS_MIN_PAGES
     slab = tx.register_source(_store(2 * n))
@@ -265,7 +272,12 @@ def test_default_cut_is_two_halves_that_land_exactly(planes, monkeypatch):
         )
         rx.expect(tid, 1, b"t", [count], 30.0, [slots.tolist()])
         h = tx.post_push(
-            rx.endpoint, tid, 1, b"t", [(0, StoreRows(slab, rows, ((0, WIDTH),)), slots)]
+            rx.endpoint,
+            tid,
+            1,
+            b"t",
+            [(0, StoreRows(slab, rows, ((0, WIDTH),)), slots)],
+            caps=rx.capabilities,
         )
         assert tx.wait_push(h, 30).done, tx.poll_push(h)
         assert rx.wait(tid, 30).done, rx.poll(tid)
@@ -283,19 +295,27 @@ def test_a_push_whose_later_parts_never_come_fails_and_releases(planes, end, mon
     once (the copies are waited for, nothing stays in flight) and, without one, the
     sender's deadline closes them; the sender's push fails at its deadline."""
     rx, tx = planes(), planes(push_parts=(2,))
-    send_on = ipc_plane.PushHandle.send_on
+    send_on = sender.PushHandle.send_on
 
     def first_only(h, conn):  # the parts after the first never leave
         h.frames = h.frames[:1]
         return send_on(h, conn)
 
-    monkeypatch.setattr(ipc_plane.PushHandle, "send_on", first_only)
+    monkeypatch.setattr(sender.PushHandle, "send_on", first_only)
     tx._send_rest = lambda *a: None
     slab = tx.register_source(_store(16))
     regions = [torch.zeros((16, WIDTH), dtype=torch.uint8, device=DEVICE)]
     rx.register_regions([regions])
     rx.expect(11, 1, b"t", [8], 30.0)
-    h = tx.post_push(rx.endpoint, 11, 1, b"t", [(0, slab[:8], list(range(8)))], deadline_s=1.5)
+    h = tx.post_push(
+        rx.endpoint,
+        11,
+        1,
+        b"t",
+        [(0, slab[:8], list(range(8)))],
+        deadline_s=1.5,
+        caps=rx.capabilities,
+    )
     deadline = time.monotonic() + 5
     while rx.stats["pages"] < 2 and not rx._parted and time.monotonic() < deadline:
         time.sleep(0.01)  # part 0 arrived (landed, or its device copy is held)
@@ -314,35 +334,37 @@ def test_a_push_whose_later_parts_never_come_fails_and_releases(planes, end, mon
     assert not regions[0][2:].any()
 
 
-def test_a_push_behind_others_to_the_same_receiver_is_not_cut(planes):
+def test_a_push_behind_others_to_the_same_receiver_is_notcut(planes):
     """Parts help a push that finds the receiver idle; behind pushes still in flight
     the receiver's checks already overlap the copies, and parts would only add work."""
     tx = planes(push_parts=(1,))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nobody listens there: pushes wait to be sent
-    endpoint = f"tcp://127.0.0.1:{port}?parts=1"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    caps = DataCaps(parts=True)
     slab = tx.register_source(_store(8))
-    first = tx.post_push(endpoint, 1, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])], deadline_s=0.5)
+    pages = [(0, slab[:4], [0, 1, 2, 3])]
+    first = tx.post_push(endpoint, 1, 1, b"t", pages, deadline_s=0.5, caps=caps)
     deadline = time.monotonic() + 5
     while endpoint not in tx._peers and time.monotonic() < deadline:
         time.sleep(0.005)  # the sender thread took the first push
-    second = tx.post_push(endpoint, 2, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])], deadline_s=0.5)
+    second = tx.post_push(endpoint, 2, 1, b"t", pages, deadline_s=0.5, caps=caps)
     assert tx.stats["push_parts_sent"] == 1
     assert first.more and not second.more
     assert tx.wait_push(first, 5).failed and tx.wait_push(second, 5).failed
 
 
-def test_pushes_of_small_pages_are_not_cut(planes):
+def test_pushes_of_small_pages_are_notcut(planes):
     """Below PARTS_MIN_PAGE_BYTES the GPU copies a page in about the time the receiver
     checks one: cutting would not start the copy any sooner than the rest is checked."""
     rx, tx = planes(), planes(push_parts=(1,))
-    tx._parts_min_bytes = ipc_plane.PARTS_MIN_PAGE_BYTES
+    tx._parts_min_bytes = PARTS_MIN_PAGE_BYTES
     assert WIDTH < tx._parts_min_bytes
     slab = tx.register_source(_store(8))
     regions = [torch.zeros((8, WIDTH), dtype=torch.uint8, device=DEVICE)]
     rx.register_regions([regions])
     rx.expect(12, 1, b"t", [4], 10.0)
-    h = tx.post_push(rx.endpoint, 12, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])])
+    h = tx.post_push(rx.endpoint, 12, 1, b"t", [(0, slab[:4], [0, 1, 2, 3])], caps=rx.capabilities)
     assert tx.wait_push(h, 10).done and rx.wait(12, 10).done
     assert tx.stats["push_parts_sent"] == 0

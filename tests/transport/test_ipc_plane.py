@@ -21,7 +21,9 @@ from disagg.protocol.errors import ProtocolError
 from disagg.protocol.version import PROTOCOL_VERSION
 from disagg.transport import framed
 from disagg.transport.dataplane import StoreRows, TransferState
-from disagg.transport.ipc_plane import HOST, IpcDataPlane, _pieces
+from disagg.transport.ipc import IpcDataPlane
+from disagg.transport.ipc.host import HOST
+from disagg.transport.ipc.staging import pieces
 from disagg.transport.page_copy import copy_indexed
 
 pytestmark = pytest.mark.timeout(60)
@@ -244,18 +246,18 @@ def test_late_push_is_refused(planes):
 def test_a_copy_that_ends_after_the_senders_deadline_never_lands(planes, monkeypatch):
     """The sender may reuse its rows once its deadline passed: a copy still running then
     fails the transfer, whatever bytes it wrote."""
-    from disagg.transport import ipc_plane
+    from disagg.transport.ipc import receiver
 
     rx, tx = planes(), planes()
     slab = tx.register_source(_store())
     rx.register_regions([_regions(8, (96,))])
-    copy = ipc_plane._copy
+    copy = receiver.copy_batch
 
     def slow_copy(*args):
         time.sleep(1.0)  # past the push's deadline (0.5 s + the start margin)
         return copy(*args)
 
-    monkeypatch.setattr(ipc_plane, "_copy", slow_copy)
+    monkeypatch.setattr(receiver, "copy_batch", slow_copy)
     rx.expect(11, 1, b"t", [1], 10.0)
     h = tx.post_push(rx.endpoint, 11, 1, b"t", [(0, slab[:1], [0])], deadline_s=0.5)
     st = rx.wait(11, 5)
@@ -354,12 +356,12 @@ def test_pages_cross_processes_through_shared_memory(planes):
 
 
 def test_pieces_cut_spans_at_region_borders():
-    assert _pieces([(10, 30), (50, 34)], [24, 40]) == [
+    assert pieces([(10, 30), (50, 34)], [24, 40]) == [
         (10, 0, 0, 24),
         (34, 1, 0, 6),
         (50, 1, 6, 34),
     ]
-    assert _pieces([(0, 8)], [8]) == [(0, 0, 0, 8)]
+    assert pieces([(0, 8)], [8]) == [(0, 0, 0, 8)]
 
 
 @pytest.mark.parametrize("offset", [0, 3])  # aligned: 8/4-byte elements; else bytes

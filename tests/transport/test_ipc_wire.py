@@ -17,7 +17,7 @@ import torch
 from disagg.protocol import ipc as wire
 from disagg.transport import framed
 from disagg.transport.dataplane import StoreRows
-from disagg.transport.ipc_plane import IpcDataPlane
+from disagg.transport.ipc import IpcDataPlane
 
 pytestmark = pytest.mark.timeout(120)
 FRAMES = 400

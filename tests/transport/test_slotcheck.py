@@ -186,7 +186,7 @@ def test_book_refuses_more_pages_than_expected_before_marking():
     assert rx.state.final and rx.announced == [0]
 
 
-# ---- the sender's side: pack_pair and ipc_plane._wire_indices over it ----------------
+# ---- the sender's side: pack_pair and the ipc sender's wire_indices over it ---------
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 16384])
@@ -229,7 +229,7 @@ def test_pack_pair_refuses_mismatched_or_short_buffers():
 
 
 def test_wire_indices_same_with_and_without_the_c_pass(monkeypatch):
-    from disagg.transport import ipc_plane
+    from disagg.transport.ipc import sender
 
     rng = np.random.default_rng(9)
     cases = [
@@ -239,15 +239,15 @@ def test_wire_indices_same_with_and_without_the_c_pass(monkeypatch):
         (np.arange(4)[::-1].copy()[::2], np.array([1, 2])),  # a strided view
     ]
     for rows, dst in cases:
-        fast = ipc_plane._wire_indices(rows, dst)
-        monkeypatch.setattr(ipc_plane, "_slotcheck", None)
-        slow = ipc_plane._wire_indices(rows, dst)
+        fast = sender.wire_indices(rows, dst)
+        monkeypatch.setattr(sender, "_slotcheck", None)
+        slow = sender.wire_indices(rows, dst)
         monkeypatch.undo()
         for a, b in zip(fast, slow):
             assert a.dtype == b.dtype and a.dtype.byteorder in "<=" and (a == b).all()
         assert fast[0].base is not rows and not np.shares_memory(fast[0], rows)
     for patched in (False, True):
         if patched:
-            monkeypatch.setattr(ipc_plane, "_slotcheck", None)
+            monkeypatch.setattr(sender, "_slotcheck", None)
         with pytest.raises(ValueError, match="must be >= -1, got -4"):
-            ipc_plane._wire_indices(np.arange(3), np.array([0, -4, 1]))
+            sender.wire_indices(np.arange(3), np.array([0, -4, 1]))

@@ -17,7 +17,7 @@ from disagg.config import ConfigError, DisaggConfig
 from disagg.transport import spin
 from disagg.transport.dataplane import StoreRows, TransferState
 from disagg.transport.factory import make_data_plane
-from disagg.transport.ipc_plane import IpcDataPlane
+from disagg.transport.ipc import IpcDataPlane
 
 pytestmark = pytest.mark.timeout(60)
 pytest.importorskip("disagg.transport._spin")
@@ -128,7 +128,7 @@ def test_config_key_reaches_the_ipc_plane_and_is_refused_elsewhere():
     assert cfg.ipc_spin_us == 750
     assert DisaggConfig.from_dict(cfg.to_dict()) == cfg
     for top, why in (
-        ({"transport": "zmq", "ipc_spin_us": 750}, "ipc data plane setting"),
+        ({"transport": "tcp", "ipc_spin_us": 750}, "ipc data plane setting"),
         ({"transport": "ipc", "ipc_spin_us": -1}, "integer >= 0"),
         ({"transport": "ipc", "ipc_spin_us": True}, "integer >= 0"),
     ):
@@ -141,7 +141,7 @@ def test_config_key_reaches_the_ipc_plane_and_is_refused_elsewhere():
     finally:
         plane.close()
     with pytest.raises(ValueError, match="ipc_spin_us"):
-        make_data_plane("zmq", ipc_spin_us=750)
+        make_data_plane("tcp", ipc_spin_us=750)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The zmq plane's payload stream: the iovec loops (C ``_streamio`` and the Python
+"""The tcp plane's payload stream: the iovec loops (C ``_streamio`` and the Python
 fallback) against numpy references, and the plane's behaviour at the edges of the wire
 (truncated payloads, refused preambles, stalled peers, abort mid-payload)."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from disagg.protocol import PageBatch, TransferDone, encode
-from disagg.transport import ZmqDataPlane, zmq_plane
+from disagg.transport import TcpDataPlane, tcp
 
 PATHS = ["native", "python"]
 
@@ -25,8 +25,8 @@ PATHS = ["native", "python"]
 def path(request, monkeypatch):
     """Run the test on the C extension or on the pure-Python fallback."""
     if request.param == "python":
-        monkeypatch.setattr(zmq_plane, "_native", None)
-    elif zmq_plane._streamio is None:
+        monkeypatch.setattr(tcp.rowio, "_native", None)
+    elif tcp.rowio._streamio is None:
         pytest.skip("the _streamio extension is not built")
     return request.param
 
@@ -95,7 +95,7 @@ def test_recv_rows_into_random_slots_is_byte_exact(path, width, n, spans):
     a, b = pair()
     try:
         feeder = _feed(b, payload.tobytes())
-        got = zmq_plane.recv_rows(a, dst, slots, _cols(spans), time.monotonic() + 10)
+        got = tcp.rowio.recv_rows(a, dst, slots, _cols(spans), time.monotonic() + 10)
         feeder.join(10)
         assert got == payload.size
         want = np.zeros_like(dst)
@@ -122,7 +122,7 @@ def test_send_rows_from_random_rows_is_byte_exact(path, width, n, spans):
     out: list[bytes] = []
     try:
         t = _drain(b, len(want), out)
-        sent = zmq_plane.send_rows(a, head, src, rows, _cols(spans), time.monotonic() + 10)
+        sent = tcp.rowio.send_rows(a, head, src, rows, _cols(spans), time.monotonic() + 10)
         t.join(10)
         assert sent == len(want) and out[0] == want
     finally:
@@ -133,7 +133,7 @@ def test_send_rows_from_random_rows_is_byte_exact(path, width, n, spans):
 def test_native_and_python_paths_agree(monkeypatch):
     """The same scattered send and receive through both implementations, on a strided
     view (row stride above the row width) with three spans: identical bytes."""
-    if zmq_plane._streamio is None:
+    if tcp.rowio._streamio is None:
         pytest.skip("the _streamio extension is not built")
     rng = np.random.default_rng(7)
     backing = rng.integers(0, 256, (600, 200), dtype=np.uint8)
@@ -143,18 +143,18 @@ def test_native_and_python_paths_agree(monkeypatch):
     slots = rng.permutation(600)[:500].astype(np.int64)
     results = []
     for native in (True, False):
-        monkeypatch.setattr(zmq_plane, "_native", zmq_plane._streamio if native else None)
+        monkeypatch.setattr(tcp.rowio, "_native", tcp.rowio._streamio if native else None)
         a, b = pair()
         out: list[bytes] = []
         try:
             wire_len = rows.size * 100
             t = _drain(b, wire_len, out)
-            zmq_plane.send_rows(a, None, src, rows, _cols(spans), time.monotonic() + 10)
+            tcp.rowio.send_rows(a, None, src, rows, _cols(spans), time.monotonic() + 10)
             t.join(10)
             dst_backing = np.zeros((600, 200), dtype=np.uint8)
             dst = dst_backing[:, 20:180]
             feeder = _feed(b, out[0][: slots.size * 100])
-            zmq_plane.recv_rows(a, dst, slots, _cols(spans), time.monotonic() + 10)
+            tcp.rowio.recv_rows(a, dst, slots, _cols(spans), time.monotonic() + 10)
             feeder.join(10)
             results.append((out[0], dst_backing.copy()))
         finally:
@@ -172,15 +172,15 @@ def test_bad_rows_and_spans_are_refused_before_a_byte_moves(path):
     try:
         b.sendall(b"x" * 64)
         with pytest.raises(IndexError, match=r"row 8 \(index 2\) outside 8 rows"):
-            zmq_plane.recv_rows(a, dst, np.array([0, 1, 8, 2]), _cols([(0, 16)]), 0)
+            tcp.rowio.recv_rows(a, dst, np.array([0, 1, 8, 2]), _cols([(0, 16)]), 0)
         with pytest.raises(IndexError, match=r"row -1 \(index 0\)"):
-            zmq_plane.recv_rows(a, dst, np.array([-1]), _cols([(0, 16)]), 0)
+            tcp.rowio.recv_rows(a, dst, np.array([-1]), _cols([(0, 16)]), 0)
         with pytest.raises(IndexError, match="column span 1"):
-            zmq_plane.recv_rows(a, dst, np.array([0]), _cols([(0, 8), (10, 7)]), 0)
+            tcp.rowio.recv_rows(a, dst, np.array([0]), _cols([(0, 8), (10, 7)]), 0)
         assert int(dst.sum()) == 0
         assert len(a.recv(64)) == 64  # nothing was consumed from the socket
         with pytest.raises(IndexError, match=r"row 9 \(index 1\)"):
-            zmq_plane.send_rows(a, b"head", dst, np.array([0, 9]), _cols([(0, 16)]), 0)
+            tcp.rowio.send_rows(a, b"head", dst, np.array([0, 9]), _cols([(0, 16)]), 0)
         with pytest.raises(BlockingIOError):
             b.recv(64)  # not even the head went out
     finally:
@@ -195,7 +195,7 @@ def test_eof_and_deadline_mid_payload_raise_clear_errors(path):
     try:
         _feed(b, b"y" * 1500, close=True).join(10)
         with pytest.raises(ConnectionError, match="1500 of 4096 payload bytes received"):
-            zmq_plane.recv_rows(a, dst, np.arange(4), _cols([(0, 1024)]), time.monotonic() + 5)
+            tcp.rowio.recv_rows(a, dst, np.arange(4), _cols([(0, 1024)]), time.monotonic() + 5)
     finally:
         a.close()
     a, b = pair()
@@ -203,11 +203,11 @@ def test_eof_and_deadline_mid_payload_raise_clear_errors(path):
         b.sendall(b"z" * 100)
         t = time.monotonic()
         with pytest.raises(TimeoutError, match="100 of 4096 payload bytes received"):
-            zmq_plane.recv_rows(a, dst, np.arange(4), _cols([(0, 1024)]), time.monotonic() + 0.2)
+            tcp.rowio.recv_rows(a, dst, np.arange(4), _cols([(0, 1024)]), time.monotonic() + 0.2)
         assert time.monotonic() - t < 2.0
         big = np.zeros((64, 1 << 20), dtype=np.uint8)  # more than the socket buffers hold
         with pytest.raises(TimeoutError, match="payload bytes sent"):
-            zmq_plane.send_rows(
+            tcp.rowio.send_rows(
                 a, None, big, np.arange(64), _cols([(0, 1 << 20)]), time.monotonic() + 0.2
             )
     finally:
@@ -219,7 +219,7 @@ def test_missing_extension_raises_when_native_is_required():
     code = (
         "import sys; sys.modules['disagg.transport._streamio'] = None\n"
         "try:\n"
-        "    import disagg.transport.zmq_plane\n"
+        "    import disagg.transport.tcp\n"
         "except ImportError:\n"
         "    sys.exit(3)\n"
         "sys.exit(0)\n"
@@ -233,7 +233,7 @@ def test_missing_extension_raises_when_native_is_required():
 # ------------------------------------------------------------------------------- plane
 @pytest.fixture
 def planes():
-    rx, tx = ZmqDataPlane(), ZmqDataPlane()
+    rx, tx = TcpDataPlane(), TcpDataPlane()
     yield rx, tx
     rx.close()
     tx.close()
@@ -254,9 +254,9 @@ def test_peer_closing_mid_payload_fails_the_transfer_and_the_receiver_serves_on(
     pool = torch.zeros(16, 4096, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [4], 5.0)
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096)
-    s.sock.sendall(zmq_plane.frame(encode(h), 4 * 4096) + b"q" * 5000)
+    s.sock.sendall(tcp.wire.frame(encode(h), 4 * 4096) + b"q" * 5000)
     s.close()  # 5000 of 16384 payload bytes, then the connection ends
     st = rx.wait(1, 5.0)
     assert st.failed and "broke off" in st.error and "5000 of 16384" in st.error, st
@@ -269,7 +269,7 @@ def test_peer_closing_mid_payload_fails_the_transfer_and_the_receiver_serves_on(
     "preamble, needle",
     [
         (b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f", "ZMTP"),
-        (zmq_plane.STREAM_MAGIC + b"\x07", "stream protocol version 7"),
+        (tcp.wire.STREAM_MAGIC + b"\x07", "stream protocol version 7"),
         (b"GET / HTTP/1.1\r\n", "not a disagg data stream"),
     ],
     ids=["zmq_peer", "other_version", "garbage"],
@@ -280,10 +280,10 @@ def test_bad_preamble_is_refused_by_name_and_the_receiver_serves_on(
     rx, tx = planes
     pool = torch.zeros(8, 256, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq_plane.StreamPush(rx.endpoint, preamble=preamble)
+    s = tcp.wire.StreamPush(rx.endpoint, preamble=preamble)
     try:
         s.sock.settimeout(5)
-        assert s.sock.recv(16) == zmq_plane.PREAMBLE  # it says which version it speaks
+        assert s.sock.recv(16) == tcp.wire.PREAMBLE  # it says which version it speaks
         try:  # and closes that connection (a reset when our extra bytes went unread)
             assert s.sock.recv(16) == b""
         except ConnectionResetError:
@@ -306,13 +306,13 @@ def test_sender_names_the_version_a_receiver_refused_it_for():
     def fake_receiver() -> None:
         c, _ = srv.accept()
         c.recv(8)
-        c.sendall(zmq_plane.STREAM_MAGIC + b"\x01")
+        c.sendall(tcp.wire.STREAM_MAGIC + b"\x01")
         time.sleep(0.2)
         c.close()
 
     t = threading.Thread(target=fake_receiver, daemon=True)
     t.start()
-    tx = ZmqDataPlane()
+    tx = TcpDataPlane()
     try:
         src = torch.zeros(64, 1 << 20, dtype=torch.uint8)
         h = tx.post_push(f"tcp://127.0.0.1:{port}", 1, 1, b"t", [(0, src, list(range(64)))], 5)
@@ -328,7 +328,7 @@ def test_out_of_range_batch_is_skipped_before_a_byte_lands(planes):
     pool = torch.zeros(16, 64, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [3], 5.0)
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     try:
         h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(14, 3)], page_bytes=64)
         s.send_multipart([encode(h), b"w" * 192])
@@ -351,12 +351,12 @@ def test_abort_cuts_off_a_payload_that_stalled_mid_way(planes):
     pool = torch.zeros(16, 4096, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [4], 30.0)
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     try:
         h = PageBatch(
             transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(8, 4)], page_bytes=4096
         )
-        s.sock.sendall(zmq_plane.frame(encode(h), 4 * 4096) + b"q" * 100)
+        s.sock.sendall(tcp.wire.frame(encode(h), 4 * 4096) + b"q" * 100)
         end = time.monotonic() + 5  # the bytes themselves landed, not only the header
         while int(pool[8:12].sum()) != 100 * ord("q") and time.monotonic() < end:
             time.sleep(0.01)
@@ -403,7 +403,7 @@ def test_close_fails_a_push_blocked_on_a_stalled_peer_promptly():
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    tx = ZmqDataPlane()
+    tx = TcpDataPlane()
     try:
         big = torch.zeros(128, 1 << 20, dtype=torch.uint8)
         h = tx.post_push(
@@ -421,12 +421,12 @@ def test_close_fails_a_push_blocked_on_a_stalled_peer_promptly():
 
 # ------------------------------------------------------------------------- the pipe path
 needs_native = pytest.mark.skipif(
-    zmq_plane._streamio is None, reason="the _streamio extension is not built"
+    tcp.rowio._streamio is None, reason="the _streamio extension is not built"
 )
 
 
 def _pipe(size: int = 1 << 20) -> tuple[int, int]:
-    got = zmq_plane.open_pipe()
+    got = tcp.rowio.open_pipe()
     assert got is not None, "no pipe of MIN_PIPE_BYTES on this box"
     return got
 
@@ -457,13 +457,13 @@ def test_splice_then_readv_between_random_rows_is_byte_exact(width, n, spans, pi
     sent: list[int] = []
     t = threading.Thread(
         target=lambda: sent.append(
-            zmq_plane.splice_rows(w, a, src, rows, _cols(spans), time.monotonic() + 10)
+            tcp.rowio.splice_rows(w, a, src, rows, _cols(spans), time.monotonic() + 10)
         )
     )
     t.start()
-    got = zmq_plane.recv_pipe_rows(r, b, dst, slots, _cols(spans), time.monotonic() + 10)
+    got = tcp.rowio.recv_pipe_rows(r, b, dst, slots, _cols(spans), time.monotonic() + 10)
     t.join(10)
-    zmq_plane.drain_pipe(w, a, time.monotonic() + 1)  # empty: returns at once
+    tcp.rowio.drain_pipe(w, a, time.monotonic() + 1)  # empty: returns at once
     per_row = sum(c for _, c in spans)
     assert sent == [n * per_row] and got == n * per_row
     want = np.zeros_like(src)
@@ -482,13 +482,13 @@ def test_spliced_pages_are_referenced_until_read(piped):
     src = np.full((4, 4096), 1, dtype=np.uint8)
     dst = np.zeros_like(src)
     r, w, a, b = piped
-    zmq_plane.splice_rows(w, a, src, np.arange(4), _cols([(0, 4096)]), time.monotonic() + 5)
+    tcp.rowio.splice_rows(w, a, src, np.arange(4), _cols([(0, 4096)]), time.monotonic() + 5)
     with pytest.raises(TimeoutError, match="16384 payload bytes still unread"):
-        zmq_plane.drain_pipe(w, a, time.monotonic() + 0.05)
+        tcp.rowio.drain_pipe(w, a, time.monotonic() + 0.05)
     src[2] = 7  # the "reused" row
-    zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), _cols([(0, 4096)]), 0)
+    tcp.rowio.recv_pipe_rows(r, b, dst, np.arange(4), _cols([(0, 4096)]), 0)
     assert int(dst[2, 0]) == 7 and int(dst[1, 0]) == 1
-    zmq_plane.drain_pipe(w, a, time.monotonic() + 1)
+    tcp.rowio.drain_pipe(w, a, time.monotonic() + 1)
 
 
 @needs_native
@@ -502,7 +502,7 @@ def test_pipe_eof_cut_and_deadline_mid_payload_raise_clear_errors():
         os.close(w)
         w = -1
         with pytest.raises(ConnectionError, match="1500 of 4096 payload bytes received"):
-            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 5)
+            tcp.rowio.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 5)
     finally:
         os.close(r)
         if w >= 0:
@@ -512,20 +512,20 @@ def test_pipe_eof_cut_and_deadline_mid_payload_raise_clear_errors():
         os.write(w, b"z" * 100)
         t = time.monotonic()
         with pytest.raises(TimeoutError, match="100 of 4096 payload bytes received"):
-            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 0.2)
+            tcp.rowio.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 0.2)
         assert time.monotonic() - t < 2.0
         # a stalled read ends at once when its stream socket is shut down (abort)
         threading.Timer(0.2, lambda: b.shutdown(socket.SHUT_RDWR)).start()
         t = time.monotonic()
         with pytest.raises(ConnectionError, match="shut down with 0 of 4096"):
-            zmq_plane.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 10)
+            tcp.rowio.recv_pipe_rows(r, b, dst, np.arange(4), cols, time.monotonic() + 10)
         assert time.monotonic() - t < 2.0
         # and a full pipe's writer when the peer's end of the socket is shut down
         big = np.zeros((64, 1 << 20), dtype=np.uint8)
         with pytest.raises(ConnectionError, match="shut down with"):
-            zmq_plane.splice_rows(w, a, big, np.arange(64), _cols([(0, 1 << 20)]), 0)
+            tcp.rowio.splice_rows(w, a, big, np.arange(64), _cols([(0, 1 << 20)]), 0)
         with pytest.raises(ConnectionError, match="still unread in its pipe"):
-            zmq_plane.drain_pipe(w, a, 0)
+            tcp.rowio.drain_pipe(w, a, 0)
     finally:
         for fd in (r, w):
             os.close(fd)
@@ -538,13 +538,13 @@ def test_splice_into_a_pipe_without_reader_fails_without_killing_the_process():
     """EPIPE, not SIGPIPE, even where the program left SIGPIPE at its default action."""
     code = (
         "import os, signal, socket, time, numpy as np\n"
-        "from disagg.transport import zmq_plane\n"
+        "from disagg.transport import tcp\n"
         "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
-        "r, w = zmq_plane.open_pipe(); os.close(r)\n"
+        "r, w = tcp.rowio.open_pipe(); os.close(r)\n"
         "a, b = socket.socketpair()\n"
         "src = np.ones((4, 4096), dtype=np.uint8)\n"
         "try:\n"
-        "    zmq_plane.splice_rows(w, a, src, np.arange(4), np.array([[0, 4096]]), 0)\n"
+        "    tcp.rowio.splice_rows(w, a, src, np.arange(4), np.array([[0, 4096]]), 0)\n"
         "except BrokenPipeError as e:\n"
         "    print('EPIPE', e)\n"
         "    raise SystemExit(5)\n"
@@ -558,18 +558,18 @@ class PipeClient:
     """A hand-made MODE_PIPE sender: headers on the AF_UNIX stream, payloads written
     into the pipe whose read end went with the hello."""
 
-    def __init__(self, endpoint: str, mode: int = zmq_plane.MODE_PIPE, fds=None):
+    def __init__(self, endpoint: str, mode: int = tcp.wire.MODE_PIPE, fds=None):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(5)
         self.sock.connect(endpoint[len("ipc://") :])
         self.r, self.w = os.pipe()
-        hello = zmq_plane.PREAMBLE + bytes([mode])
+        hello = tcp.wire.PREAMBLE + bytes([mode])
         socket.send_fds(self.sock, [hello], [self.r] if fds is None else fds)
         self.answer = self.sock.recv(16)
 
     def batch(self, header: bytes, payload: bytes, declared: int | None = None) -> None:
         n = len(payload) if declared is None else declared
-        self.sock.sendall(zmq_plane.frame(header, n, piped=True))
+        self.sock.sendall(tcp.wire.frame(header, n, piped=True))
         os.write(self.w, payload)
 
     def close(self) -> None:
@@ -582,9 +582,9 @@ class PipeClient:
 
 
 @pytest.fixture
-def ipc_planes(tmp_path):
-    rx = ZmqDataPlane(f"ipc://{tmp_path}/rx.sock")
-    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+def unix_planes(tmp_path):
+    rx = TcpDataPlane(f"ipc://{tmp_path}/rx.sock")
+    tx = TcpDataPlane(f"ipc://{tmp_path}/tx.sock")
     yield rx, tx
     rx.close()
     tx.close()
@@ -599,10 +599,10 @@ def _open_fds() -> int:
 def test_ipc_push_negotiates_the_pipe_and_lands_byte_exact(monkeypatch, tmp_path, rx_pipe, tx_pipe):
     """Store rows to random slots over ipc: the pipe when both ends allow it
     (DISAGG_STREAM_PIPE=0 on either end keeps the plain stream), the same bytes."""
-    monkeypatch.setenv(zmq_plane.PIPE_ENV, "1" if rx_pipe else "0")
-    rx = ZmqDataPlane(f"ipc://{tmp_path}/rx.sock")
-    monkeypatch.setenv(zmq_plane.PIPE_ENV, "1" if tx_pipe else "0")
-    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+    monkeypatch.setenv("DISAGG_STREAM_PIPE", "1" if rx_pipe else "0")
+    rx = TcpDataPlane(f"ipc://{tmp_path}/rx.sock")
+    monkeypatch.setenv("DISAGG_STREAM_PIPE", "1" if tx_pipe else "0")
+    tx = TcpDataPlane(f"ipc://{tmp_path}/tx.sock")
     try:
         from disagg.transport.dataplane import StoreRows
 
@@ -655,25 +655,25 @@ def test_ipc_push_negotiates_the_pipe_and_lands_byte_exact(monkeypatch, tmp_path
     ],
 )
 def test_bad_pipe_hello_is_refused_by_name_and_the_receiver_serves_on(
-    ipc_planes, caplog, tmp_path, case, needle
+    unix_planes, caplog, tmp_path, case, needle
 ):
-    rx, tx = ipc_planes
+    rx, tx = unix_planes
     pool = torch.zeros(8, 256, dtype=torch.uint8)
     rx.register_regions([[pool]])
     before = _open_fds()
     r, w = os.pipe()
     f = os.open(tmp_path / "file", os.O_CREAT | os.O_RDONLY)
     fds, mode = {
-        "no_fd": ([], zmq_plane.MODE_PIPE),
-        "two_fds": ([r, r], zmq_plane.MODE_PIPE),
-        "write_end": ([w], zmq_plane.MODE_PIPE),
-        "regular_file": ([f], zmq_plane.MODE_PIPE),
+        "no_fd": ([], tcp.wire.MODE_PIPE),
+        "two_fds": ([r, r], tcp.wire.MODE_PIPE),
+        "write_end": ([w], tcp.wire.MODE_PIPE),
+        "regular_file": ([f], tcp.wire.MODE_PIPE),
         "unknown_mode": ([], 7),
-        "inline_with_fd": ([r], zmq_plane.MODE_INLINE),
+        "inline_with_fd": ([r], tcp.wire.MODE_INLINE),
     }[case]
     c = PipeClient(rx.endpoint, mode, fds)
     try:
-        assert c.answer == zmq_plane.PREAMBLE  # refused: its preamble alone, then closed
+        assert c.answer == tcp.wire.PREAMBLE  # refused: its preamble alone, then closed
         assert c.sock.recv(16) == b""
     finally:
         c.close()
@@ -689,15 +689,15 @@ def test_bad_pipe_hello_is_refused_by_name_and_the_receiver_serves_on(
 
 
 @needs_native
-def test_pipe_stream_refuses_a_bad_batch_before_a_byte_lands_and_keeps_in_step(ipc_planes):
+def test_pipe_stream_refuses_a_bad_batch_before_a_byte_lands_and_keeps_in_step(unix_planes):
     """Over the pipe: a batch outside the pool is refused from its header (its payload
     is read out of the pipe and dropped, nothing lands); the next one lands."""
-    rx, _ = ipc_planes
+    rx, _ = unix_planes
     pool = torch.zeros(16, 64, dtype=torch.uint8)
     rx.register_regions([[pool]])
     c = PipeClient(rx.endpoint)
     try:
-        assert c.answer == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE])
+        assert c.answer == tcp.wire.PREAMBLE + bytes([tcp.wire.MODE_PIPE])
         rx.expect(1, 1, b"t", [3], 5.0)
         h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(14, 3)], page_bytes=64)
         c.batch(encode(h), b"w" * 192)
@@ -709,7 +709,7 @@ def test_pipe_stream_refuses_a_bad_batch_before_a_byte_lands_and_keeps_in_step(i
         h = PageBatch(transfer_id=2, lease_id=1, token=b"u", group=0, runs=[(3, 1)], page_bytes=64)
         c.batch(encode(h), b"v" * 64)
         c.sock.sendall(
-            zmq_plane.frame(encode(TransferDone(transfer_id=2, lease_id=1, token=b"u")), 0)
+            tcp.wire.frame(encode(TransferDone(transfer_id=2, lease_id=1, token=b"u")), 0)
         )
         assert rx.wait(2, 5.0).done
         assert bytes(pool[3].numpy()) == b"v" * 64
@@ -719,8 +719,8 @@ def test_pipe_stream_refuses_a_bad_batch_before_a_byte_lands_and_keeps_in_step(i
 
 
 @needs_native
-def test_pipe_stream_short_payload_fails_the_transfer_and_the_receiver_serves_on(ipc_planes):
-    rx, tx = ipc_planes
+def test_pipe_stream_short_payload_fails_the_transfer_and_the_receiver_serves_on(unix_planes):
+    rx, tx = unix_planes
     pool = torch.zeros(16, 4096, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [4], 5.0)
@@ -735,8 +735,8 @@ def test_pipe_stream_short_payload_fails_the_transfer_and_the_receiver_serves_on
 
 
 @needs_native
-def test_pipe_stream_abort_cuts_off_a_stalled_payload(ipc_planes):
-    rx, tx = ipc_planes
+def test_pipe_stream_abort_cuts_off_a_stalled_payload(unix_planes):
+    rx, tx = unix_planes
     pool = torch.zeros(16, 4096, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [4], 30.0)
@@ -781,13 +781,13 @@ def test_pipe_push_is_done_only_after_the_receiver_read_the_pipe(tmp_path):
         c, _ = srv.accept()
         c.settimeout(10)
         hello, fds, _, _ = socket.recv_fds(c, 9, 4)
-        assert hello == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE]) and len(fds) == 1
-        c.sendall(zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_PIPE]))
+        assert hello == tcp.wire.PREAMBLE + bytes([tcp.wire.MODE_PIPE]) and len(fds) == 1
+        c.sendall(tcp.wire.PREAMBLE + bytes([tcp.wire.MODE_PIPE]))
         prefix = c.recv(12, socket.MSG_WAITALL)
-        hlen, plen = zmq_plane._PREFIX.unpack(prefix)
+        hlen, plen = tcp.wire.PREFIX.unpack(prefix)
         c.recv(hlen, socket.MSG_WAITALL)
-        seen.append(f"batch {plen & ~zmq_plane.PIPED} piped={bool(plen & zmq_plane.PIPED)}")
-        plen &= ~zmq_plane.PIPED
+        seen.append(f"batch {plen & ~tcp.wire.PIPED} piped={bool(plen & tcp.wire.PIPED)}")
+        plen &= ~tcp.wire.PIPED
         release.wait(10)
         with os.fdopen(fds[0], "rb") as pipe:
             got = 0
@@ -795,7 +795,7 @@ def test_pipe_push_is_done_only_after_the_receiver_read_the_pipe(tmp_path):
                 got += len(pipe.read(plen - got))
         seen.append("payload read")
         prefix = c.recv(12, socket.MSG_WAITALL)
-        hlen, _ = zmq_plane._PREFIX.unpack(prefix)
+        hlen, _ = tcp.wire.PREFIX.unpack(prefix)
         c.recv(hlen, socket.MSG_WAITALL)
         seen.append("done")
         time.sleep(0.5)
@@ -803,7 +803,7 @@ def test_pipe_push_is_done_only_after_the_receiver_read_the_pipe(tmp_path):
 
     t = threading.Thread(target=fake_receiver, daemon=True)
     t.start()
-    tx = ZmqDataPlane(f"ipc://{tmp_path}/tx.sock")
+    tx = TcpDataPlane(f"ipc://{tmp_path}/tx.sock")
     try:
         src = torch.ones(4, 65536, dtype=torch.uint8)  # pages of PIPE_MIN_PAGE: piped
         h = tx.post_push(f"ipc://{path}", 1, 1, b"t", [(0, src, list(range(4)))], 10)
@@ -823,20 +823,20 @@ def test_pipe_push_is_done_only_after_the_receiver_read_the_pipe(tmp_path):
 
 
 @needs_native
-def test_a_piped_payload_on_a_stream_without_pipe_closes_that_connection(ipc_planes):
+def test_a_piped_payload_on_a_stream_without_pipe_closes_that_connection(unix_planes):
     """The prefix says the payload is in a pipe the connection does not have: where the
     payload is cannot be known, so that connection closes (counted), nothing lands, and
     the receiver serves on."""
-    rx, tx = ipc_planes
+    rx, tx = unix_planes
     pool = torch.zeros(16, 64, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [1], 5.0)
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     try:
         s.sock.settimeout(5)
         h = PageBatch(transfer_id=1, lease_id=1, token=b"t", group=0, runs=[(2, 1)], page_bytes=64)
-        s.sock.sendall(zmq_plane.frame(encode(h), 64, piped=True) + b"p" * 64)
-        assert s.sock.recv(16) == zmq_plane.PREAMBLE + bytes([zmq_plane.MODE_INLINE])
+        s.sock.sendall(tcp.wire.frame(encode(h), 64, piped=True) + b"p" * 64)
+        assert s.sock.recv(16) == tcp.wire.PREAMBLE + bytes([tcp.wire.MODE_INLINE])
         try:  # closed (a reset: our payload bytes went unread)
             assert s.sock.recv(16) == b""
         except ConnectionResetError:

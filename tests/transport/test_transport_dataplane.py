@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from disagg.protocol import PageBatch, TransferDone, encode
-from disagg.transport import RegionSpec, TransferState, ZmqDataPlane, zmq_plane
+from disagg.transport import RegionSpec, TcpDataPlane, TransferState, tcp
 
 
 @pytest.fixture
 def planes():
-    rx, tx = ZmqDataPlane(), ZmqDataPlane()
+    rx, tx = TcpDataPlane(), TcpDataPlane()
     yield rx, tx
     rx.close()
     tx.close()
@@ -129,7 +129,7 @@ def test_deadline_and_abort(planes):
 
 
 def test_push_to_dead_peer_fails_by_deadline():
-    tx = ZmqDataPlane()
+    tx = TcpDataPlane()
     try:
         t = time.monotonic()
         h = tx.post_push("tcp://127.0.0.1:1", 1, 1, b"t", [(0, rand(2, 64), [0, 1])], 0.3)
@@ -175,10 +175,10 @@ def test_transfer_writes_only_its_own_slots(planes):
 def test_hostile_frames():
     """Hand-made messages on the stream: each refusal fails its transfer by name, and the
     connection keeps serving the messages after it (explicit lengths keep it in step)."""
-    rx = ZmqDataPlane(checksum=True)  # tid 13 checks the optional payload checksum
+    rx = TcpDataPlane(checksum=True)  # tid 13 checks the optional payload checksum
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
 
     def batch(tid, runs, frames, pb=16):
         h = PageBatch(transfer_id=tid, lease_id=1, token=b"t", group=0, runs=runs, page_bytes=pb)
@@ -218,11 +218,11 @@ def test_hostile_frames():
 CHILD = textwrap.dedent(
     """
     import sys, torch
-    from disagg.transport import ZmqDataPlane
+    from disagg.transport import TcpDataPlane
     ep, n, pb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     g = torch.Generator().manual_seed(42)
     src = torch.randint(0, 256, (n, pb), dtype=torch.uint8, generator=g)
-    tx = ZmqDataPlane()
+    tx = TcpDataPlane()
     h = tx.post_push(ep, 20, 1, b"tok", [(0, src, list(range(n)))], 30.0)
     st = tx.wait_push(h, 30.0)
     tx.close()
@@ -233,7 +233,7 @@ CHILD = textwrap.dedent(
 
 def test_across_processes(tmp_path):
     n, pb = 32, 256 * 1024
-    rx = ZmqDataPlane(f"ipc://{tmp_path}/dp.sock")
+    rx = TcpDataPlane(f"ipc://{tmp_path}/dp.sock")
     try:
         pool = torch.zeros(n, pb, dtype=torch.uint8)
         rx.register_regions([[pool]])
@@ -259,14 +259,14 @@ def test_payload_in_pieces_lands_and_a_refused_batch_is_skipped(planes):
     rx, _ = planes
     pool = torch.zeros(8, 16, dtype=torch.uint8)
     rx.register_regions([[pool]])
-    s = zmq_plane.StreamPush(rx.endpoint)
+    s = tcp.wire.StreamPush(rx.endpoint)
     try:
         payload = bytes(range(48))  # pages for slots 6, 1, 2 (runs (6, 1), (1, 2))
         h = PageBatch(
             transfer_id=30, lease_id=1, token=b"t", group=0, runs=[(6, 1), (1, 2)], page_bytes=16
         )
         rx.expect(30, 1, b"t", [3], 5.0, slots_by_group=[[6, 1, 2]])
-        wire = zmq_plane.frame(encode(h), len(payload)) + payload
+        wire = tcp.wire.frame(encode(h), len(payload)) + payload
         for cut in (0, 5, 19, 30, 47):  # a prefix, a header and a payload in pieces
             s.sock.sendall(wire[cut : {0: 5, 5: 19, 19: 30, 30: 47, 47: len(wire)}[cut]])
             time.sleep(0.02)
@@ -299,7 +299,7 @@ def test_payload_in_pieces_lands_and_a_refused_batch_is_skipped(planes):
 def test_store_rows_materialize_gathers_on_the_slab_device():
     """Scattered StoreRows of a slab gather where the slab lives (on the H200 run,
     DISAGG_TEST_DEVICE=cuda: a device store; the index used to stay on the host and the
-    gather raised, so zmq/ucx pushes from a CUDA store failed)."""
+    gather raised, so tcp/ucx pushes from a CUDA store failed)."""
     from harness import DEVICE
 
     from disagg.transport.dataplane import StoreRows

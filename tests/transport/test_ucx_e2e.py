@@ -86,4 +86,4 @@ def test_factory_refuses_ucx_settings_for_other_planes():
     from disagg.transport.factory import make_data_plane
 
     with pytest.raises(ValueError, match="UCX data plane settings"):
-        make_data_plane("zmq", ucx_channel="shm")
+        make_data_plane("tcp", ucx_channel="shm")

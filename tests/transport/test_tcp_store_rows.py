@@ -1,4 +1,4 @@
-"""ZmqDataPlane sender paths: StoreRows sent from the store rows where they lie (the C
+"""TcpDataPlane sender paths: StoreRows sent from the store rows where they lie (the C
 iovec path and the Python fallback), and the optional payload checksum."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from disagg.protocol import PageBatch, TransferDone, encode
-from disagg.transport import ZmqDataPlane, zmq_plane
+from disagg.transport import TcpDataPlane, tcp
 from disagg.transport.dataplane import StoreRows, push_source
 from disagg.transport.factory import make_data_plane
 
 
 @pytest.fixture
 def planes():
-    rx, tx = ZmqDataPlane(), ZmqDataPlane()
+    rx, tx = TcpDataPlane(), TcpDataPlane()
     yield rx, tx
     rx.close()
     tx.close()
@@ -41,11 +41,11 @@ def test_store_rows_land_in_their_slots(planes, monkeypatch, mode, cols):
     several messages: every page is its rows' columns, nothing else is written."""
     rx, tx = planes
     if mode == "python":
-        monkeypatch.setattr(zmq_plane, "_native", None)
-    elif zmq_plane._streamio is None:
+        monkeypatch.setattr(tcp.rowio, "_native", None)
+    elif tcp.rowio._streamio is None:
         pytest.skip("the _streamio extension is not built")
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", 5 * 64)  # several messages per push
-    monkeypatch.setattr(zmq_plane, "PY_CHUNK", 3 * 64)  # several chunks per message
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", 5 * 64)  # several messages per push
+    monkeypatch.setattr(tcp.rowio, "PY_CHUNK", 3 * 64)  # several chunks per message
     slab = slab_of(40, 96)
     pb = sum(n for _, n in cols)
     rows = np.array([3, 4, 5, 17, 0, 39, 38, 6, 7, 8, 9, 21, 22, 30], dtype=np.int64)
@@ -69,10 +69,10 @@ def test_store_rows_land_in_their_slots(planes, monkeypatch, mode, cols):
 def test_plan_sends_from_the_store_rows_in_place(monkeypatch):
     """A push plans batches of MSG_BYTES over the slab itself: no gather, no copy (the
     kernel reads each page from its row); destination runs are coalesced."""
-    monkeypatch.setattr(zmq_plane, "MSG_BYTES", 8 * 1024)
+    monkeypatch.setattr(tcp.plan, "MSG_BYTES", 8 * 1024)
     slab = slab_of(64, 1024)
     rows = np.arange(0, 64, 2, dtype=np.int64)
-    src, n = zmq_plane._plan_group(1, 1, b"t", 0, StoreRows(slab, rows, ((0, 1024),)), range(32))
+    src, n = tcp.plan.plan_group(1, 1, b"t", 0, StoreRows(slab, rows, ((0, 1024),)), range(32))
     assert n == 32 and len(src.batches) == 4
     assert np.shares_memory(src.arr, slab.numpy())
     assert np.array_equal(np.concatenate([b.rows for b in src.batches]), rows)
@@ -95,7 +95,7 @@ def test_bad_sources_are_refused_by_name(planes, src, why):
 
 
 def test_scattered_push_to_absent_peer_fails_by_deadline():
-    tx = ZmqDataPlane()
+    tx = TcpDataPlane()
     try:
         slab = slab_of(16, 64)
         src = StoreRows(slab, np.arange(0, 16, 2, dtype=np.int64), ((0, 64),))
@@ -107,8 +107,8 @@ def test_scattered_push_to_absent_peer_fails_by_deadline():
 
 
 def test_checksum_is_off_by_default_and_checked_when_on():
-    assert not ZmqDataPlane.__init__.__kwdefaults__["checksum"]
-    rx, tx = ZmqDataPlane(checksum=True), ZmqDataPlane(checksum=True)
+    assert not TcpDataPlane.__init__.__kwdefaults__["checksum"]
+    rx, tx = TcpDataPlane(checksum=True), TcpDataPlane(checksum=True)
     s = None
     try:
         pool = torch.zeros(8, 16, dtype=torch.uint8)
@@ -118,7 +118,7 @@ def test_checksum_is_off_by_default_and_checked_when_on():
         h = tx.post_push(rx.endpoint, 1, 1, b"t", [(0, src, [5, 1, 2])], 5.0)
         assert tx.wait_push(h, 5.0).done and rx.wait(1, 5.0).done
         # a payload that does not match the sender's checksum fails the transfer
-        s = zmq_plane.StreamPush(rx.endpoint)
+        s = tcp.wire.StreamPush(rx.endpoint)
         rx.expect(2, 1, b"t", [1], 5.0)
         hdr = PageBatch(
             transfer_id=2, lease_id=1, token=b"t", group=0, runs=[(0, 1)], page_bytes=16
@@ -135,17 +135,17 @@ def test_checksum_is_off_by_default_and_checked_when_on():
 
 
 def test_factory_passes_checksum():
-    plane = make_data_plane("zmq", checksum=True)
+    plane = make_data_plane("tcp", checksum=True)
     try:
         assert plane.checksum is True  # type: ignore[attr-defined]
     finally:
         plane.close()
-    plane = make_data_plane("zmq")
+    plane = make_data_plane("tcp")
     try:
         assert plane.checksum is False  # type: ignore[attr-defined]
     finally:
         plane.close()
-    with pytest.raises(ValueError, match="only the zmq"):
+    with pytest.raises(ValueError, match="only the tcp"):
         make_data_plane("ipc", checksum=True)
 
 
@@ -153,18 +153,18 @@ def test_tcp_batches_are_cut_smaller(monkeypatch):
     """Over TCP a push is cut into batches of TCP_MSG_BYTES (2 MiB: the faster cut
     against raw TCP, see the module docstring), over AF_UNIX into MSG_BYTES; the env
     switch sets TCP's, never above MSG_BYTES, and a bad value names the switch."""
-    monkeypatch.delenv(zmq_plane.TCP_MSG_ENV, raising=False)
-    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 2 << 20
-    assert zmq_plane._msg_bytes("ipc:///tmp/x.sock") == 8 << 20
-    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, str(4 << 20))
-    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 4 << 20
-    assert zmq_plane._msg_bytes("ipc:///tmp/x.sock") == 8 << 20
-    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, str(64 << 20))
-    assert zmq_plane._msg_bytes("tcp://127.0.0.1:5555") == 8 << 20
+    monkeypatch.delenv("DISAGG_STREAM_TCP_MSG_BYTES", raising=False)
+    assert tcp.plan.msg_bytes("tcp://127.0.0.1:5555") == 2 << 20
+    assert tcp.plan.msg_bytes("ipc:///tmp/x.sock") == 8 << 20
+    monkeypatch.setenv("DISAGG_STREAM_TCP_MSG_BYTES", str(4 << 20))
+    assert tcp.plan.msg_bytes("tcp://127.0.0.1:5555") == 4 << 20
+    assert tcp.plan.msg_bytes("ipc:///tmp/x.sock") == 8 << 20
+    monkeypatch.setenv("DISAGG_STREAM_TCP_MSG_BYTES", str(64 << 20))
+    assert tcp.plan.msg_bytes("tcp://127.0.0.1:5555") == 8 << 20
     for bad in ("2MiB", "0", "-1"):
-        monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, bad)
-        with pytest.raises(ValueError, match=zmq_plane.TCP_MSG_ENV):
-            zmq_plane._msg_bytes("tcp://127.0.0.1:5555")
+        monkeypatch.setenv("DISAGG_STREAM_TCP_MSG_BYTES", bad)
+        with pytest.raises(ValueError, match="DISAGG_STREAM_TCP_MSG_BYTES"):
+            tcp.plan.msg_bytes("tcp://127.0.0.1:5555")
 
 
 @pytest.mark.parametrize("cut_pages", [3, 7])
@@ -173,16 +173,16 @@ def test_a_tcp_push_lands_in_tcp_sized_batches(planes, monkeypatch, cut_pages):
     page lands in its slot: the receiver took one message per batch."""
     rx, tx = planes
     assert rx.endpoint.startswith("tcp://")
-    monkeypatch.delenv(zmq_plane.TCP_MSG_ENV, raising=False)
-    monkeypatch.setattr(zmq_plane, "TCP_MSG_BYTES", cut_pages * 256)
+    monkeypatch.delenv("DISAGG_STREAM_TCP_MSG_BYTES", raising=False)
+    monkeypatch.setattr(tcp.plan, "TCP_MSG_BYTES", cut_pages * 256)
     landed = []
-    real_land = zmq_plane.ZmqDataPlane._land
+    real_land = tcp.plane.TcpDataPlane._land
 
     def land(self, conn, piped, rx_, h, grp, slots):
         landed.append(int(slots.size))
         return real_land(self, conn, piped, rx_, h, grp, slots)
 
-    monkeypatch.setattr(zmq_plane.ZmqDataPlane, "_land", land)
+    monkeypatch.setattr(tcp.plane.TcpDataPlane, "_land", land)
     slab = slab_of(50, 256, seed=3)
     rows = np.random.default_rng(4).permutation(50)[:20].astype(np.int64)
     dst = np.random.default_rng(5).permutation(40)[:20].astype(np.int64)
@@ -203,26 +203,26 @@ def test_tcp_sender_asks_for_its_send_buffer_only_where_granted(monkeypatch):
     (a capped ask would shrink the buffer)."""
     import socket
 
-    monkeypatch.setattr(zmq_plane, "TCP_SNDBUF", 128 << 10)  # under any default wmem_max
-    monkeypatch.delenv(zmq_plane.TCP_SNDBUF_ENV, raising=False)
+    monkeypatch.setattr(tcp.sender, "TCP_SNDBUF", 128 << 10)  # under any default wmem_max
+    monkeypatch.delenv("DISAGG_STREAM_TCP_SNDBUF", raising=False)
 
     def fresh() -> socket.socket:
         return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 
     with fresh() as s:
         untouched = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
+    monkeypatch.setattr(tcp.sender, "_wmem_max", lambda: 1 << 20)
     with fresh() as s:
-        zmq_plane._ask_tcp_sndbuf(s)
+        tcp.sender._ask_tcp_sndbuf(s)
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (128 << 10)
-    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 64 << 10)
+    monkeypatch.setattr(tcp.sender, "_wmem_max", lambda: 64 << 10)
     with fresh() as s:
-        zmq_plane._ask_tcp_sndbuf(s)
+        tcp.sender._ask_tcp_sndbuf(s)
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
-    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
-    monkeypatch.setenv(zmq_plane.TCP_SNDBUF_ENV, "0")
+    monkeypatch.setattr(tcp.sender, "_wmem_max", lambda: 1 << 20)
+    monkeypatch.setenv("DISAGG_STREAM_TCP_SNDBUF", "0")
     with fresh() as s:
-        zmq_plane._ask_tcp_sndbuf(s)
+        tcp.sender._ask_tcp_sndbuf(s)
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
 
 
@@ -231,9 +231,9 @@ def test_a_tcp_lane_socket_has_the_send_buffer(planes, monkeypatch):
     import socket
 
     rx, tx = planes
-    monkeypatch.setattr(zmq_plane, "TCP_SNDBUF", 96 << 10)
-    monkeypatch.setattr(zmq_plane, "_wmem_max", lambda: 1 << 20)
-    monkeypatch.delenv(zmq_plane.TCP_SNDBUF_ENV, raising=False)
+    monkeypatch.setattr(tcp.sender, "TCP_SNDBUF", 96 << 10)
+    monkeypatch.setattr(tcp.sender, "_wmem_max", lambda: 1 << 20)
+    monkeypatch.delenv("DISAGG_STREAM_TCP_SNDBUF", raising=False)
     pool = torch.zeros(4, 64, dtype=torch.uint8)
     rx.register_regions([[pool]])
     rx.expect(1, 1, b"t", [2], 10.0)
@@ -249,6 +249,6 @@ def test_a_tcp_lane_socket_has_the_send_buffer(planes, monkeypatch):
 def test_a_malformed_tcp_batch_switch_fails_the_plane_at_start(monkeypatch):
     """A bad DISAGG_STREAM_TCP_MSG_BYTES is refused when the plane starts, by name, not
     at every push."""
-    monkeypatch.setenv(zmq_plane.TCP_MSG_ENV, "two megabytes")
+    monkeypatch.setenv("DISAGG_STREAM_TCP_MSG_BYTES", "two megabytes")
     with pytest.raises(ValueError, match="DISAGG_STREAM_TCP_MSG_BYTES='two megabytes'"):
-        ZmqDataPlane()
+        TcpDataPlane()
