@@ -39,7 +39,7 @@ No wait is unbounded: a rank waits for a peer's state at most until its own load
 then counts as failed on this rank, logged naming the rank.
 
 Measured across real rank processes (the reference engine's MPI mode: a TP=2 producer and
-a TP=2 consumer, 4 processes on this 2-core box, zmq plane; V2, 8 requests of 200 tokens
+a TP=2 consumer, 4 processes on this 2-core box, tcp plane; V2, 8 requests of 200 tokens
 loaded one at a time, medians per request; two runs each)::
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n $((2*TP)) \

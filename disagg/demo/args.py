@@ -176,7 +176,7 @@ def check(a: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(opt, getattr(a, opt[2:].replace("-", "_")), why)
     if a.transport == "ucx" and importlib.util.find_spec("ucxx") is None:
         raise UsageError(
-            "--transport", "ucx", 'needs the ucxx package: pip install -e ".[ucx]"; or use zmq'
+            "--transport", "ucx", 'needs the ucxx package: pip install -e ".[ucx]"; or use tcp'
         )
     from ..engine.reference import EngineConfig
 

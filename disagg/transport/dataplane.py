@@ -42,9 +42,6 @@ import torch
 
 from ..protocol.messages import DataCaps
 
-# Frames carry at most this many payload bytes: larger zmq frames are slower.
-FRAME_BYTES = 1 << 20
-
 
 class TransferState(enum.Enum):
     """PENDING -> RECEIVING -> DONE | FAILED (PENDING -> FAILED on deadline/abort)."""
