@@ -42,12 +42,20 @@ from ...protocol.errors import ProtocolError
 from .. import framed
 from ..receiver import BookedReceiver, Group, ReceiverBook, Rx
 from . import rowio
-from .wire import MAX_HEADER, MODE_INLINE, MODE_PIPE, PIPED, PREAMBLE, PREFIX, bad_preamble
+from .wire import (
+    HELLO_TIMEOUT_S,
+    MAX_HEADER,
+    MODE_INLINE,
+    MODE_PIPE,
+    PIPED,
+    PREAMBLE,
+    PREFIX,
+    bad_preamble,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_CONNS = 256  # receiver connections at once (a thread each); more are refused
-PREAMBLE_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is closed
 HEADER_TIMEOUT_S = 30.0  # once a message's length prefix arrived, its header must follow
 POLL_MS = 20
 
@@ -210,14 +218,14 @@ class StreamReceiver(BookedReceiver):
 
     def _hello(self, conn: _Conn, fds: list[int]) -> bool:
         try:
-            got = self._read(conn, len(PREAMBLE), PREAMBLE_TIMEOUT_S, fds)
+            got = self._read(conn, len(PREAMBLE), HELLO_TIMEOUT_S, fds)
         except TimeoutError:
             got = b"(nothing in time)"
         if got is None:
             return False
         if got == PREAMBLE:
             try:
-                mode = self._read(conn, 1, PREAMBLE_TIMEOUT_S, fds)
+                mode = self._read(conn, 1, HELLO_TIMEOUT_S, fds)
             except TimeoutError:
                 mode = b""
             if mode is None:
@@ -226,7 +234,7 @@ class StreamReceiver(BookedReceiver):
             if why is None:
                 answer = PREAMBLE + bytes([MODE_INLINE if conn.pipe is None else MODE_PIPE])
                 try:
-                    rowio.send_bytes(conn.sock, answer, time.monotonic() + PREAMBLE_TIMEOUT_S)
+                    rowio.send_bytes(conn.sock, answer, time.monotonic() + HELLO_TIMEOUT_S)
                 except OSError as e:
                     log.info("data plane connection from %s closed: %s", conn.peer, e)
                     return False

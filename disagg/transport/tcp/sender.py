@@ -45,6 +45,7 @@ from . import rowio
 from .plan import Source, gathered, msg_bytes, plan_group
 from .wire import (
     HELLO,
+    HELLO_TIMEOUT_S,
     MODE_INLINE,
     MODE_PIPE,
     PIPED,
@@ -61,7 +62,6 @@ UNIX_SNDBUF = 4 << 20  # AF_UNIX send buffer (capped by net.core.wmem_max)
 MAX_LANES = 256  # peers at once
 LANE_IDLE_S = 30.0  # a lane idle this long is retired
 CONNECT_RETRY_S = 0.05
-PREAMBLE_TIMEOUT_S = 10.0  # the receiver's answer to the hello must come by then
 POLL_MS = 20
 
 
@@ -262,7 +262,7 @@ class StreamSender:
         if sock.family == socket.AF_UNIX and self.pipe and rowio.has_native():
             pipe = rowio.open_pipe()
         try:
-            end = min(h.deadline, time.monotonic() + PREAMBLE_TIMEOUT_S)
+            end = min(h.deadline, time.monotonic() + HELLO_TIMEOUT_S)
             if pipe is None:
                 rowio.send_bytes(sock, HELLO, end)
             else:

@@ -41,6 +41,7 @@ HELLO = PREAMBLE + bytes([MODE_INLINE])  # what StreamPush (tests, tools) says
 PREFIX = struct.Struct("<IQ")  # header length, payload length
 PIPED = 1 << 63  # payload length flag: this payload travels in the pipe (MODE_PIPE only)
 MAX_HEADER = MAX_CONTROL_FRAME  # a longer header is skipped unread and counted TOO_LARGE
+HELLO_TIMEOUT_S = 10.0  # the hello, and the receiver's answer to it, must come by then
 
 
 def frame(header: bytes, payload_len: int, piped: bool = False) -> bytes:
