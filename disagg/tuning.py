@@ -63,7 +63,7 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         Annotated[
             bool,
             Meta(
-                description="stream data plane (transport: zmq) on ipc://: pages >= 64 KiB through a vmsplice'd pipe; "
+                description="tcp data plane (transport: tcp) on ipc://: pages >= 64 KiB through a vmsplice'd pipe; "
                 "false on either side keeps the plain AF_UNIX stream; default on"
             ),
         ]
@@ -74,7 +74,7 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
             int,
             Meta(
                 ge=1,
-                description="stream data plane (transport: zmq) on tcp://: payload bytes per batch message (at "
+                description="tcp data plane (transport: tcp) on tcp://: payload bytes per batch message (at "
                 "most 8 MiB); default 2097152",
             ),
         ]
@@ -84,7 +84,7 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         Annotated[
             bool,
             Meta(
-                description="stream data plane (transport: zmq) on tcp://: the sender asks for a 4 MiB send buffer "
+                description="tcp data plane (transport: tcp) on tcp://: the sender asks for a 4 MiB send buffer "
                 "where net.core.wmem_max allows it; false keeps the kernel's autotuning; "
                 "default on"
             ),

@@ -115,11 +115,11 @@ def test_default_window_env_and_core_count(monkeypatch):
     assert spin.default_spin_us() == spin.DEFAULT_SPIN_US
     monkeypatch.setenv(spin.ENV, "500")
     assert spin.default_spin_us() == 500
-    for bad, why in (("fast", "expected microseconds"), ("-3", "must be >= 0")):
+    for bad in ("fast", "-3"):
         monkeypatch.setenv(spin.ENV, bad)
-        with pytest.raises(ValueError, match=why) as e:
+        with pytest.raises(ValueError, match="expected an integer >= 0") as e:
             spin.default_spin_us()
-        assert spin.ENV in str(e.value)
+        assert f"{spin.ENV}={bad!r}" in str(e.value)
 
 
 def test_config_key_reaches_the_ipc_plane_and_is_refused_elsewhere():
