@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+from .. import USING_TRTLLM, runtime
+from ..runtime import RuntimeFeatures
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -281,3 +284,19 @@ def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
         disagg=dict(spec.extra) if spec is not None else {},
         engine_config=cfg,
     )
+
+
+def features_for(cfg: EngineConfig) -> RuntimeFeatures:
+    """The TensorRT-LLM line this engine behaves as: the loaded connector package's own
+    when TensorRT-LLM (or a source tree of it) is in use, else ``cfg.runtime``."""
+    if USING_TRTLLM:
+        feats = runtime.current()
+    else:
+        name = cfg.runtime or "main"
+        feats = runtime.use_features(line=f"reference:{name}", **RUNTIMES[name])
+    if cfg.kv_manager == "v2" and feats.grouped is None:
+        raise ValueError(
+            f"EngineConfig: the TensorRT-LLM line {feats.line} has no KV cache manager V2 "
+            "connector path (no layer groups): use kv_manager='v1'"
+        )
+    return feats

@@ -28,62 +28,23 @@ One ``Engine.step()`` is one executor iteration:
    every rank reports the save;
 7. ``get_finished`` every iteration, forward or not.
 
-Prefix-aware scheduling (``EngineConfig.prefix_aware_scheduling``, V2, a connector with
-all three reservation hooks; TensorRT-LLM main's reservation and executor unit tests, cited
-in docs/design/prefix-reservations.md), instead of ``get_num_new_matched_tokens``:
-
-- admission: ``reserve_prefix(req, P, reservation_id)`` (a fresh id per attempt), the
-  answer validated (a non-bool int >= 0 and a bool, never ``(0, True)``: else the request
-  fails naming it); the accepted range ``[P, end)`` is block-aligned, never reaches the
-  last prompt token's block, and is capped by ``prefix_load_cap_tokens``; what is not
-  accepted is released (``release_prefix_reservation``) before any transmission;
-- the accepted load is in that iteration's ``SchedulerOutput.prefix_loads`` (built and
-  handed to ``build_connector_meta`` even when nothing computes), then marked dispatched,
-  then ``start_load_kv`` (TensorRT-LLM's order: park, metadata, own, start);
-- ``get_finished_prefix_loads`` on every rank every iteration; ids not dispatched and
-  outstanding (stale, duplicate, unknown) are ignored; a load every rank reported is
-  retired at the start of the next iteration, before scheduling (after cancels): its
-  accepted range is released, then an ``is_async`` request rejoins the compute batch, or
-  a request that ended meanwhile (cancelled, failed, finished) is handed back
-  (``request_finished``) and its pages freed: no allocation is freed, and no request is
-  answered ``request_finished``, while its load may still write. There is no timeout.
+Prefix-aware scheduling (``EngineConfig.prefix_aware_scheduling``): reservations instead
+of ``get_num_new_matched_tokens``, their loads and when they retire: ``prefix_loads``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import fields
 from typing import Any
 
-from .. import USING_TRTLLM, PrefixLoad, RequestData, SchedulerOutput, runtime
-from ..runtime import RuntimeFeatures
-from .config import RUNTIMES, ConnectorSpec, EngineConfig, build_llm_args
+from .. import SchedulerOutput
+from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, RequestKv, block_hashes
 from .model import TinyLlama
-from .requests import EngineStats, PrefixState, Request, RequestResult, check_reservation
-
-
-def _request_data(**kw: Any) -> Any:
-    names = {f.name for f in fields(RequestData)}
-    return RequestData(**{k: v for k, v in kw.items() if k in names})
-
-
-def features_for(cfg: EngineConfig) -> RuntimeFeatures:
-    """The TensorRT-LLM line this engine behaves as: the loaded connector package's own
-    when TensorRT-LLM (or a source tree of it) is in use, else ``cfg.runtime``."""
-    if USING_TRTLLM:
-        feats = runtime.current()
-    else:
-        name = cfg.runtime or "main"
-        feats = runtime.use_features(line=f"reference:{name}", **RUNTIMES[name])
-    if cfg.kv_manager == "v2" and feats.grouped is None:
-        raise ValueError(
-            f"EngineConfig: the TensorRT-LLM line {feats.line} has no KV cache manager V2 "
-            "connector path (no layer groups): use kv_manager='v1'"
-        )
-    return feats
+from .prefix_loads import PrefixLoads
+from .requests import EngineStats, Request, RequestResult, request_data
 
 
 class Engine:
@@ -148,9 +109,7 @@ class Engine:
             and cfg.prefix_aware_scheduling
             and self.driver.prefix_capability()
         )
-        self._reservation_ids = itertools.count(1)
-        self._prefix_accepted: list[Any] = []  # authorised this iteration, not dispatched
-        self._prefix_loads: dict[int, PrefixState] = {}  # reservation id -> until retired
+        self.prefix = PrefixLoads(cfg, self.driver, self._hand_back)
 
     # ----- public API -----------------------------------------------------------------
     @property
@@ -243,7 +202,7 @@ class Engine:
             res = self.results[rid]
             res.error, res.finished = "cancelled", True
             self.stats.requests_failed += 1
-            if self._defer_end(req):
+            if self.prefix.defer_end(req):
                 continue
             if (
                 self.driver is not None
@@ -300,7 +259,7 @@ class Engine:
         new_loading: list[int] = []
         self._apply_cancels()
         self._apply_replays()
-        self._retire_prefix_loads()
+        self.prefix.retire()
 
         # 1. schedule
         ctx = [r for r in self._active if r.state == "context"]
@@ -335,7 +294,7 @@ class Engine:
         # 3. scheduler output, park async loads, metadata, start_load_kv
         scheduled = sched_ctx + gen
         batch = [r for r in sched_ctx if r.state == "context"] + gen
-        accepted, self._prefix_accepted = self._prefix_accepted, []
+        accepted = self.prefix.take_accepted()
         if drv is not None and drv.builds_scheduler_output and scheduled:
             lags = {r.request_id: int(cfg.overlap and r.sampled_iter == it - 1) for r in gen}
             drv.start_batch(sched_ctx, gen, lags)  # type: ignore[attr-defined]
@@ -348,8 +307,7 @@ class Engine:
             if self.prefix_reservations:
                 out.prefix_loads = accepted
             meta = drv.sched("build_connector_meta", out)
-            for load in accepted:  # owned from here: the allocation outlives any cancel
-                self._prefix_loads[load.reservation_id].dispatched = True
+            self.prefix.dispatched(accepted)
             drv.bind_and_start(meta)
         for req in sched_ctx:
             req.external_load = None
@@ -386,11 +344,7 @@ class Engine:
         if drv is not None:
             fin_save, fin_load = drv.get_finished(self._new_saving, new_loading)
             if self.prefix_reservations:
-                for rank_i, ids in enumerate(drv.get_finished_prefix_loads()):
-                    for res_id in ids:  # stale, duplicate and unknown ids are ignored
-                        st = self._prefix_loads.get(res_id)
-                        if st is not None and st.dispatched:
-                            st.reported.add(rank_i)
+                self.prefix.reported(drv.get_finished_prefix_loads())
             for rid in sorted(fin_load):
                 req = self.requests[rid]
                 if req.state == "loading":  # not if it ended while parked (cancelled)
@@ -448,8 +402,9 @@ class Engine:
         N, is_async = 0, False
         reservation: int | None = None
         if drv is not None and self.prefix_reservations:
-            got = self._reserve(req, P)
-            if got is None:
+            got = self.prefix.reserve(req, P)
+            if isinstance(got, str):  # an invalid answer: the request fails, naming it
+                self._fail(req, got)
                 return False
             N, is_async, reservation = got
         elif drv is not None:
@@ -482,106 +437,10 @@ class Engine:
         if drv is not None:
             drv.after_alloc(req)
             if reservation is not None:
-                load = PrefixLoad(
-                    reservation_id=reservation,
-                    request_id=req.request_id,
-                    start=P,
-                    end=P + N,
-                    is_async=is_async,
-                    block_ids_by_layer_group=[list(p) for p in req.pages],
-                    tokens=list(req.tokens),
-                    cache_salt=req.cache_salt,
-                )
-                self._prefix_accepted.append(load)
-                self._prefix_loads[reservation] = PrefixState(load, req)
-                req.prefix_load = reservation
-                if is_async:  # parked until every rank reported the reservation
-                    req.state = "loading"
-                    req.external_load = None
+                self.prefix.accept(req, P, N, is_async, reservation)
             elif is_async:
                 req.state = "loading"
                 new_loading.append(req.request_id)
-        return True
-
-    def _reserve(self, req: Request, P: int) -> tuple[int, bool, int | None] | None:
-        """Admission with reservations: ``(accepted tokens, is_async, reservation id)``
-        (``(0, False, None)``: nothing accepted, the prefix is computed here), or None when
-        the answer was invalid (the request failed, naming it). What is not accepted is
-        released now, before any transmission."""
-        cfg, drv, tpb = self.config, self.driver, self.config.tokens_per_block
-        assert drv is not None
-        rid = next(self._reservation_ids)  # a fresh identity per attempt
-        answer = drv.sched("reserve_prefix", req, P, rid)
-        try:
-            n, is_async = check_reservation(answer)
-        except ValueError as exc:
-            promised = answer[0] if isinstance(answer, (tuple, list)) and answer else 0
-            if isinstance(promised, int) and not isinstance(promised, bool) and promised > 0:
-                drv.sched("release_prefix_reservation", req, rid, P, P + promised, broadcast=False)
-            self._fail(req, f"reserve_prefix for request {req.request_id}: {exc}")
-            return None
-        if n == 0:
-            return 0, False, None
-        # block-aligned, never the last prompt token's block (computed here), capped
-        end = min(P + n, (req.prompt_len - 1) // tpb * tpb)
-        if cfg.prefix_load_cap_tokens is not None:
-            end = min(end, P + cfg.prefix_load_cap_tokens)
-        end = end // tpb * tpb
-        if P % tpb or end <= P:  # rejected: the whole promise goes back
-            drv.sched("release_prefix_reservation", req, rid, P, P + n, broadcast=False)
-            return 0, False, None
-        if end < P + n:  # clipped: the tail goes back before transmission
-            drv.sched("release_prefix_reservation", req, rid, end, P + n, broadcast=False)
-        return end - P, is_async, rid
-
-    def _retire_prefix_loads(self) -> None:
-        """Start of an iteration (after cancels, before scheduling): every load all ranks
-        reported is retired: its accepted range released, then its request resumes (an
-        ``is_async`` one rejoins the compute batch) or, if it ended meanwhile, is handed
-        back and its pages freed."""
-        n_ranks = self.config.tp
-        done = sorted(r for r, st in self._prefix_loads.items() if len(st.reported) >= n_ranks)
-        for res_id in done:
-            st = self._prefix_loads.pop(res_id)
-            req, load = st.req, st.load
-            assert self.driver is not None
-            self.driver.sched(
-                "release_prefix_reservation",
-                req,
-                res_id,
-                load.start,
-                load.end,
-                broadcast=False,
-            )
-            req.prefix_load = None
-            if req.end_after_load:
-                self._hand_back(req)
-            elif req.state == "loading":
-                req.state = "context"
-
-    def _defer_end(self, req: Request) -> bool:
-        """A request ending while its reservation load is outstanding keeps its pages until
-        the load drains (TensorRT-LLM's ``defer_load_termination``); one not dispatched yet
-        is released now (``release_unstarted_prefix_loads``)."""
-        if req.prefix_load is None:
-            return False
-        st = self._prefix_loads.get(req.prefix_load)
-        if st is not None and not st.dispatched:
-            self._prefix_loads.pop(req.prefix_load)
-            self._prefix_accepted = [x for x in self._prefix_accepted if x is not st.load]
-            assert self.driver is not None
-            self.driver.sched(
-                "release_prefix_reservation",
-                req,
-                req.prefix_load,
-                st.load.start,
-                st.load.end,
-                broadcast=False,
-            )
-            req.prefix_load = None
-            return False
-        req.state = "draining"
-        req.end_after_load = True
         return True
 
     def _report(self, req: Request, it: int) -> Any:
@@ -606,7 +465,7 @@ class Engine:
         else:
             cp, nst = req.context_current_position - (req.external_load or 0), self._chunk(req)
         req.reported = True
-        return _request_data(
+        return request_data(
             request_id=req.request_id,
             new_tokens=new_tokens,
             new_block_ids=flat,
@@ -721,7 +580,7 @@ class Engine:
 
     def _terminate(self, req: Request) -> None:
         self.stats.requests_finished += 1
-        if self._defer_end(req):
+        if self.prefix.defer_end(req):
             return
         self._hand_back(req, tolerant=False)
 
@@ -786,7 +645,7 @@ class Engine:
         res = self.results[req.request_id]
         res.error, res.finished = msg, True
         self.stats.requests_failed += 1
-        if self._defer_end(req):
+        if self.prefix.defer_end(req):
             return
         self._finish_failed(req)
 

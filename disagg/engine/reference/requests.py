@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...identity import cache_salt_id
+from .. import RequestData
 
 
 @dataclass
@@ -183,3 +184,9 @@ def check_reservation(answer: Any) -> tuple[int, bool]:
     if n == 0 and is_async:
         raise ValueError("reserve_prefix returned (0, True): an async load of no tokens")
     return n, is_async
+
+
+def request_data(**kw: Any) -> Any:
+    """The line's ``RequestData`` from the fields it has (older lines lack some)."""
+    names = {f.name for f in fields(RequestData)}
+    return RequestData(**{k: v for k, v in kw.items() if k in names})
