@@ -166,7 +166,7 @@ def _local_breakdown(seed: bytes, prompt: np.ndarray, tpb: int, iters: int) -> d
 def _drain_releases(svc: Any) -> None:
     """Wait until the keepalive thread has sent every queued Release and had its answer."""
     deadline = time.monotonic() + 5
-    while svc._releases and time.monotonic() < deadline:
+    while svc.keepalive.pending() and time.monotonic() < deadline:
         time.sleep(0.0001)
     for link in svc.links:  # an in-flight Release holds its channel's lock
         if link.bg.lock.acquire(timeout=5):

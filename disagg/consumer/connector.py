@@ -25,8 +25,8 @@ Worker (``worker.py``; every rank):
   recorded as above); its lease goes back then, whether or not ``request_finished`` follows
   (a cancelled request gets none).
 
-A load's life (``service.Load``): claimed -> slots known -> dispatched -> landed | failed
-(-> failed over to another producer holding the blocks, once, within its deadline) ->
+A load's life (``loads``: its states, transitions and what bounds each wait): CLAIMED ->
+PLANNED -> DISPATCHED -> LANDED, or FAILED / ABANDONED (its transfer aborted first), then
 settled (lease released). Every wait has a deadline (``consumer.load_timeout_s``);
 ``consumer.load_mode: auto`` loads asynchronously only where the runtime keeps a cancelled
 request's pages while its load is pending. TP and prefix reservations:

@@ -1,50 +1,71 @@
 """What the consumer's scheduler hands its workers, and the load-mode rule.
 
 ``ConsumerMeta`` is built once per iteration by ``ConsumerScheduler.build_connector_meta``
-on the leader and pickled to every rank: the requests whose loads start now, the requests
-computed this pass, and (TP > 1) each load's plan for ranks > 0 (``LoadPlan``,
-``PrefixPlan``), the loads dropped since the last metadata, failures decided before
-dispatch and the ranks' outcome bus. ``KvLoadFailedError`` is what a worker raises where a
-failed load must stop a forward (see ``ConsumerWorker``).
+on the leader and handed to every rank's worker through TensorRT-LLM's connector manager,
+which broadcasts it pickled under TP (the reference engine pickles it on one process too):
+every type here is a plain ``msgspec.Struct`` of ints, strings, bytes and lists, so it
+pickles and copies as is. One struct per request (or reservation) and event:
+
+    scheduled       request ids computed this pass
+    loads           ``LoadStart``: a legacy load starting now (TP > 1: with its
+                    ``LoadPlan`` for ranks > 0: producer, every rank's lease, slots, bus uid)
+    failed          ``LoadFailure``: a load that failed before dispatch (every rank fails
+                    the request)
+    dropped         TP > 1: request ids whose loads were dropped since the last metadata
+    prefix_loads    ``PrefixStart``: an authorised reservation load starting now (TP > 1:
+                    with its ``PrefixPlan``)
+    prefix_failed   ``PrefixFailure``: an authorised reservation load refused by name
+    prefix_dropped  TP > 1: reservations released while their load still landed
+    bus             TP > 1: the ranks' outcome bus (``BusAddress``)
+
+``KvLoadFailedError`` is what a worker raises where a failed load must stop a forward (see
+``ConsumerWorker``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
+import msgspec
 
 from ..config import ConfigError
 from ..engine import runtime
-from .service import Load
 
 
 class KvLoadFailedError(RuntimeError):
     """A claimed prefix could not be loaded; the request must fail, never read those pages."""
 
 
-@dataclass
-class LoadPlan:
+class LoadPlan(msgspec.Struct):
     """TP > 1: what a rank other than 0 needs to start its shard's load of a request."""
 
-    request_id: int
     producer: int  # index into consumer.producers
     lease_ids: list[int]  # per producer rank, rank order
     num_blocks: int
     first_block: int
     dst_slots: list[list[int]]
     uid: int = 0  # the load's id on the ranks' outcome bus (chosen by the leader)
-    incarnations: list[int] = field(default_factory=list)  # per producer rank, rank order
+    incarnations: list[int] = []  # per producer rank, rank order
 
 
-@dataclass
-class PrefixPlan:
-    """TP > 1: one authorised prefix load, for ranks other than 0 (keyed by reservation id):
-    rank r pushes blocks ``[push_first, push_first + push_blocks)`` of its own lease
-    ``lease_ids[r]`` (``lease_blocks`` long; the same blocks under rank r's keys) into the
-    same destination slots of its own shard."""
+class LoadStart(msgspec.Struct):
+    """A legacy load that starts now; ``plan`` (TP > 1) for ranks other than 0."""
 
-    reservation_id: int
+    request_id: int
+    plan: LoadPlan | None = None
+
+
+class LoadFailure(msgspec.Struct):
+    """A load that failed before dispatch: every rank fails its request with ``why``."""
+
+    request_id: int
+    why: str
+
+
+class PrefixPlan(msgspec.Struct):
+    """TP > 1: one authorised prefix load, for ranks other than 0: rank r pushes blocks
+    ``[push_first, push_first + push_blocks)`` of its own lease ``lease_ids[r]``
+    (``lease_blocks`` long; the same blocks under rank r's keys) into the same destination
+    slots of its own shard."""
+
     request_id: int
     producer: int  # index into consumer.producers
     lease_ids: list[int]  # per producer rank, rank order
@@ -53,39 +74,44 @@ class PrefixPlan:
     push_first: int  # lease-relative
     push_blocks: int
     dst_slots: list[list[int]]
-    is_async: bool
     uid: int  # the load's id on the ranks' outcome bus
-    incarnations: list[int] = field(default_factory=list)  # per producer rank, rank order
+    incarnations: list[int] = []  # per producer rank, rank order
 
 
-@dataclass
-class Reservation:
-    """Scheduler: one reservation's lease (``load.first_block``: the request's block
-    ordinal of the lease's first block) and the token ranges still protected."""
+class PrefixStart(msgspec.Struct):
+    """An authorised reservation load that starts now; ``plan`` (TP > 1) for ranks > 0."""
 
+    reservation_id: int
+    is_async: bool
+    plan: PrefixPlan | None = None
+
+
+class PrefixFailure(msgspec.Struct):
+    """An authorised reservation load refused before dispatch (reported failed)."""
+
+    reservation_id: int
     request_id: int
-    load: Load
-    protected: list[tuple[int, int]]
-    released: np.ndarray  # per lease block (lease-relative): given back already
+    why: str
 
 
-@dataclass
-class ConsumerMeta:
-    loads: list[int] = field(default_factory=list)  # request ids whose load starts now
-    scheduled: list[int] = field(default_factory=list)  # every request computed this pass
-    plans: list[LoadPlan] = field(default_factory=list)  # TP > 1: the loads, for ranks > 0
-    dropped: list[int] = field(default_factory=list)  # TP > 1: loads released since last
-    # loads that failed before dispatch (request id, why): every rank fails the request
-    failed: list[tuple[int, str]] = field(default_factory=list)
-    bus: tuple[str, bytes] | None = None  # TP > 1: the outcome bus (address, secret)
-    # prefix reservations: (reservation id, is_async) whose loads start now, and
-    # (reservation id, request id, why) refused before dispatch (reported failed)
-    prefix_loads: list[tuple[int, bool]] = field(default_factory=list)
-    prefix_failed: list[tuple[int, int, str]] = field(default_factory=list)
-    # TP > 1: the prefix loads starting now, for ranks > 0; reservations released while
-    # their load was still landing (a runtime that did not drain it: every rank stops it)
-    prefix_plans: list[PrefixPlan] = field(default_factory=list)
-    prefix_dropped: list[int] = field(default_factory=list)
+class BusAddress(msgspec.Struct):
+    """TP > 1: where ranks > 0 reach the outcome bus, and its secret."""
+
+    address: str
+    secret: bytes
+
+
+class ConsumerMeta(msgspec.Struct):
+    """The scheduler's word to every worker for one iteration (see the module docstring)."""
+
+    scheduled: list[int] = []
+    loads: list[LoadStart] = []
+    failed: list[LoadFailure] = []
+    dropped: list[int] = []
+    prefix_loads: list[PrefixStart] = []
+    prefix_failed: list[PrefixFailure] = []
+    prefix_dropped: list[int] = []
+    bus: BusAddress | None = None
 
 
 def loads_async(load_mode: str) -> bool:

@@ -15,8 +15,19 @@ from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, SchedulerOutput
 from ..identity import request_identity
 from ..protocol.keys import block_key_blob, tokens_array
-from .metadata import ConsumerMeta, LoadPlan, PrefixPlan, Reservation, loads_async
-from .service import ConsumerService, Load, service_for
+from .loads import ORPHAN_AFTER, Load, LoadState, Reservation
+from .metadata import (
+    BusAddress,
+    ConsumerMeta,
+    LoadFailure,
+    LoadPlan,
+    LoadStart,
+    PrefixFailure,
+    PrefixPlan,
+    PrefixStart,
+    loads_async,
+)
+from .service import ConsumerService, service_for
 
 log = logging.getLogger("disagg.consumer")
 
@@ -31,6 +42,8 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         self.is_async = loads_async(self.service.ccfg.load_mode)
         self._dropped: list[int] = []  # TP > 1: told to the other ranks in the next metadata
         self._prefix_dropped: list[int] = []  # TP > 1: reservations abandoned while loading
+        # loads REFUSED before dispatch: told to every rank in the next metadata
+        self._refused: list[LoadFailure] = []
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -172,7 +185,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         load = res.load
         if not left:
             svc.reservations.pop(reservation_id, None)
-            if load.dispatched and not load.done:  # the runtime drains first; if not, stop it
+            if load.state is LoadState.DISPATCHED:  # the runtime drains first; else stop it
                 svc.abandon(load, f"reservation {reservation_id} released while loading")
                 if svc.tp_size > 1:  # the other ranks stop theirs at the next metadata
                     self._prefix_dropped.append(reservation_id)
@@ -218,8 +231,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         off, nb = pl.start // tpb - load.first_block, (pl.end - pl.start) // tpb
         if res.released[off : off + nb].any():
             return f"prefix load of reservation {pl.reservation_id} covers released blocks"
-        if load.dispatched:
+        if load.started:
             return f"reservation {pl.reservation_id} was authorised twice"
+        if load.over:
+            return f"reservation {pl.reservation_id}'s load failed already: {load.error}"
         b0 = pl.start // tpb
         # per group, numpy (a long prompt is thousands of blocks); -1 past a short list
         dst = np.full((len(pl.block_ids_by_layer_group), nb), -1, dtype=np.int64)
@@ -229,16 +244,16 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         if not (dst >= 0).any():
             return "the engine allocated no page for the reserved blocks"
         load.push_first, load.push_blocks, load.dst_slots = off, nb, dst.tolist()
+        load.transition(LoadState.PLANNED)
         return None
 
-    def _prefix_plan(self, reservation_id: int, is_async: bool) -> PrefixPlan:
+    def _prefix_plan(self, reservation_id: int) -> PrefixPlan:
         """TP > 1: a planned reservation load as ranks > 0 need it (``_plan_prefix_load``
         filled the push fields)."""
         load = self.service.reservations[reservation_id].load
         c = load.claimed
         assert load.dst_slots is not None and load.push_blocks is not None
         return PrefixPlan(
-            reservation_id,
             load.request_id,
             c.link.index,
             [r.lease_id for r in c.all_ranks()],
@@ -247,7 +262,6 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             load.push_first,
             load.push_blocks,
             load.dst_slots,
-            bool(is_async),
             load.uid,
             [r.incarnation for r in c.all_ranks()],
         )
@@ -269,9 +283,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         ``[g][i]`` of block ordinal ``i``; ``-1`` (outside a sliding window) means that
         group's page is not wanted and is skipped. Only what the runtime honoured
         (``py_num_connector_matched_tokens``, set by its commit before this call) is
-        loaded; the rest of the lease goes back at once."""
+        loaded; the rest of the lease goes back at once. CLAIMED (or PLANNED: a second
+        call) -> PLANNED, or REFUSED when the engine allocated no page for it."""
         load = self.service.loads.get(request.request_id)
-        if load is None or load.dispatched:
+        if load is None or load.started:
             return
         groups = block_ids_by_layer_group
         if isinstance(groups, dict):
@@ -286,15 +301,19 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         for ids in groups:
             part = [int(s) for s in ids[first : first + n]]
             dst.append(part + [-1] * (n - len(part)))
-        if all(s < 0 for g in dst for s in g):
-            self.service.fail(load, "the engine allocated no page for the claimed blocks")
+        if all(s < 0 for g in dst for s in g) and not load.over:
+            why = "the engine allocated no page for the claimed blocks"
+            self.service.fail(load, why)
+            self._refused.append(LoadFailure(load.request_id, why))
         load.dst_slots = dst
+        if not load.over:
+            load.transition(LoadState.PLANNED)
 
     def _honour(self, load: Load, blocks: int) -> None:
         """Keep only the first ``blocks`` of a load not yet dispatched (a short honour or a
         ``cancel_load`` of the tail): the rest of the lease goes back now; none left drops
         the load (a parked request is still reported once, as loaded nothing)."""
-        if load.dispatched or blocks >= load.blocks:
+        if load.started or blocks >= load.blocks:
             return
         if blocks <= 0:
             self._drop(load.request_id)
@@ -320,49 +339,45 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         tp = self.service.tp_size > 1
         if tp:
             meta.dropped, self._dropped = self._dropped, []
+            meta.prefix_dropped, self._prefix_dropped = self._prefix_dropped, []
             bus = self.service.bus
             if bus is not None and bus.address is not None:
-                meta.bus = (bus.address, bus.secret)
-        if tp:
-            meta.prefix_dropped, self._prefix_dropped = self._prefix_dropped, []
+                meta.bus = BusAddress(bus.address, bus.secret)
         for pl in getattr(scheduler_output, "prefix_loads", None) or []:
             why = self._plan_prefix_load(pl)
             if why is None:
-                meta.prefix_loads.append((pl.reservation_id, bool(pl.is_async)))
-                if tp:
-                    meta.prefix_plans.append(self._prefix_plan(pl.reservation_id, pl.is_async))
+                pplan = self._prefix_plan(pl.reservation_id) if tp else None
+                meta.prefix_loads.append(PrefixStart(pl.reservation_id, bool(pl.is_async), pplan))
             else:
                 self.service.metrics["prefix_loads_refused"] += 1
                 log.warning("%s: the request fails rather than read those pages", why)
-                meta.prefix_failed.append((pl.reservation_id, pl.request_id, why))
+                meta.prefix_failed.append(PrefixFailure(pl.reservation_id, pl.request_id, why))
+        # failed before dispatch (REFUSED): every rank must know
+        meta.failed, self._refused = self._refused, []
         orphans = []
         for rid, load in self.service.loads.items():
-            if not load.dispatched and load.dst_slots is None and not load.done:
+            if load.state is LoadState.CLAIMED:
                 # allocation follows the claim in the same iteration: a claim still without
-                # one two iterations later belongs to a request the engine dropped without
-                # a call (cancelled between query and allocation)
+                # one ORPHAN_AFTER iterations later belongs to a request the engine dropped
+                # without a call (cancelled between query and allocation)
                 load.unplanned += 1
-                if load.unplanned > 2:
+                if load.unplanned > ORPHAN_AFTER:
                     orphans.append(rid)
-            if load.done and load.error and not load.dispatched and not load.announced:
-                load.announced = True  # failed before dispatch: every rank must know
-                meta.failed.append((rid, load.error))
-            if not load.dispatched and load.dst_slots is not None and not load.done:
-                meta.loads.append(rid)
+            elif load.state is LoadState.PLANNED:
+                plan = None
                 if tp:
+                    assert load.dst_slots is not None
                     c = load.claimed
-                    meta.plans.append(
-                        LoadPlan(
-                            rid,
-                            c.link.index,
-                            [r.lease_id for r in c.all_ranks()],
-                            load.blocks,
-                            load.first_block,
-                            load.dst_slots,
-                            load.uid,
-                            [r.incarnation for r in c.all_ranks()],
-                        )
+                    plan = LoadPlan(
+                        c.link.index,
+                        [r.lease_id for r in c.all_ranks()],
+                        load.blocks,
+                        load.first_block,
+                        load.dst_slots,
+                        load.uid,
+                        [r.incarnation for r in c.all_ranks()],
                     )
+                meta.loads.append(LoadStart(rid, plan))
         for rid in orphans:
             self.service.metrics["claims_orphaned"] += 1
             log.info("request %d was never allocated after its claim: lease given back", rid)
@@ -377,7 +392,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         loaded bytes; the worker reports the id then (or stops the engine if it failed)."""
         rid = request.request_id
         load = self.service.loads.get(rid)
-        if self.service.stop_on_failure and load is not None and load.dispatched and not load.done:
+        if self.service.stop_on_failure and load is not None and load.state is LoadState.DISPATCHED:
             self.service.metrics["loads_outlived_request"] += 1
             return True
         self._drop(rid)
@@ -395,7 +410,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         drops it. A load already dispatched is left to land (the runtime recomputes and
         overwrites that range after it)."""
         load = self.service.loads.get(request.request_id)
-        if load is None or load.dispatched:
+        if load is None or load.started:
             return
         tpb = self.service.pool.tokens_per_block  # type: ignore[union-attr]
         self._honour(load, start // tpb - load.first_block)
@@ -405,6 +420,8 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         self._drop(request.request_id)
 
     def _drop(self, rid: int) -> None:
+        if self._refused:  # a failure not told yet is moot: the request's load is gone
+            self._refused = [f for f in self._refused if f.request_id != rid]
         load = self.service.loads.pop(rid, None)
         if load is not None:
             # The engine frees (and may reuse) this request's pages as soon as we return:

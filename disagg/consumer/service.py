@@ -1,48 +1,39 @@
-"""The consumer's engine-neutral core: producer links, claims, leases held, loads.
+"""The consumer's engine-neutral core: producer links, leases held, and each load's life.
 
-Rules it keeps (DESIGN §5):
+Contract:
 - anything failing *before* a claim is answered is a miss (the engine recomputes);
 - a lease is held from the claim until released (request end, cancel, reset, replay);
-- a load that fails after the answer is recorded against its request, so the engine
-  adapter can raise an error naming it before any forward pass reads those pages.
+- a load that fails after the answer is recorded against its request (``Load.error``), so
+  the engine adapter can raise an error naming it before any forward pass reads its pages;
+- no byte of a load lands once its request ended: ``abandon`` aborts the transfer (and
+  waits, bounded, for writes under way) before the engine frees the pages.
 
+A load's states, their transitions and what bounds each wait: ``loads`` (its first lines).
+This module drives them; ``claims`` leases blocks, ``keepalive`` renews and releases.
 No call on the engine's thread waits without a deadline (config ``consumer.*``):
 
     wait                                     bounded by
-    claim / lookup / Push request            claim_timeout_s per call (Hello + call, and
-                                             one retry after a producer restart: links.py;
-                                             the link's lock is also taken with it)
+    claim / lookup / Push request            claim_timeout_s per call (``claims``, ``links``)
     async load (parked until get_finished)   load_timeout_s (the data plane's deadline)
-    sync load (wait_for_layer_load)          load_timeout_s
+    sync load (wait, wait_layer)             load_timeout_s
     a producer that failed a call            skipped for DOWN_BACKOFF_S, then retried
-
-The keepalive thread (not the engine's) renews every held lease at least three times per
-granted TTL (``min(heartbeat_s, ttl / 3)``); a Renew is also the owner's heartbeat, so a
-consumer that dies loses its leases after the producer's OWNER_DEAD_AFTER or LEASE_TTL.
-Releases are queued and sent by the same thread; a failed one is counted and left to
-the producer's TTL.
 
 Tensor parallelism (TP=N on both sides, see ``service_base``): one service per rank. Each
 configured producer has N control endpoints (``consumer.producers``: rank 0's endpoint with
-rank r at port + r, or an explicit list of the ranks' endpoints). Rank r's service links to
-rank r of every producer (``links``), for the pushes into its own head shard. Rank 0's
-service, which the leader-only scheduler uses, also links to every rank of every producer
-(``rank_links[p][r]``, greeting rank r with rank r's fingerprint) and claims on all of them:
-a block is offered only if every rank holds it (the minimum of the grants; a rank granted
-more is re-claimed for exactly that many, then its longer lease released). The claim's
-rank leases travel to the other ranks in the (picklable) metadata; renewals and releases of
-every rank's leases are sent by rank 0's keepalive. A rank grant that fails or times out
-makes the whole claim a miss (the granted leases are released; one that answers after the
-deadline expires by its TTL).
+rank r at port + r, or an explicit list). Rank r's service links to rank r of every producer
+(``links``), for the pushes into its own head shard; rank 0's, which the leader-only
+scheduler uses, also links to every rank of every producer (``rank_links[p][r]``) and claims
+on all of them (``claims``). The claim's rank leases travel to the other ranks in the
+(picklable) metadata; rank 0's keepalive renews and releases every rank's leases.
 
-TP > 1, load outcomes (``rank_bus``): every rank must reach the same decision about a
-request's load before any rank computes on it, or the rank that raises leaves the others
-waiting in the layer's all-reduce. Each rank's bus thread polls the rank's in-flight loads
-(``tick``) and publishes their states (layers landed, done, failed: ``_publish``, on every
-transition wherever it is learned); ``rank_decision`` reads the common decision (every rank
-landed, or which one failed), waiting at most until the load's deadline plus
+TP > 1, load outcomes (``rank_bus``): every rank must reach the same verdict on a request's
+load before any rank computes on it, or the rank that raises leaves the others waiting in
+the layer's all-reduce. Each rank's bus thread polls the rank's loads in flight (``tick``)
+and publishes their states (layers landed, the end: ``_publish``, on every transition
+wherever it is learned); ``rank_decision`` reads the common verdict (AGREED, or REJECTED
+naming the rank that failed), waiting at most until the load's deadline plus
 ``PEER_GRACE_S``. A load whose own transfer fails is aborted before its failure is
-published, so no decision drawn from it can let pages be freed under a write still landing.
+published, so no verdict drawn from it can let pages be freed under a write still landing.
 """
 
 from __future__ import annotations
@@ -54,8 +45,6 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,10 +59,21 @@ from ..service_base import ConnectorService, Registry, rank_endpoint
 from ..transport.dataplane import DataPlane, TransferState
 from ..transport.factory import make_data_plane
 from ..transport.security import client_keys_from
+from .claims import Claims
+from .keepalive import Keepalive
 from .links import _PEER_FAULTS, DOWN_BACKOFF_S, ProducerLink
+from .loads import Claimed, Load, LoadState, Reservation
 from .rank_bus import PEER_GRACE_S, RankBus
 
-__all__ = ["DOWN_BACKOFF_S", "_PEER_FAULTS", "Claimed", "ConsumerService", "Load", "ProducerLink"]
+__all__ = [
+    "DOWN_BACKOFF_S",
+    "_PEER_FAULTS",
+    "Claimed",
+    "ConsumerService",
+    "Load",
+    "LoadState",
+    "ProducerLink",
+]
 
 log = logging.getLogger("disagg.consumer")
 
@@ -92,62 +92,6 @@ def service_for(config: DisaggConfig, llm_args: Any) -> ConsumerService:
 def _pages(slots: list[int]) -> int:
     """Pages a group's destination slots load (``-1``: a block not loaded)."""
     return int(np.count_nonzero(np.asarray(slots, dtype=np.int64) >= 0))
-
-
-@dataclass
-class Claimed:
-    link: ProducerLink
-    lease_id: int
-    num_blocks: int
-    ttl_s: float = 30.0  # as granted: the producer may cap what we asked for
-    incarnation: int = 0  # the producer's that granted it (0: not named)
-    # TP > 1, on the leader: the same blocks leased on the producer's ranks 1..N-1
-    ranks: list[Claimed] = field(default_factory=list)
-    released: bool = False  # given back (once: a second Release would name a dead lease)
-    at: float = field(default_factory=time.monotonic)  # when it was granted
-
-    def all_ranks(self) -> list[Claimed]:
-        return [self, *self.ranks]
-
-
-@dataclass
-class Load:
-    """One request's load: its lease, destination slots, and transfer state."""
-
-    request_id: int
-    claimed: Claimed
-    first_block: int  # block ordinal in the request where the loaded run starts
-    dst_slots: list[list[int]] | None = None
-    transfer_id: int = 0
-    token: bytes = b""
-    dispatched: bool = False
-    error: str | None = None
-    done: bool = False
-    deadline: float = 0.0
-    # which blocks of the lease to push (prefix reservations push the accepted part)
-    push_first: int = 0
-    push_blocks: int | None = None  # None: the whole lease
-    # layer-wise loads: pages landed once each layer is complete (layer id -> count)
-    layer_marks: dict[int, int] | None = None
-    # TP > 1: the load's id on every rank (the leader's choice, in the plan), the leading
-    # layers landed here, and whether this rank's final state was published
-    uid: int = 0
-    progress: int = 0
-    published_final: bool = False
-    announced: bool = False  # leader: a failure before dispatch was told to every rank
-    # TP > 1: the ranks' final decision once known (``rank_decision``: "" every rank landed
-    # it whole, else the error); a failure decided for some layers is final for all
-    decided: str | None = None
-    # a prefix reservation's load (TensorRT-LLM main): its reservation id, else None
-    reservation_id: int | None = None
-    keys: Any = None  # the claimed blocks' keys (leader, TP = 1): to claim them elsewhere
-    failovers: int = 0  # attempts to move it to another producer (at most one)
-    unplanned: int = 0  # leader: metadata built since the claim without its allocation
-
-    @property
-    def blocks(self) -> int:
-        """How many blocks of the lease this load pushes (from ``push_first``)."""
-        return self.claimed.num_blocks if self.push_blocks is None else self.push_blocks
 
 
 class ConsumerService(ConnectorService):
@@ -190,20 +134,13 @@ class ConsumerService(ConnectorService):
         self.loads: dict[int, Load] = {}
         # prefix reservations (reservation id -> the connector's record, with ``.load``):
         # their leases are renewed like the loads' until released
-        self.reservations: dict[int, Any] = {}
+        self.reservations: dict[int, Reservation] = {}
         # every rank: reservation id -> this rank's load of it, from dispatch until the
         # worker reported it (polled by the bus thread's ``tick`` like ``loads``)
         self.prefix_loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
-        # (lease, None: the whole lease | (first block, count): part of it)
-        self._releases: list[tuple[Claimed, tuple[int, int] | None]] = []
-        self._lock = threading.Lock()
-        self._lookups = ThreadPoolExecutor(
-            max(1, len(self.links) * len(ranks)), thread_name_prefix="disagg-lookup"
-        )
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._renew_ttl_s = self.ccfg.lease_ttl_s  # the shortest TTL a producer granted
+        self.claims = Claims(self, len(self.links) * len(ranks))
+        self.keepalive = Keepalive(self)
         self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
         # A failed load stops the engine instead of failing its request (set by the worker
         # at registration, from ``on_load_failure``): the engine publishes freed pages.
@@ -211,8 +148,8 @@ class ConsumerService(ConnectorService):
         # TP > 1: the ranks' load-outcome bus (``rank_bus``), from ``attach``; loads' uids
         self.bus: RankBus | None = None
         self._uids = itertools.count(secrets.randbits(40) << 20)
-        # transitions of a load (landed, failed, abandoned) and the abort that goes with a
-        # failure happen under this lock: the bus thread and the engine thread both poll
+        # a load's transitions from DISPATCHED (and the abort that goes with a failure)
+        # happen under this lock: the bus thread and the engine thread both poll
         self._load_lock = threading.RLock()
 
     def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
@@ -239,10 +176,7 @@ class ConsumerService(ConnectorService):
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())
-        self._keepalive = threading.Thread(
-            target=self._keepalive_loop, name="disagg-keepalive", daemon=True
-        )
-        self._keepalive.start()
+        self.keepalive.start()
         if self.tp_size > 1:
             data = self.ccfg.data
             host = data[len("tcp://") :].rpartition(":")[0] if data.startswith("tcp://") else ""
@@ -274,197 +208,36 @@ class ConsumerService(ConnectorService):
         finally:
             ch.lock.release()
 
-    # -- claims (engine thread, bounded by claim_timeout_s) -----------------------------
+    # -- claims and releases (``claims``, ``keepalive``) ---------------------------------
     def claim(
         self,
         request_id: int,
         keys: KeyBlob | Sequence[bytes],
         rank_keys: Sequence[KeyBlob | Sequence[bytes]] | None = None,
     ) -> Claimed | None:
-        """Lease the longest run of ``keys`` any producer holds; None on a miss or on any
-        failure (a miss: the engine recomputes). TP > 1 (leader only): ``keys`` are rank 0's
-        and ``rank_keys[r - 1]`` rank r's keys of the same blocks; every rank of the chosen
-        producer is claimed and the run every rank holds is leased (``_claim_ranks``).
-        Keys travel packed (``KeyBlob``, e.g. from ``block_key_blob``); a list is packed."""
-        if self.fingerprint is None or not keys:
-            return None
-        keys = KeyBlob.of(keys)
-        ranks: list[KeyBlob] = []
-        if self.tp_size > 1:
-            if self.tp_rank != 0 or rank_keys is None or len(rank_keys) != self.tp_size - 1:
-                raise ValueError("a TP claim needs the leader and every rank's keys")
-            ranks = [KeyBlob.of(k) for k in rank_keys]
-        links = [lk for lk in self.links if lk.usable()]
-        if not links:
-            self.metrics["claims_no_producer"] += 1
-            return None
-        if len(links) > 1:
-            links = self._rank_by_lookup(links, keys)
-        for link in links:
-            if self.tp_size > 1:
-                got = self._claim_ranks(link.index, request_id, [keys, *ranks])
-                if got is not None:
-                    return got
-                continue
-            try:
-                ok = self._call(
-                    link,
-                    m.Claim(
-                        v=V,
-                        owner=self.owner,
-                        request_id=str(request_id),
-                        keys=keys,
-                        ttl_s=self.ccfg.lease_ttl_s,
-                    ),
-                )
-            except ProtocolError as exc:
-                self.metrics["claims_failed"] += 1
-                if exc.code is ErrorCode.INCOMPATIBLE_PEER:
-                    # an operator error, not weather: say loudly which field differs
-                    self.metrics["handshake_refused"] += 1
-                    log.warning("producer %s refused us: %s", link.endpoint, exc.message)
-                else:
-                    log.info("claim on %s failed (a miss): %s", link.endpoint, exc)
-                continue
-            if ok.num_blocks > 0:
-                self.metrics["claims_hit"] += 1
-                if ok.ttl_s < self._renew_ttl_s:  # renew often enough for the granted TTL
-                    self._renew_ttl_s = ok.ttl_s
-                    self._wake.set()
-                return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
-        self.metrics["claims_miss"] += 1
-        return None
-
-    def _claim_ranks(self, p: int, request_id: int, keys: list[KeyBlob]) -> Claimed | None:
-        """TP: claim ``keys[r]`` on producer ``p``'s rank r, all ranks in parallel; lease the
-        shortest run granted (a block is offered only if every rank holds it). A rank that
-        granted more is re-claimed for exactly that run, then its longer lease released (the
-        blocks stay pinned throughout). Any rank failing is a miss; granted leases go back."""
-        links = [self.rank_links[p][r] for r in range(self.tp_size)]
-        if not all(lk.usable() for lk in links):
-            self.metrics["claims_rank_down"] += 1
-            return None
-        grants = self._claim_all(links, request_id, keys)
-        if grants is not None:
-            n = min(g.num_blocks for g in grants)
-            if 0 < n < max(g.num_blocks for g in grants):
-                self.metrics["claims_rank_short"] += 1
-                longer = [r for r, g in enumerate(grants) if g.num_blocks > n]
-                again = self._claim_all(
-                    [links[r] for r in longer], request_id, [keys[r][:n] for r in longer]
-                )
-                for r in longer:  # the longer lease: its blocks are pinned by the new one
-                    self.release(grants[r])
-                    grants[r] = Claimed(links[r], 0, 0)
-                if again is not None:
-                    for r, g in zip(longer, again):
-                        grants[r] = g
-            if all(g.num_blocks == n > 0 for g in grants):
-                self.metrics["claims_hit"] += 1
-                ttl = min(g.ttl_s for g in grants)
-                if ttl < self._renew_ttl_s:  # renew often enough for the granted TTL
-                    self._renew_ttl_s = ttl
-                    self._wake.set()
-                first = grants[0]
-                return Claimed(
-                    first.link, first.lease_id, n, ttl, first.incarnation, ranks=grants[1:]
-                )
-            for g in grants:
-                if g.lease_id:
-                    self.release(g)
-        self.metrics["claims_miss"] += 1
-        return None
-
-    def _claim_all(
-        self, links: list[ProducerLink], request_id: int, keys: list[KeyBlob]
-    ) -> list[Claimed] | None:
-        """``Claim(keys[i])`` on ``links[i]``, in parallel, each bounded by its own deadline
-        (and the whole by three times ``claim_timeout_s``: lock, Hello, call). None if any
-        failed (what the others granted is released)."""
-        futs = [
-            self._lookups.submit(
-                self._call,
-                lk,
-                m.Claim(
-                    v=V,
-                    owner=self.owner,
-                    request_id=str(request_id),
-                    keys=k,
-                    ttl_s=self.ccfg.lease_ttl_s,
-                ),
-            )
-            for lk, k in zip(links, keys)
-        ]
-        wait(futs, timeout=3 * self.ccfg.claim_timeout_s)
-        grants: list[Claimed] = []
-        failed = False
-        for lk, f in zip(links, futs):
-            exc = f.exception() if f.done() else TimeoutError("no answer within the deadline")
-            if exc is None:
-                ok = f.result()
-                grants.append(Claimed(lk, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation))
-                continue
-            failed = True
-            self.metrics["claims_failed"] += 1
-            if isinstance(exc, ProtocolError) and exc.code is ErrorCode.INCOMPATIBLE_PEER:
-                self.metrics["handshake_refused"] += 1
-                log.warning("producer %s refused us: %s", lk.endpoint, exc.message)
-            else:
-                log.info("claim on %s failed (a miss): %s", lk.endpoint, exc)
-        if failed:
-            for g in grants:
-                if g.lease_id:
-                    self.release(g)
-            return None
-        return grants
-
-    def _rank_by_lookup(self, links: list[ProducerLink], keys: KeyBlob) -> list[ProducerLink]:
-        """Ask every producer in parallel how much it holds; best first, misses dropped."""
-        msg = m.Lookup(v=V, owner=self.owner, keys=keys)
-        futs = {self._lookups.submit(self._call, lk, msg): lk for lk in links}
-        done, _ = wait(futs, timeout=self.ccfg.claim_timeout_s)
-        held = []
-        for f in done:
-            if f.exception() is None and f.result().num_blocks > 0:
-                held.append((f.result().num_blocks, futs[f]))
-        # most blocks first; ties in configured order (stable, not by who answered first)
-        held.sort(key=lambda x: (-x[0], x[1].index))
-        return [lk for _, lk in held]
+        """``Claims.claim``: a lease of the longest run a producer holds, or None (a miss)."""
+        return self.claims.claim(request_id, keys, rank_keys)
 
     def release(self, claimed: Claimed) -> None:
-        """Queue the release (of every rank's lease, TP > 1); the keepalive thread sends it
-        (never the engine thread). Once per lease: later calls do nothing."""
-        with self._lock:
-            if claimed.released:
-                return
-            claimed.released = True
-            for c in claimed.all_ranks():
-                if c.lease_id:
-                    self._releases.append((c, None))
-        self._wake.set()
+        """Queue the release of every rank's lease, once (``Keepalive.release``)."""
+        self.keepalive.release(claimed)
 
     def release_blocks(self, claimed: Claimed, first: int, n: int) -> None:
-        """Queue the release of blocks ``[first, first + n)`` of the lease (every rank's);
-        the keepalive thread sends it as ``ReleaseRange``. A producer that does not serve
-        it (an older one: no ``release_range`` in its HelloOk, or it refused the kind)
-        keeps the blocks until the whole lease is released: protected longer, never
-        less."""
-        with self._lock:
-            for c in claimed.all_ranks():
-                if c.lease_id:
-                    self._releases.append((c, (first, n)))
-        self._wake.set()
+        """Queue the release of blocks ``[first, first + n)`` of every rank's lease."""
+        self.keepalive.release_blocks(claimed, first, n)
 
     # -- loads (engine thread; never waits past a deadline) ------------------------------
     def dispatch(self, load: Load, layerwise: bool = False) -> None:
-        """Ask the producer to push the leased pages into our slots (``layerwise``: layer by
-        layer into the per-layer groups, see ``wait_layer``). A failure marks the load
-        failed (reported by the adapter), it never raises into the engine."""
+        """PLANNED -> DISPATCHED: ask the producer to push the leased pages into our slots
+        (``layerwise``: layer by layer into the per-layer groups, see ``wait_layer``). A
+        failure makes the load FAILED (reported by the adapter), it never raises into the
+        engine."""
         assert self.data is not None and load.dst_slots is not None and self.pool is not None
         slots_by_group = list(load.dst_slots)
         # under the load lock: the bus thread (TP) polls a load only once it is dispatched,
         # which it is only once the plane expects it
         with self._load_lock:
+            load.transition(LoadState.DISPATCHED)
             load.transfer_id = next(self._transfer_ids)
             load.token = secrets.token_bytes(16)
             load.deadline = time.monotonic() + self.ccfg.load_timeout_s
@@ -491,10 +264,8 @@ class ConsumerService(ConnectorService):
                     slots_by_group=slots_by_group,
                 )
             except Exception as exc:
-                load.dispatched = True
                 self.fail(load, f"the data plane refused the transfer: {exc}")
                 return
-            load.dispatched = True
         try:
             self._call(
                 load.claimed.link,
@@ -524,13 +295,14 @@ class ConsumerService(ConnectorService):
             self.bus.wake()
 
     def fail(self, load: Load, why: str) -> None:
-        """The load failed (a no-op once it is over: the first outcome stands). Its
-        transfer is aborted (no byte of it lands afterwards) before the failure is
-        published to the other ranks."""
+        """The load failed: FAILED once dispatched, else REFUSED (a no-op once it is over:
+        the first outcome stands). Its transfer is aborted (no byte of it lands afterwards)
+        before the failure is published to the other ranks."""
         with self._load_lock:
-            if load.done:
+            if load.over:
                 return
-            load.error, load.done = why, True
+            dispatched = load.state is LoadState.DISPATCHED
+            load.transition(LoadState.FAILED if dispatched else LoadState.REFUSED, why)
             self.metrics["loads_failed"] += 1
             self._abort_transfer(load, why)
             self._publish(load)
@@ -583,7 +355,7 @@ class ConsumerService(ConnectorService):
         )
         blocks = load.blocks
         load.claimed, load.push_blocks = got, blocks
-        load.dispatched = False
+        load.transition(LoadState.PLANNED)  # dispatched again at once, from the new lease
         self.metrics["loads_failed_over"] += 1
         self.dispatch(load)
         return True
@@ -595,9 +367,9 @@ class ConsumerService(ConnectorService):
         writes of it under way, so that once this returns no byte of it lands: the engine
         frees and reuses those pages right after. The lease is released separately."""
         with self._load_lock:  # also waits for a failure's abort under way on the bus thread
-            if load.dispatched and not load.done:
+            if load.state is LoadState.DISPATCHED:
                 self.metrics["loads_abandoned"] += 1
-                load.error, load.done = why, True
+                load.transition(LoadState.ABANDONED, why)
                 self._abort_transfer(load, why)
                 self._publish(load)
 
@@ -614,15 +386,17 @@ class ConsumerService(ConnectorService):
             log.error("%s", self.stuck_writes)
 
     def poll(self, load: Load) -> bool:
-        """True once the load is over (done or failed). Any thread (the engine's, the bus
-        thread's ``tick``); TP > 1: publishes what it learns (layers landed, the end)."""
+        """True once the load is over (landed or failed). A DISPATCHED load moves on from
+        what the plane says: LANDED, or (failed, or past its deadline) failed over or
+        FAILED. Any thread (the engine's, the bus thread's ``tick``); TP > 1: publishes what
+        it learns (layers landed, the end)."""
         with self._load_lock:
-            if load.done or not load.dispatched:
-                return load.done
+            if load.state is not LoadState.DISPATCHED:
+                return load.over
             assert self.data is not None
             st = self.data.poll(load.transfer_id)
             if st.state is TransferState.DONE:
-                load.done = True
+                load.transition(LoadState.LANDED)
                 self.metrics["loads_done"] += 1
                 self.metrics["pages_loaded"] += sum(_pages(g) for g in load.dst_slots or [])
                 self._publish(load)
@@ -635,34 +409,33 @@ class ConsumerService(ConnectorService):
             elif self.bus is not None and load.layer_marks is not None:
                 marks = list(load.layer_marks.values())[:-1]  # the last counts when DONE
                 landed = bisect.bisect_right(marks, st.pages)
-                if landed > load.progress:
-                    load.progress = landed
+                if landed > load.layers_landed:
+                    load.layers_landed = landed
                     self._publish(load)
                 if time.monotonic() > load.deadline:
                     self._peer_failed(
                         load, f"no pages within load_timeout_s={self.ccfg.load_timeout_s}"
                     )
-            return load.done
+            return load.over
 
     # -- TP > 1: the ranks' common decision (rank_bus) -----------------------------------
     def new_load_uid(self) -> int:
         return next(self._uids)
 
     def _publish(self, load: Load) -> None:
-        """Our state of ``load`` to every rank (load lock held)."""
-        if self.bus is None or load.published_final:
+        """Our state of ``load`` to every rank (load lock held): called on each transition
+        out of DISPATCHED (the end, once: a load over makes no more) and each layer landed."""
+        if self.bus is None:
             return
-        final = None
-        if load.done:
-            final, load.published_final = load.error or "", True
-        self.bus.record(load.uid, load.progress, final)
+        final = (load.error or "") if load.over else None
+        self.bus.record(load.uid, load.layers_landed, final)
 
     def tick(self) -> bool:
         """Bus thread, every pass: poll this rank's loads in flight (publishing what they
         do). True while any is in flight."""
         busy = False
         for load in [*self.loads.values(), *self.prefix_loads.values()]:
-            if load.dispatched and not load.done:
+            if load.state is LoadState.DISPATCHED:
                 busy = not self.poll(load) or busy
         return busy
 
@@ -680,15 +453,18 @@ class ConsumerService(ConnectorService):
 
     def rank_decision(self, load: Load, need: int | None, wait: bool) -> str | None:
         """TP > 1: every rank's common decision on ``load`` having landed ``need`` leading
-        layers (None: all of it): ``""`` every rank has them, an error naming the rank
-        that failed, or None while undecided (only when not ``wait``). Waits (``wait``) at
-        most until the load's deadline plus ``PEER_GRACE_S``; a rank still silent then
-        counts as failed here (logged naming it). A decision to fail aborts our own
-        transfer before returning."""
+        layers (None: all of it): ``""`` every rank has them (all of it: AGREED), an error
+        naming the rank that failed (REJECTED, final), or None while undecided (only when
+        not ``wait``). Waits (``wait``) at most until the load's deadline plus
+        ``PEER_GRACE_S``; a rank still silent then counts as failed here (logged naming
+        it). A decision to fail aborts our own transfer before returning."""
         assert self.bus is not None
-        if load.decided is not None and (load.decided or need is None):
-            return load.decided  # decided before (and counted once)
-        if not load.dispatched and not load.done:
+        if load.state is LoadState.REJECTED:
+            assert load.error  # every failure state carries its reason
+            return load.error  # decided before (and counted once)
+        if load.state is LoadState.AGREED:
+            return ""  # every rank landed all of it: any leading layers too
+        if load.state in (LoadState.CLAIMED, LoadState.PLANNED):
             return None  # not started here yet: no deadline runs
         deadline = load.deadline + PEER_GRACE_S
         got = self.bus.wait(load.uid, need, deadline) if wait else self.bus.decision(load.uid, need)
@@ -712,13 +488,14 @@ class ConsumerService(ConnectorService):
             err, rank = got
             if not err:
                 if need is None:
-                    load.decided = ""
+                    load.transition(LoadState.AGREED)
                 return ""
             if rank != self.tp_rank:
                 err = f"the load failed on TP rank {rank}: {err}"
                 self.metrics["loads_failed_on_other_rank"] += 1
-        self.fail(load, err)  # stop our own part (no-op if it is over)
-        load.decided = err
+        with self._load_lock:
+            self.fail(load, err)  # stop our own part (no-op if it is over)
+            load.transition(LoadState.REJECTED, err)
         return err
 
     def wait_layer(self, load: Load, layer: int) -> None:
@@ -730,7 +507,7 @@ class ConsumerService(ConnectorService):
         if need is None:
             return
         delay = 0.00005
-        while not load.done:
+        while not load.over:
             st = self.data.poll(load.transfer_id)
             if st.state is TransferState.FAILED or st.state is TransferState.DONE:
                 self.poll(load)
@@ -756,26 +533,6 @@ class ConsumerService(ConnectorService):
                 return
             time.sleep(0.0002)
 
-    # -- keepalive: heartbeats, renewals, queued releases --------------------------------
-    def _keepalive_loop(self) -> None:
-        """Renews every held lease (the Renew is also the owner's heartbeat) at least three
-        times per granted TTL, and sends queued releases. Survives any one bad pass: if
-        this thread died, every lease would expire under requests still loading."""
-        next_renew = time.monotonic()
-        while not self._stop.is_set():
-            period = max(0.05, min(self.ccfg.heartbeat_s, self._renew_ttl_s / 3))
-            next_renew = min(next_renew, time.monotonic() + period)
-            self._wake.wait(max(0.0, next_renew - time.monotonic()))
-            self._wake.clear()
-            try:
-                self._send_releases()
-                if time.monotonic() < next_renew:
-                    continue
-                next_renew = time.monotonic() + period
-                self._renew_held()
-            except Exception:
-                log.exception("keepalive pass failed")
-
     def settle(self, load: Load) -> None:
         """The load is over and its outcome recorded (the worker reported it, or its last
         layer landed): its lease protects nothing any more, so it goes back now rather than
@@ -786,104 +543,6 @@ class ConsumerService(ConnectorService):
         if self.loads.get(load.request_id) is load:
             del self.loads[load.request_id]
 
-    def _renew_held(self) -> None:
-        if self.tp_rank != 0:  # TP: the leader's rank 0 renews every rank's leases
-            return
-        held: dict[tuple[ProducerLink, int], list[int]] = {}
-        loads = [*self.loads.values(), *(r.load for r in list(self.reservations.values()))]
-        for load in loads:
-            if load.claimed.released:
-                continue
-            for c in load.claimed.all_ranks():
-                held.setdefault((c.link, c.incarnation), []).append(c.lease_id)
-        for (link, inc), ids in held.items():
-            if link.stale(inc):  # the producer restarted: these ids mean nothing there
-                continue  # (counted once, when the restart was found; dropped at release)
-            try:
-                ok = self._call(
-                    link,
-                    m.Renew(v=V, owner=self.owner, lease_ids=ids, incarnation=inc),
-                    background=True,
-                )
-                self.metrics["leases_renewed"] += len(ids) - len(ok.unknown)
-                # a lost lease fails its push (UNKNOWN_LEASE) if the load is not over yet
-                self.metrics["leases_lost"] += len(ok.unknown)
-            except ProtocolError as exc:
-                if exc.code is ErrorCode.STALE_INCARNATION:
-                    self.metrics["leases_lost"] += len(ids)
-                    continue
-                self.metrics["renew_failed"] += 1
-                log.info("renewing leases on %s failed: %s", link.endpoint, exc)
-
-    def _send_releases(self) -> None:
-        """Send the queued releases. One of a lease whose producer has restarted since is
-        dropped, never sent (its id is meaningless there, or another lease's):
-        ``releases_dropped_restart``."""
-        with self._lock:
-            todo, self._releases = self._releases, []
-        for c, part in todo:
-            if c.link.stale(c.incarnation):
-                self.metrics["releases_dropped_restart"] += 1
-                continue
-            if part is not None:
-                self._send_release_range(c, *part)
-                continue
-            try:
-                self._call(
-                    c.link,
-                    m.Release(
-                        v=V, owner=self.owner, lease_id=c.lease_id, incarnation=c.incarnation
-                    ),
-                    background=True,
-                )
-                self.metrics["leases_released"] += 1
-            except ProtocolError as exc:
-                if exc.code is ErrorCode.STALE_INCARNATION:
-                    self.metrics["releases_dropped_restart"] += 1
-                    continue
-                self._release_failed(c.lease_id, exc)
-            except Exception as exc:  # the producer's TTL frees it anyway
-                self._release_failed(c.lease_id, exc)
-
-    def _release_failed(self, lease_id: int, exc: Exception) -> None:
-        self.metrics["release_failed"] += 1
-        log.info("release of lease %d failed: %s", lease_id, exc)
-
-    def _send_release_range(self, c: Claimed, first: int, n: int) -> None:
-        link, lease_id = c.link, c.lease_id
-        if link.features is not None and m.FEATURE_RELEASE_RANGE not in link.features:
-            self.metrics["release_range_unsupported"] += 1  # kept until the whole release
-            return
-        try:
-            self._call(
-                link,
-                m.ReleaseRange(
-                    v=V,
-                    owner=self.owner,
-                    lease_id=lease_id,
-                    first_block=first,
-                    num_blocks=n,
-                    incarnation=c.incarnation,
-                ),
-                background=True,
-            )
-            self.metrics["blocks_released_in_part"] += n
-        except ProtocolError as exc:
-            if exc.code is ErrorCode.STALE_INCARNATION:
-                self.metrics["releases_dropped_restart"] += 1
-            elif exc.code is ErrorCode.UNKNOWN_KIND:  # an older producer: by name, not misread
-                link.features = (link.features or frozenset()) - {m.FEATURE_RELEASE_RANGE}
-                self.metrics["release_range_unsupported"] += 1
-                log.warning(
-                    "producer %s does not serve release_range (%s): its blocks stay leased "
-                    "until the whole reservation is released",
-                    link.endpoint,
-                    exc.message,
-                )
-            else:  # released with the whole lease, or by the producer's TTL
-                self.metrics["release_failed"] += 1
-                log.info("release of blocks of lease %d failed: %s", lease_id, exc)
-
     def health(self) -> tuple[bool, str]:
         """``(healthy, why not)``: unhealthy when leases can no longer be renewed or released,
         or the data plane cannot prove which bytes it may still write."""
@@ -891,23 +550,22 @@ class ConsumerService(ConnectorService):
             return False, "the consumer service is closed"
         if self.pool is None:
             return False, "no KV cache registered yet"
-        if not self._keepalive.is_alive():
+        if not self.keepalive.alive():
             return False, "the keepalive thread stopped: leases are neither renewed nor released"
         if self.stuck_writes is not None:
             return False, self.stuck_writes
         return self.data.health() if self.data is not None else (False, "no data plane")
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self.keepalive.stop()
         if self.bus is not None:
             self.bus.close()
-        self._send_releases()
+        self.keepalive.send_releases()
         self.closed = True
         for rl in self.rank_links:
             for link in rl.values():
                 link.close()
         if self.data is not None:
             self.data.close()
-        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.claims.close()
         _registry.forget(self)

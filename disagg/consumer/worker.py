@@ -14,8 +14,9 @@ import torch
 from ..connector_common import resolve_config
 from ..engine import KvCacheConnectorWorker, runtime
 from ..pages import PagePool
+from .loads import Claimed, Load, LoadState
 from .metadata import ConsumerMeta, KvLoadFailedError, loads_async
-from .service import Claimed, ConsumerService, Load, service_for
+from .service import ConsumerService, service_for
 
 log = logging.getLogger("disagg.consumer")
 
@@ -95,12 +96,12 @@ class ConsumerWorker(KvCacheConnectorWorker):
             return
         if self.service.tp_rank != 0:
             if meta.bus is not None and self.service.bus is not None:
-                self.service.bus.connect(*meta.bus)
+                self.service.bus.connect(meta.bus.address, meta.bus.secret)
             self._adopt_plans(meta)
-        for rid, why in meta.failed:  # every rank fails these requests alike
-            self._failed[rid] = why
+        for f in meta.failed:  # every rank fails these requests alike
+            self._failed[f.request_id] = f.why
             if self.is_async:  # parked: get_finished reports it (rank > 0 has no load)
-                self._failed_early.add(rid)
+                self._failed_early.add(f.request_id)
         if self.service.stop_on_failure:
             # Raised here, outside the forward's error handler, this stops the executor in
             # every TensorRT-LLM version, before the request's blocks could be released.
@@ -109,19 +110,19 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 raise self._load_failed(
                     "; ".join(f"request {rid}: {self._failed[rid]}" for rid in bad)
                 )
-        for res_id, rid, why in meta.prefix_failed:
-            self._failed[rid] = why  # its first forward raises, naming it
-            self._prefix_over.append(res_id)
+        for pf in meta.prefix_failed:
+            self._failed[pf.request_id] = pf.why  # its first forward raises, naming it
+            self._prefix_over.append(pf.reservation_id)
         for res_id, pload, is_async in self._prefix_starting(meta):
             self.service.prefix_loads[res_id] = pload  # the bus thread (TP) polls it from here
-            if not pload.done:  # else it failed while planned: reported as is
+            if not pload.over:  # else it failed while planned: reported as is
                 self.service.dispatch(pload, layerwise=not is_async)
                 if not is_async:
                     self._sync_pending.append(pload)
             self._prefix[res_id] = (pload, is_async)
-        for rid in meta.loads:
-            load = self.service.loads.get(rid)
-            if load is None or load.dispatched:
+        for start in meta.loads:
+            load = self.service.loads.get(start.request_id)
+            if load is None or load.state is not LoadState.PLANNED:
                 continue
             # synchronous loads stream layer by layer: layer i computes while later
             # layers are still in flight
@@ -137,17 +138,22 @@ class ConsumerWorker(KvCacheConnectorWorker):
         svc, rank = self.service, self.service.tp_rank
         out: list[tuple[int, Load, bool]] = []
         if rank == 0:
-            for res_id, is_async in meta.prefix_loads:
-                res = svc.reservations.get(res_id)
-                if res is not None and not res.load.dispatched and res_id not in self._prefix:
-                    out.append((res_id, res.load, is_async))
+            for ps in meta.prefix_loads:
+                res = svc.reservations.get(ps.reservation_id)
+                if (
+                    res is not None
+                    and not res.load.started
+                    and ps.reservation_id not in self._prefix
+                ):
+                    out.append((ps.reservation_id, res.load, ps.is_async))
             return out
         for res_id in meta.prefix_dropped:
             load = svc.prefix_loads.get(res_id)
             if load is not None:
                 svc.abandon(load, f"reservation {res_id} released while loading (leader)")
-        for plan in meta.prefix_plans:
-            if plan.reservation_id in self._prefix or plan.reservation_id in svc.prefix_loads:
+        for ps in meta.prefix_loads:
+            plan, res_id = ps.plan, ps.reservation_id
+            if plan is None or res_id in self._prefix or res_id in svc.prefix_loads:
                 continue  # seen already
             claimed = Claimed(
                 svc.links[plan.producer],
@@ -163,9 +169,9 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 uid=plan.uid,
                 push_first=plan.push_first,
                 push_blocks=plan.push_blocks,
-                reservation_id=plan.reservation_id,
+                reservation_id=res_id,
             )
-            out.append((plan.reservation_id, load, plan.is_async))
+            out.append((res_id, load, ps.is_async))
         return out
 
     def _adopt_plans(self, meta: ConsumerMeta) -> None:
@@ -178,9 +184,12 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 svc.abandon(load, f"request {rid} ended before its pages landed (leader)")
                 if rid in self._loading:
                     self._cancelled.add(rid)
-        for plan in meta.plans:
-            self._cancelled.discard(plan.request_id)
-            old = svc.loads.get(plan.request_id)
+        for start in meta.loads:
+            plan, rid = start.plan, start.request_id
+            if plan is None:
+                continue  # not a TP plan (rank 0 builds none for itself)
+            self._cancelled.discard(rid)
+            old = svc.loads.get(rid)
             if old is not None and old.claimed.lease_id == plan.lease_ids[rank]:
                 continue  # seen already
             link = svc.links[plan.producer]
@@ -190,8 +199,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 plan.num_blocks,
                 incarnation=plan.incarnations[rank] if plan.incarnations else 0,
             )
-            svc.loads[plan.request_id] = Load(
-                plan.request_id,
+            svc.loads[rid] = Load(
+                rid,
                 claimed,
                 plan.first_block,
                 [list(g) for g in plan.dst_slots],
@@ -211,7 +220,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 self.service.wait_layer(load, layer_idx)
                 if load.error:
                     self._failed[load.request_id] = load.error
-                if load.done or load.error:
+                if load.over:
                     self._settle(load)
                 else:
                     keep.append(load)

@@ -62,7 +62,7 @@ def test_keepalive_outlives_a_failing_pass():
         {"lease_ttl_s": 1.0, "owner_dead_after_s": 0.6}, {"heartbeat_s": 0.2, "lease_ttl_s": 1.0}
     )
     boom = {"n": 0}
-    renew = csvc._renew_held
+    renew = csvc.keepalive.renew_held
 
     def flaky():
         boom["n"] += 1
@@ -70,7 +70,7 @@ def test_keepalive_outlives_a_failing_pass():
             raise RuntimeError("injected keepalive failure")
         renew()
 
-    csvc._renew_held = flaky
+    csvc.keepalive.renew_held = flaky  # type: ignore[method-assign]
     req = _Req(50_002, prompt)
     assert cons.driver.scheduler.get_num_new_matched_tokens(req, 0)[0] > 0
     time.sleep(2.5)

@@ -274,7 +274,7 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
 
     import torch
 
-    from disagg.consumer.service import Claimed, Load
+    from disagg.consumer.loads import Claimed, Load, LoadState
     from disagg.protocol import PageBatch, encode
     from disagg.transport.tcp import StreamPush
 
@@ -283,7 +283,8 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
     pool = csvc.pool
     slots = [5, 6, 7]
     load = Load(1, Claimed(csvc.links[0], 1, 3), first_block=0, dst_slots=[slots])
-    load.transfer_id, load.token, load.dispatched = 77, secrets.token_bytes(16), True
+    load.transfer_id, load.token = 77, secrets.token_bytes(16)
+    load.transition(LoadState.DISPATCHED)
     load.deadline = time.monotonic() + 5.0
     load.layer_marks = {0: 3, 1: 6}
     csvc.data.expect(77, 1, load.token, [0, 3, 3], 5.0, slots_by_group=[[], slots, slots])
@@ -298,11 +299,12 @@ def test_layerwise_load_releases_each_layer_as_its_pages_land():
         )
         tx.send_multipart([encode(head), layer0.numpy().tobytes()])
         csvc.wait_layer(load, 0)
-        assert not load.done and load.error is None
+        assert load.state is LoadState.DISPATCHED and load.error is None
         landed = torch.cat([r[slots].cpu() for r in pool.layer_regions(0)], dim=1)
         assert torch.equal(landed, layer0)
         load.deadline = time.monotonic() + 0.3
         csvc.wait_layer(load, 1)  # layer 1 never comes
+        assert load.state is LoadState.FAILED
         assert load.error is not None and "load_timeout_s" in load.error
     finally:
         tx.close()
