@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -109,21 +108,21 @@ def _pages(n: int, pb: int) -> torch.Tensor:
 def test_ucx_shm_direct_into_huge_pool(monkeypatch, huge):
     pytest.importorskip("ucxx", reason="ucxx is not installed")
     from disagg.transport import receiver
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx import receive
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     if huge and not THP_ON:
         pytest.skip(f"transparent huge pages are {hostmem.thp_mode()!r} here")
-    from disagg.transport import ucx_plane
 
     scatters = []  # pages landed from scratch (packed segments), by either scatter
     real = receiver.Group.scatter
     monkeypatch.setattr(
         receiver.Group, "scatter", lambda g, s, src: (scatters.append(len(s)), real(g, s, src))
     )
-    real_host = ucx_plane._scatter_host
+    real_host = receive.scatter_host
     monkeypatch.setattr(
-        ucx_plane,
-        "_scatter_host",
+        receive,
+        "scatter_host",
         lambda g, seg, packed: (scatters.append(seg.pages), real_host(g, seg, packed)),
     )
     pb = MiB
@@ -131,11 +130,11 @@ def test_ucx_shm_direct_into_huge_pool(monkeypatch, huge):
         pool = hostmem.empty((16, pb)) if huge else torch.empty(16, pb, dtype=torch.uint8)
         pool.zero_()
         rx.register_regions([[pool]])
-        assert ("direct=1" in urlsplit(rx.endpoint).query.split("&")) == huge
+        assert rx.capabilities.direct == huge
         rows = _pages(5, pb)
         dst = [3, 9, 10, 0, 14]  # rows 1-2 -> slots 9-10: one 2 MiB run
         rx.expect(1, 1, b"tok", [5], 10)
-        h = tx.post_push(rx.endpoint, 1, 1, b"tok", [(0, rows, dst)], deadline_s=10)
+        h = tx.post_push(rx.endpoint, 1, 1, b"tok", [(0, rows, dst)], 10, rx.capabilities)
         assert tx.wait_push(h, 15).done
         st = rx.wait(1, 15)
         assert st.done, st.error
@@ -146,10 +145,10 @@ def test_ucx_shm_direct_into_huge_pool(monkeypatch, huge):
     assert (sum(scatters) == 0) if huge else (sum(scatters) == 5)
 
 
-def test_ucx_tcp_endpoint_never_asks_for_direct():
+def test_ucx_tcp_receiver_never_asks_for_direct():
     pytest.importorskip("ucxx", reason="ucxx is not installed")
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     with UcxDataPlane(channel="tcp") as rx:
         rx.register_regions([[hostmem.empty((4, MiB))]])
-        assert "direct=1" not in urlsplit(rx.endpoint).query.split("&"), rx.endpoint
+        assert not rx.capabilities.direct, rx.capabilities

@@ -130,7 +130,7 @@ def _make_plane(name: str) -> Any:
         from ..transport.ipc import IpcDataPlane
 
         return IpcDataPlane()
-    from ..transport.ucx_plane import UcxDataPlane
+    from ..transport.ucx.plane import UcxDataPlane
 
     if name == "ucx-cuda":  # worker-address endpoints: UCX picks cuda_ipc on one node
         return UcxDataPlane(channel="shm", cuda=True)

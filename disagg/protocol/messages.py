@@ -70,7 +70,7 @@ class DataCaps(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     parts: bool = False  # ipc: takes a push in several parts (the first lands early)
     tcp_segment_bytes: NonNeg = 0  # ucx tcp: packed host batches may come cut this big
-    tcp_am: bool = False  # ucx tcp: takes active-message fragments of tcp_segment_bytes
+    tcp_rx_segment_bytes: NonNeg = 0  # ucx tcp: UCX's tcp receive segment here (0: unsaid)
     iov_recv: bool = False  # ucx tcp: receives packed segments straight into host slots
     direct: bool = False  # ucx shm: runs may land in the rows as they are read
     rma: NonNeg = 0  # ucx: reads store rows itself from RMA headers of this version

@@ -1,6 +1,6 @@
 /* Post and drive thousands of UCX RMA reads (ucp_get_nbx) without a Python step per
  * read, shared out among several reader threads through one atomic cursor
- * (disagg/transport/ucx_rma.py: RmaShared / RmaPull).
+ * (disagg/transport/ucx/native_rma.py: RmaShared / RmaPull).
  *
  * Built without UCX headers: the libucp entry points arrive from ctypes as integers
  * (function addresses of the copy of libucp that ucxx loaded), and the only types used
@@ -94,7 +94,7 @@ static PyObject *drive(PyObject *self, PyObject *args) {
  *   -> (posted, bytes, nreqs, start, status)
  *
  * One reader's share of a read list that several threads read at once, each on its
- * own worker and endpoint (ucx_rma.RmaPull): claims ``slice`` operations at a time from
+ * own worker and endpoint (native_rma.RmaPull): claims ``slice`` operations at a time from
  * the shared ``*cursor`` (an int64 every reader of the list advances atomically), posts
  * them (``fn(ep, local[i], length[i], remote[i], rkey, param)``: ucp_get_nbx), and after each slice progresses the worker (up to ``PULL_SPIN``
  * times) until the reads it posted completed, reaping them (``reap``), so a reader
@@ -164,7 +164,7 @@ static PyObject *pull(PyObject *self, PyObject *args) {
 }
 
 
-/* ---- cma failures: a failed request, not an abort (ucx_rma.guard_cma) ----------------
+/* ---- cma failures: a failed request, not an abort (ucx/cma_guard.py) -----------------
  *
  * When process_vm_readv/writev fails (the peer process is gone: ESRCH; its memory was
  * unmapped: EFAULT), UCX's cma transport (src/uct/sm/scopy/cma/cma_ep.c,
@@ -283,6 +283,6 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ucxrma",
-                                    "Batched UCX RMA posting (see ucx_rma.py).", -1, methods};
+                                    "Batched UCX RMA posting (see ucx/native_rma.py).", -1, methods};
 
 PyMODINIT_FUNC PyInit__ucxrma(void) { return PyModule_Create(&module); }

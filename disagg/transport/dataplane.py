@@ -206,7 +206,7 @@ def push_source(
 
 class DataPlane(abc.ABC):
     """Both sides of page transfer. Implementations: TcpDataPlane (``tcp/``),
-    UcxDataPlane (UCX), IpcDataPlane (``ipc/``, one host only)."""
+    UcxDataPlane (``ucx/``), IpcDataPlane (``ipc/``, one host only)."""
 
     # --- receiver ----------------------------------------------------------------------
     @abc.abstractmethod

@@ -46,7 +46,7 @@ def make_data_plane(
         return TcpDataPlane(bind, advertise=advertise, checksum=checksum)
     if transport == "ucx":
         try:
-            from .ucx_plane import UcxDataPlane
+            from .ucx.plane import UcxDataPlane
         except ImportError as exc:
             raise RuntimeError(
                 f"transport: 'ucx' needs the ucxx package ({exc}); install it with "

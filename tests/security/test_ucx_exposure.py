@@ -1,6 +1,6 @@
 """UCX's tcp transport takes one-sided writes at any address of a process from any peer
 that reaches its sockets (docs/design/security.md). The
-UCX plane keeps tcp off every network it was not asked to serve (``_exposure_config``):
+UCX plane keeps tcp off every network it was not asked to serve (``exposure_config``):
 ``shm`` planes load no tcp transport, ``tcp`` planes only on their bind address's device.
 
 The hostile peer is a small C program (``ucx_forged_put.c``) built against the libucp that
@@ -24,13 +24,13 @@ import torch
 pytest.importorskip("ucxx")
 
 from disagg import hostmem  # noqa: E402
-from disagg.transport.ucx_plane import (  # noqa: E402
+from disagg.transport.ucx.plane import UcxDataPlane  # noqa: E402
+from disagg.transport.ucx.settings import (  # noqa: E402
     TCP_HARDENING,
     TCP_TUNING,
-    UcxDataPlane,
-    _exposure_config,
-    _net_device,
 )
+from disagg.transport.ucx.settings import exposure_config as _exposure_config  # noqa: E402
+from disagg.transport.ucx.settings import net_device as _net_device  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 MARK = 0xDEADBEEFCAFEF00D
@@ -107,8 +107,8 @@ def test_an_operator_protocol_setting_turns_all_of_ours_off(monkeypatch, env):
 
 
 def test_shm_plane_listens_on_no_tcp_socket_and_tcp_plane_on_loopback_only():
-    """Before: a shm plane's worker listened on tcp on every device (here eth0 and lo),
-    and a tcp plane's likewise, whatever its bind address."""
+    """Under UCX's defaults a shm plane's worker would listen on tcp on every device
+    (here eth0 and lo), and a tcp plane's likewise, whatever its bind address."""
     before = set(_listening())
     plane = UcxDataPlane(channel="shm")
     try:
@@ -202,7 +202,10 @@ def _attack(attacker, monkeypatch, **ucx_env: str) -> tuple[bool, str]:
         plane.expect(9, 1, b"tok", [4], 20.0, [[8, 9, 10, 11]])
         tx = UcxDataPlane(channel="tcp")
         try:
-            h = tx.post_push(plane.endpoint, 9, 1, b"tok", [(0, pages, [8, 9, 10, 11])])
+            dst = [8, 9, 10, 11]
+            h = tx.post_push(
+                plane.endpoint, 9, 1, b"tok", [(0, pages, dst)], 30, plane.capabilities
+            )
             assert tx.wait_push(h, 20).done and plane.wait(9, 20).done
         finally:
             tx.close()
@@ -239,8 +242,8 @@ def test_hardened_settings_refuse_the_put_even_with_tcp_on_every_device(attacker
 
 @pytest.mark.netns
 def test_the_forged_put_is_real_when_tcp_serves_every_device(attacker, monkeypatch):
-    """The control: UCX's tcp on every device with its put on (UCX's defaults, as an
-    operator's ``UCX_NET_DEVICES=all UCX_TCP_PUT_ENABLE=y`` sets them) lets the same peer
+    """The control: UCX's tcp on every device with its put on (UCX's own defaults, given
+    by an operator as ``UCX_NET_DEVICES=all UCX_TCP_PUT_ENABLE=y``) lets the same peer
     write the consumer's memory."""
     hit, said = _attack(attacker, monkeypatch, UCX_NET_DEVICES="all", UCX_TCP_PUT_ENABLE="y")
     assert hit, f"the control attack did not land: {said}"

@@ -109,25 +109,28 @@ def test_tcp_plane_fails_a_forged_count_and_keeps_the_connection():
 def test_ucx_header_with_a_forged_count_fails_by_name_without_cutting_segments(monkeypatch):
     """The UCX plane checks a header's runs before it cuts them into segments (a
     2 MiB-page run of 2**40 pages was 2**40 iterations of ``segments``)."""
-    ucx_plane = pytest.importorskip("disagg.transport.ucx_plane")
+    pytest.importorskip("ucxx")
+    from disagg.transport.ucx import receive
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     def never(*a, **k):
         raise AssertionError("segments cut before the runs were checked")
 
-    plane = ucx_plane.UcxDataPlane(channel="tcp")
+    plane = UcxDataPlane(channel="tcp")
+    rx = plane._receiver
     try:
         plane.register_regions([[torch.zeros(8, 2 << 20, dtype=torch.uint8)]])
         plane.expect(50, 1, b"t", [2], 30.0)
-        monkeypatch.setattr(ucx_plane, "segments", never)
-        plane._rx_header(_batch([(0, 2**40)], page_bytes=2 << 20, tid=50))
+        monkeypatch.setattr(receive, "segments", never)
+        rx.rx_header(_batch([(0, 2**40)], page_bytes=2 << 20, tid=50))
         st = plane.poll(50)
         assert st.failed and "addresses slots outside [0, 8)" in st.error, st
-        assert not plane._pending
+        assert not rx.pending
         monkeypatch.undo()
         plane.expect(51, 1, b"t", [2], 30.0)  # a good header still queues its segments
-        plane._rx_header(_batch([(3, 2)], page_bytes=2 << 20, tid=51))
-        assert not plane.poll(51).final and plane._pending
-        runs = [run for p in plane._pending.values() for run in p.seg.runs]
+        rx.rx_header(_batch([(3, 2)], page_bytes=2 << 20, tid=51))
+        assert not plane.poll(51).final and rx.pending
+        runs = [run for p in rx.pending.values() for run in p.seg.runs]
         assert sorted(runs) in ([(3, 1), (4, 1)], [(3, 2)])
     finally:
         plane.close()

@@ -4,8 +4,6 @@ ucxx."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from harness import (
     SHAPE,
@@ -20,9 +18,8 @@ from harness import (
 
 from disagg.engine.reference import Engine, EngineConfig
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +55,7 @@ def test_ucx_shm_channel_from_config():
     planes: the consumer reads the producer's store one-sided (where the C loop is built),
     from its mapping (the store comes from ``register_source``), and tokens still equal
     the monolithic run."""
-    from disagg.transport import ucx_rma
+    from disagg.transport.ucx import native_rma
 
     cfg = EngineConfig(**SHAPE, capture_pages=True)
     ps = prompts()
@@ -71,11 +68,12 @@ def test_ucx_shm_channel_from_config():
     assert psvc.data.channel == csvc.data.channel == "shm"
     assert csvc.data.rma_readers == 2
     assert csvc.data.endpoint.startswith("ucx+shm://")
+    assert csvc.data.capabilities.rma == (2 if native_rma.available() else 0)
     check_against_monolithic(produced, consumed, mono)
     assert csvc.metrics["pages_loaded"] > 0
-    if ucx_rma.available():
+    if native_rma.available():
         # the producer's store came from register_source: the consumer maps it and copies
-        # (ucx_plane.py, "Mapped stores"); no get is posted
+        # (ucx/mapped.py); no get is posted
         assert psvc.data.stats["rma_mem_alloc"] == 1
         assert csvc.data.stats["rma_mapped_batches"] > 0
         assert csvc.data.stats.get("rma_reads", 0) == 0

@@ -1,4 +1,4 @@
-"""Scatter-gather sends (ucx_iov): the ctypes mirror of ucp.h, the iov builder, and
+"""Scatter-gather sends (ucx/iov.py): the ctypes mirror of ucp.h, the iov builder, and
 pushes of StoreRows between two processes landing byte-exactly, with and without the
 iov path (fallback: gather). Skipped without ucxx."""
 
@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-ucx_plane = pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+pytest.importorskip(
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
-from disagg.transport import ucx_iov  # noqa: E402
 from disagg.transport.dataplane import StoreRows  # noqa: E402
+from disagg.transport.ucx import iov, settings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -33,7 +32,7 @@ def _ucp_include() -> str | None:
 
 
 def test_loads_on_this_install():
-    assert ucx_iov.available(), ucx_iov.unavailable_reason()
+    assert iov.available(), iov.unavailable_reason()
 
 
 def test_request_param_layout_matches_ucp_h(tmp_path):
@@ -43,7 +42,7 @@ def test_request_param_layout_matches_ucp_h(tmp_path):
     inc = _ucp_include()
     if cc is None or inc is None:
         pytest.skip("no C compiler or ucp.h")
-    fields = list(ucx_iov.PARAM_LAYOUT)
+    fields = list(iov.PARAM_LAYOUT)
     src = tmp_path / "probe.c"
     src.write_text(
         "#include <stdio.h>\n#include <stddef.h>\n#include <ucp/api/ucp.h>\nint main(void){\n"
@@ -58,27 +57,27 @@ def test_request_param_layout_matches_ucp_h(tmp_path):
     subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     size, iov_size, status_size, f_dt, f_mt, host, dt_iov = map(int, out[:7])
-    assert size == ucx_iov.PARAM_SIZE
-    assert iov_size == ucx_iov.IOV_ENTRY_SIZE
+    assert size == iov.PARAM_SIZE
+    assert iov_size == iov.IOV_ENTRY_SIZE
     assert status_size == 1  # read as int8 (ctypes.c_int8)
     assert (f_dt, f_mt, host, dt_iov) == (1 << 3, 1 << 6, 0, 2)
-    assert dict(zip(fields, map(int, out[7:]))) == ucx_iov.PARAM_LAYOUT
+    assert dict(zip(fields, map(int, out[7:]))) == iov.PARAM_LAYOUT
 
 
 def test_iov_entries_merge_adjacent_spans():
     # full-width rows: adjacent rows merge into one entry
-    e = ucx_iov.iov_entries(1000, 100, np.array([3, 4, 5, 9, 2]), ((0, 100),))
+    e = iov.iov_entries(1000, 100, np.array([3, 4, 5, 9, 2]), ((0, 100),))
     assert e.tolist() == [[1300, 300], [1900, 100], [1200, 100]]
     # two columns making the whole row: the same
-    e = ucx_iov.iov_entries(1000, 100, np.array([3, 4]), ((0, 40), (40, 60)))
+    e = iov.iov_entries(1000, 100, np.array([3, 4]), ((0, 40), (40, 60)))
     assert e.tolist() == [[1300, 200]]
     # a column of a row (not full width): one entry per page, even for adjacent rows
-    e = ucx_iov.iov_entries(0, 100, np.array([1, 2]), ((10, 30),))
+    e = iov.iov_entries(0, 100, np.array([1, 2]), ((10, 30),))
     assert e.tolist() == [[110, 30], [210, 30]]
     # columns out of order inside a page: never merged across the jump
-    e = ucx_iov.iov_entries(0, 100, np.array([1]), ((50, 50), (0, 50)))
+    e = iov.iov_entries(0, 100, np.array([1]), ((50, 50), (0, 50)))
     assert e.tolist() == [[150, 50], [100, 50]]
-    assert ucx_iov.iov_entries(0, 100, np.array([], dtype=np.int64), ((0, 100),)).shape == (0, 2)
+    assert iov.iov_entries(0, 100, np.array([], dtype=np.int64), ((0, 100),)).shape == (0, 2)
 
 
 SLOTS = 96
@@ -90,16 +89,16 @@ def _slab(rows: int, width: int) -> torch.Tensor:
     return torch.from_numpy(((r * 131 + c * 7) % 251).astype(np.uint8))
 
 
-# the hardened tcp settings (ucx_plane "Exposure", TCP_HARDENING: a tcp plane's own
-# default) given by an operator: UCX sends iov messages zero-copy
+# the hardened tcp settings (settings.TCP_HARDENING: a tcp plane's own default) given by
+# an operator: UCX sends iov messages zero-copy
 HARDENED = {
     "UCX_TCP_PUT_ENABLE": "n",
     "UCX_RNDV_SCHEME": "am",
     "UCX_TCP_TX_SEG_SIZE": "2m",
     "UCX_TCP_RX_SEG_SIZE": "2m",
 }
-# UCX's own protocol (put rendezvous, its 8 KiB tcp segments), chosen by an operator
-EARLIER = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
+# put rendezvous in UCX's 8 KiB tcp segments, chosen by an operator
+PUT = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
 
 
 def _apply_env(env):
@@ -115,35 +114,34 @@ def _receiver(channel, pb, expected, q_out, q_in, env=None):
     # RMA-capable shm receiver reads StoreRows itself, test_ucx_rma.py)
     _apply_env(env)
     os.environ["DISAGG_UCX_RMA"] = "0"
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel=channel)
     pool = torch.zeros(SLOTS, pb, dtype=torch.uint8)
     plane.register_regions([[pool]])
     plane.expect(7, 3, b"tok", [expected], 20)
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     st = plane.wait(7, 30)
     q_out.put((st.state.value, st.error, pool.numpy().copy()))
     q_in.get(timeout=30)
     plane.close()
 
 
-def _sender(endpoint, width, rows, cols, dst, iov_on, q_out, env=None):
+def _sender(endpoint, caps, width, rows, cols, dst, iov_on, q_out, env=None):
     _apply_env(env)
     if not iov_on:
         os.environ["DISAGG_UCX_IOV"] = "0"
-    from disagg.transport import ucx_iov
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm" if endpoint.startswith("ucx+shm") else "tcp")
     slab = _slab(2 * SLOTS, width)
     src = StoreRows(slab, np.asarray(rows, dtype=np.int64), cols)
-    h = plane.post_push(endpoint, 7, 3, b"tok", [(0, src, dst)], deadline_s=20)
+    h = plane.post_push(endpoint, 7, 3, b"tok", [(0, src, dst)], deadline_s=20, caps=caps)
     st = plane.wait_push(h, 30)
     # counted as posted (h.plan is emptied once the push is final: reading it after
     # post_push raced a push that finished first, under load)
     iov_msgs = plane.stats["iov_sends"]
-    q_out.put((st.state.value, st.error, iov_msgs, ucx_iov.available(), plane.tcp_iov_sends))
+    q_out.put((st.state.value, st.error, iov_msgs, iov.available(), plane.tcp_iov_sends))
     plane.close()
 
 
@@ -154,8 +152,8 @@ def _push(channel, width, rows, cols, dst, iov_on=True, env=None):
     expected = sum(1 for d in dst if d >= 0)
     r = ctx.Process(target=_receiver, args=(channel, pb, expected, q_r, q_in, env))
     r.start()
-    ep = q_r.get(timeout=30)
-    s = ctx.Process(target=_sender, args=(ep, width, rows, cols, dst, iov_on, q_s, env))
+    ep, caps = q_r.get(timeout=30)
+    s = ctx.Process(target=_sender, args=(ep, caps, width, rows, cols, dst, iov_on, q_s, env))
     s.start()
     rx = q_r.get(timeout=60)
     tx = q_s.get(timeout=60)
@@ -181,7 +179,7 @@ def _expect(width, rows, cols, dst, pb):
 def test_store_rows_land_byte_exact(channel, iov_on):
     """Random store rows into random slots (some skipped), 4 KiB pages packed into one
     segment, plus a run of adjacent rows: iov sends (shm), or numpy gathers (tcp, and
-    the fallback when ucx_iov is off) land every byte where it belongs."""
+    the fallback when iov sends are off) land every byte where it belongs."""
     rng = np.random.default_rng(5)
     width = 4096
     rows = np.concatenate([rng.permutation(2 * SLOTS)[:60], np.arange(10, 30)])
@@ -224,10 +222,10 @@ def test_store_rows_columns_of_a_row(channel):
         ({}, True),  # the plane's own settings (TCP_HARDENING): iov sends
         (HARDENED, True),  # the same from the operator
         ({**HARDENED, "DISAGG_UCX_TCP_IOV": "0"}, False),  # forced off: the ring
-        (EARLIER, False),  # UCX's 8 KiB tcp segments: the ring
-        ({**EARLIER, "DISAGG_UCX_TCP_IOV": "1"}, True),  # forced on (slow, but correct)
+        (PUT, False),  # UCX's 8 KiB tcp segments: the ring
+        ({**PUT, "DISAGG_UCX_TCP_IOV": "1"}, True),  # forced on (slow, but correct)
     ],
-    ids=["default", "hardened", "hardened-forced-off", "earlier", "earlier-forced-on"],
+    ids=["default", "hardened", "hardened-forced-off", "put", "put-forced-on"],
 )
 def test_tcp_iov_sends_with_large_segments(env, want_iov):
     """Over tcp, scattered 64 KiB store rows (2 MiB segments of 32 iov entries, the
@@ -259,7 +257,7 @@ def test_large_segments_read_from_config_and_environment(monkeypatch):
     """``tcp_large_segments``: active-message rendezvous and a tcp send segment of at
     least 2 MiB, each from the context's config dict (which wins, as in UCX) or else
     the environment; ``tcp_iov_default`` follows it unless DISAGG_UCX_TCP_IOV is set."""
-    large, default = ucx_plane.tcp_large_segments, ucx_plane.tcp_iov_default
+    large, default = settings.tcp_large_segments, settings.tcp_iov_default
     for k in list(HARDENED) + ["DISAGG_UCX_TCP_IOV"]:
         monkeypatch.delenv(k, raising=False)
     assert not large({})
@@ -285,19 +283,19 @@ def test_large_segments_read_from_config_and_environment(monkeypatch):
 
 
 def test_store_rows_bad_input_named():
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="tcp")
     try:
         slab = _slab(8, 64)
         bad = StoreRows(slab, np.array([1, 8]), ((0, 64),))
         with pytest.raises(ValueError, match="source rows outside"):
-            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
         bad = StoreRows(slab, np.array([1, 2]), ((10, 64),))
         with pytest.raises(ValueError, match="columns"):
-            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
         bad = StoreRows(slab, np.array([1, 2, 3]), ((0, 64),))
         with pytest.raises(ValueError, match="3 source rows for 2"):
-            plane.post_push("ucx+tcp://127.0.0.1:1?tcpam=1", 1, 1, b"t", [(0, bad, [0, 1])])
+            plane.post_push("ucx+tcp://127.0.0.1:1", 1, 1, b"t", [(0, bad, [0, 1])])
     finally:
         plane.close()

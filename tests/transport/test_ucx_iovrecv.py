@@ -1,7 +1,7 @@
-"""Scatter-gather receives over tcp (ucx_plane "Scatter-gather receives over tcp"; on
-under the hardened tcp settings, ``DISAGG_UCX_TCP_IOV_RECV=0`` turns it off): a tcp
-receiver posts each packed segment for host slots as ONE iov receive straight into the
-slots (``ucx_iov.tag_recv_exact``), instead of a receive into scratch and a row copy.
+"""Scatter-gather receives over tcp (ucx/receive.py; on under the hardened tcp settings,
+``DISAGG_UCX_TCP_IOV_RECV=0`` turns it off): a tcp receiver posts each packed segment
+for host slots as ONE iov receive straight into the slots (``iov.tag_recv_exact``),
+instead of a receive into scratch and a row copy.
 Checked: the entries (``page_iov``), pushes between two processes byte for byte (one
 region, two strided regions, the switch off), an abort while receives straight into the
 slots are in flight from a stalled producer (iov receives, and runs landing in place:
@@ -15,16 +15,17 @@ import multiprocessing as mp
 import os
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
-from disagg.transport import ucx_iov, ucx_plane  # noqa: E402
 from disagg.transport.dataplane import StoreRows  # noqa: E402
+from disagg.transport.ucx import iov, settings  # noqa: E402
+from disagg.transport.ucx.plane import UcxDataPlane  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +41,7 @@ def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
 
 def test_page_iov_entries():
     regions = [(1000, 300, 100), (50_000, 64, 40)]  # strided rows, two regions
-    e = ucx_iov.page_iov(regions, np.array([3, 0, 7]))
+    e = iov.page_iov(regions, np.array([3, 0, 7]))
     assert e.shape == (3, 2, 2) and e.dtype == np.uint64
     assert e.reshape(-1, 2).tolist() == [
         [1900, 100], [50_192, 40],
@@ -50,21 +51,21 @@ def test_page_iov_entries():
     # a segment's entries are a view of its pages, C-contiguous as UCX wants them
     seg = e[1:3].reshape(-1, 2)
     assert seg.flags.c_contiguous and np.shares_memory(seg, e)
-    assert ucx_iov.page_iov(regions, np.array([], dtype=np.int64)).shape == (0, 2, 2)
+    assert iov.page_iov(regions, np.array([], dtype=np.int64)).shape == (0, 2, 2)
 
 
 def test_iov_recv_default(monkeypatch):
     """On under the hardened tcp settings (large am segments), off under UCX's own
     defaults (put rendezvous, 8 KiB segments: nothing to gain); the switch wins."""
-    default = ucx_plane.tcp_iov_recv_default
+    default = settings.tcp_iov_recv_default
     monkeypatch.delenv("DISAGG_UCX_TCP_IOV_RECV", raising=False)
     for k in ("UCX_RNDV_SCHEME", "UCX_TCP_TX_SEG_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    assert default(ucx_plane.TCP_HARDENING) and not default({})
+    assert default(settings.TCP_HARDENING) and not default({})
     monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "0")
-    assert not default(ucx_plane.TCP_HARDENING)
+    assert not default(settings.TCP_HARDENING)
     monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "1")
-    assert default(ucx_plane.TCP_HARDENING) and default({})
+    assert default(settings.TCP_HARDENING) and default({})
 
 
 def _pool(layout: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -84,12 +85,10 @@ def _view(buf: np.ndarray, layout: str) -> np.ndarray:
 
 def _receiver(layout, env, transfers, q_out, q_in):
     os.environ.update(env)
-    from disagg.transport.ucx_plane import UcxDataPlane
-
     plane = UcxDataPlane(channel="tcp")
     mem, regions = _pool(layout)
     plane.register_regions([regions])
-    q_out.put((plane.endpoint, plane.tcp_iov_recvs))
+    q_out.put((plane.endpoint, plane.capabilities, plane.tcp_iov_recvs))
     for tid, pages in transfers:
         plane.expect(tid, 3, b"tok", [pages], 60)
         q_out.put("expecting")
@@ -99,15 +98,13 @@ def _receiver(layout, env, transfers, q_out, q_in):
     plane.close()
 
 
-def _sender(endpoint, pushes, q_out, q_go):
-    from disagg.transport.ucx_plane import UcxDataPlane
-
+def _sender(endpoint, caps, pushes, q_out, q_go):
     plane = UcxDataPlane(channel="tcp")
     for tid, rows, dst, salt in pushes:
         q_go.get(timeout=60)
         slab = _slab(2 * SLOTS, PB, salt)
         src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, PB),))
-        h = plane.post_push(endpoint, tid, 3, b"tok", [(0, src, dst)], deadline_s=60)
+        h = plane.post_push(endpoint, tid, 3, b"tok", [(0, src, dst)], 60, caps)
         st = plane.wait_push(h, 60)
         q_out.put((st.state.value, st.error))
     q_go.get(timeout=60)
@@ -144,9 +141,9 @@ def test_packed_segments_land_byte_exact(layout, env, want_iov):
     n1, n2 = int((dst >= 0).sum()), 64
     r = ctx.Process(target=_receiver, args=(layout, env, [(1, n1), (2, n2)], q_r, q_in))
     r.start()
-    ep, iov_on = q_r.get(timeout=30)
+    ep, caps, iov_on = q_r.get(timeout=30)
     pushes = [(1, rows.tolist(), dst.tolist(), 1), (2, rows2.tolist(), dst2.tolist(), 2)]
-    s = ctx.Process(target=_sender, args=(ep, pushes, q_s, q_go))
+    s = ctx.Process(target=_sender, args=(ep, caps, pushes, q_s, q_go))
     s.start()
     try:
         got = []
@@ -167,30 +164,32 @@ def test_packed_segments_land_byte_exact(layout, env, want_iov):
         assert (state, err) == ("done", None), err
         assert (tstate, terr) == ("done", None), terr
         np.testing.assert_array_equal(_view(mem, layout), want)
-    # push 1: 98 scattered pages and the run of 20, all packed (the receiver says
-    # iovrx=1) into 4 segments; push 2: 64 pages, 2 packed segments
+    # push 1: 98 scattered pages and the run of 20, all packed (the receiver offers
+    # iov_recv) into 4 segments; push 2: 64 pages, 2 packed segments
     assert got[-1][0][3] == (6 if want_iov else 0)
 
 
-@pytest.mark.parametrize("sender_packs", [True, False], ids=["packed", "older-sender"])
+@pytest.mark.parametrize("sender_packs", [True, False], ids=["packed", "not-offered"])
 def test_runs_up_to_a_segment_are_packed_for_an_iov_receiver(sender_packs):
-    """A receiver taking packed segments as iov receives says ``iovrx=1``; a sender that
-    sees it packs runs up to a segment (2 MiB) instead of sending each run of 1 MiB+
-    alone (``TCP_PACK_DIRECT_MIN``, headers under ``_HDR_TCP_PACK_TAG``): four runs of
-    20 adjacent 64 KiB slots travel as 4 packed segments, all iov receives. A sender
-    that does not know the query (the endpoint without it) sends the runs alone, which
-    the same receiver lands in place. Byte for byte either way."""
+    """A receiver taking packed segments as iov receives offers ``iov_recv``; a sender
+    given that packs runs up to a segment (2 MiB) instead of sending each run of 1 MiB+
+    alone (``TCP_PACK_DIRECT_MIN``, headers under ``HDR_TCP_PACK_TAG``): four runs of
+    20 adjacent 64 KiB slots travel as 4 packed segments, all iov receives. Given the
+    same capabilities without ``iov_recv``, the sender sends the runs alone, which the
+    same receiver lands in place. Byte for byte either way."""
     ctx = mp.get_context("spawn")
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
     dst = np.concatenate([np.arange(k, k + 20) for k in (0, 40, 80, 120)])
     rows = np.random.default_rng(5).permutation(2 * SLOTS)[: dst.size]
     r = ctx.Process(target=_receiver, args=("one", {}, [(1, dst.size)], q_r, q_in))
     r.start()
-    ep, iov_on = q_r.get(timeout=30)
-    assert iov_on and "iovrx=1" in ep
+    ep, caps, iov_on = q_r.get(timeout=30)
+    assert iov_on and caps.iov_recv
     if not sender_packs:
-        ep = ep.replace("&iovrx=1", "")
-    s = ctx.Process(target=_sender, args=(ep, [(1, rows.tolist(), dst.tolist(), 1)], q_s, q_go))
+        caps = msgspec.structs.replace(caps, iov_recv=False)
+    s = ctx.Process(
+        target=_sender, args=(ep, caps, [(1, rows.tolist(), dst.tolist(), 1)], q_s, q_go)
+    )
     s.start()
     try:
         assert q_r.get(timeout=30) == "expecting"
@@ -208,18 +207,19 @@ def test_runs_up_to_a_segment_are_packed_for_an_iov_receiver(sender_packs):
     assert iovs == (4 if sender_packs else 0)
 
 
-def test_no_iovrx_without_iov_receives(monkeypatch):
-    """``iovrx=1`` only from a tcp plane that takes iov receives and has only host
-    regions: with them off, or a CUDA region registered, senders keep runs alone."""
+def test_no_iov_recv_offered_without_iov_receives(monkeypatch):
+    """``iov_recv`` is offered only by a tcp plane that takes iov receives and has only
+    host regions: with them off, senders keep runs alone."""
     monkeypatch.setenv("DISAGG_UCX_TCP_IOV_RECV", "0")
-    with ucx_plane.UcxDataPlane(channel="tcp") as plane:
+    with UcxDataPlane(channel="tcp") as plane:
         plane.register_regions([[torch.zeros(4, PB, dtype=torch.uint8)]])
-        assert "tcpam=1" in plane.endpoint and "iovrx=1" not in plane.endpoint
+        caps = plane.capabilities
+        assert caps.tcp_rx_segment_bytes == 2 << 20 and not caps.iov_recv
     monkeypatch.delenv("DISAGG_UCX_TCP_IOV_RECV")
-    with ucx_plane.UcxDataPlane(channel="tcp") as plane:
+    with UcxDataPlane(channel="tcp") as plane:
         assert plane.tcp_iov_recvs
         plane.register_regions([[torch.zeros(4, PB, dtype=torch.uint8)]])
-        assert "iovrx=1" in plane.endpoint
+        assert plane.capabilities.iov_recv
 
 
 # ------------------------------ abort mid-transfer ---------------------------------------
@@ -228,13 +228,11 @@ BIG = 2048  # 128 MiB of 64 KiB pages: 64 segments
 
 def _abort_receiver(env, q_out, q_in):
     os.environ.update(env)
-    from disagg.transport.ucx_plane import UcxDataPlane
-
     plane = UcxDataPlane(channel="tcp")
     plane.abort_wait_s = 1.0
     pool = torch.zeros(BIG, PB, dtype=torch.uint8)
     plane.register_regions([[pool]])
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     plane.expect(9, 3, b"tok", [4], 60)  # warm-up: the producer's endpoint is wired up
     q_out.put("expecting")
     assert plane.wait(9, 60).done
@@ -260,23 +258,22 @@ def _abort_receiver(env, q_out, q_in):
     plane.close()
 
 
-def _stalling_sender(endpoint, pushes, q_out, q_go, stall_after, stalled, resume):
+def _stalling_sender(endpoint, caps, pushes, q_out, q_go, stall_after, stalled, resume):
     """``_sender`` whose UCX progress thread stops once ``stall_after`` data messages
     of the push in flight completed (sets ``stalled``, then waits for ``resume``): the
     producer's UCX goes quiet mid-push, with the rest of the push posted (a push posts
     every segment at once) and its data partly on the wire, as under SIGSTOP, but at a
     point of the push's own (a SIGSTOP from outside raced the whole push on a fast
     machine)."""
-    from disagg.transport import ucx_iov
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.send import Sender
 
-    send, reqs = ucx_iov.tag_send, []
+    send, reqs = iov.tag_send, []
 
     def tag_send(*args, **kwargs):
         reqs.append(send(*args, **kwargs))
         return reqs[-1]
 
-    reap = UcxDataPlane._tx_reap
+    reap = Sender.reap
 
     def tx_reap(self):
         more = reap(self)
@@ -285,9 +282,9 @@ def _stalling_sender(endpoint, pushes, q_out, q_go, stall_after, stalled, resume
             resume.wait(120)
         return more
 
-    ucx_iov.tag_send = tag_send  # the plane calls ucx_iov.tag_send by attribute
-    UcxDataPlane._tx_reap = tx_reap
-    _sender(endpoint, pushes, q_out, q_go)
+    iov.tag_send = tag_send  # the sender calls iov.tag_send by attribute
+    Sender.reap = tx_reap
+    _sender(endpoint, caps, pushes, q_out, q_go)
 
 
 def _stall_scenario(env, dst_order):
@@ -297,7 +294,7 @@ def _stall_scenario(env, dst_order):
     stalled, resume = ctx.Event(), ctx.Event()
     r = ctx.Process(target=_abort_receiver, args=(env, q_r, q_in))
     r.start()
-    ep = q_r.get(timeout=30)
+    ep, caps = q_r.get(timeout=30)
     rows1 = np.random.default_rng(3).permutation(2 * SLOTS * 16)[:BIG] % (2 * SLOTS)
     dst = np.random.default_rng(4).permutation(BIG) if dst_order == "random" else np.arange(BIG)
     pushes = [
@@ -305,7 +302,7 @@ def _stall_scenario(env, dst_order):
         (1, rows1.tolist(), dst.tolist(), 1),
         (2, rows1.tolist(), dst.tolist(), 2),
     ]
-    s = ctx.Process(target=_stalling_sender, args=(ep, pushes, q_s, q_go, 8, stalled, resume))
+    s = ctx.Process(target=_stalling_sender, args=(ep, caps, pushes, q_s, q_go, 8, stalled, resume))
     s.start()
     try:
         assert q_r.get(timeout=30) == "expecting"
@@ -386,7 +383,7 @@ def test_longer_message_than_the_iov_is_truncated_not_written_past():
     import ucxx._lib.libucxx as u
     from ucxx._lib.arr import Array
 
-    cfg = {"NET_DEVICES": "lo", **ucx_plane.TCP_HARDENING}
+    cfg = {"NET_DEVICES": "lo", **settings.TCP_HARDENING}
     ctx = u.UCXContext(config_dict=cfg, feature_flags=(u.Feature.TAG,))
     wa, wb = u.UCXWorker(ctx), u.UCXWorker(ctx)
     accepted: list = []
@@ -413,7 +410,7 @@ def test_longer_message_than_the_iov_is_truncated_not_written_past():
         for _ in range(5000):
             wa.progress()
             wb.progress()
-            seen = ucx_iov.probe_length(wa.handle, tag, (1 << 64) - 1)
+            seen = iov.probe_length(wa.handle, tag, (1 << 64) - 1)
             if seen is not None:
                 break
         assert seen == (tag, size)
@@ -421,9 +418,9 @@ def test_longer_message_than_the_iov_is_truncated_not_written_past():
         half = size // 4
         base = dst.ctypes.data
         # two entries, a gap between them, a quarter of the message each
-        iov = np.array([[base, half], [base + 2 * half, half]], dtype=np.uint64)
+        entries = np.array([[base, half], [base + 2 * half, half]], dtype=np.uint64)
         try:
-            req = ucx_iov.tag_recv_exact(wa.handle, tag, ucx_iov.IovBuf(iov, 2 * half, dst))
+            req = iov.tag_recv_exact(wa.handle, tag, iov.IovBuf(entries, 2 * half, dst))
         except RuntimeError as exc:  # refused at once (the rendezvous: its length is known)
             assert "ucs_status -9" in str(exc)  # UCS_ERR_MESSAGE_TRUNCATED
             req = None

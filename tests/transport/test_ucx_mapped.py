@@ -9,7 +9,6 @@ Skipped without ucxx."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 
@@ -17,20 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-ucx_plane = pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+pytest.importorskip(
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
 from test_ucx_rma import _slab, abort_mid_pull_then_carry_on  # noqa: E402
 
-from disagg.transport import ucx_rma  # noqa: E402
 from disagg.transport.dataplane import StoreRows  # noqa: E402
+from disagg.transport.ucx import native_rma, wire  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(120),
     # the C loop is optional at install (CI requires it); without it there is no RMA
     pytest.mark.skipif(
-        getattr(ucx_rma, "_ucxrma", None) is None, reason="the _ucxrma extension is not built"
+        getattr(native_rma, "_ucxrma", None) is None, reason="the _ucxrma extension is not built"
     ),
 ]
 
@@ -46,13 +44,13 @@ def _want(slab: np.ndarray, rows, cols, dst, slots: int = SLOTS) -> np.ndarray:
 
 
 def _receiver(sizes, expected, q_out, q_in):
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm")
     regions = [torch.zeros(SLOTS, n, dtype=torch.uint8) for n in sizes]
     plane.register_regions([regions])
     plane.expect(7, 3, b"tok", [expected], 20)
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     st = plane.wait(7, 30)
     pool = torch.cat(regions, dim=1).numpy().copy()
     q_out.put((st.state.value, st.error, st.pages, pool, dict(plane.stats)))
@@ -60,14 +58,15 @@ def _receiver(sizes, expected, q_out, q_in):
     plane.close()
 
 
-def _producer(endpoint, width, rows, cols, dst, q_out):
-    from disagg.transport.ucx_plane import UcxDataPlane
+def _producer(endpoint, caps, width, rows, cols, dst, q_out):
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm")
     slab = _slab(2 * SLOTS, width)
     store = plane.register_source(slab)
     moved = store.data_ptr() != slab.data_ptr() and torch.equal(store, slab)
-    h = plane.post_push(endpoint, 7, 3, b"tok", [(0, StoreRows(store, rows, cols), dst)])
+    src = StoreRows(store, rows, cols)
+    h = plane.post_push(endpoint, 7, 3, b"tok", [(0, src, dst)], caps=caps)
     st = plane.wait_push(h, 30)
     q_out.put((st.state.value, st.error, moved, dict(plane.stats)))
     plane.close()
@@ -87,8 +86,8 @@ def test_mapped_store_lands_scattered_rows_byte_exact_across_processes():
     r = ctx.Process(target=_receiver, args=(sizes, rows.size, q_r, q_in))
     r.start()
     try:
-        ep = q_r.get(timeout=30)
-        s = ctx.Process(target=_producer, args=(ep, width, rows, cols, dst.tolist(), q_s))
+        ep, caps = q_r.get(timeout=30)
+        s = ctx.Process(target=_producer, args=(ep, caps, width, rows, cols, dst.tolist(), q_s))
         s.start()
         state, err, pages, pool, rstats = q_r.get(timeout=60)
         tstate, terr, moved, tstats = q_s.get(timeout=60)
@@ -109,7 +108,7 @@ def test_mapped_store_lands_scattered_rows_byte_exact_across_processes():
 
 
 def _pair():
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     return UcxDataPlane(channel="shm"), UcxDataPlane(channel="shm")
 
@@ -117,7 +116,9 @@ def _pair():
 def _push(rx, tx, tid, store, rows, dst, pb):
     rx.expect(tid, 3, b"tok", [len(rows)], 20)
     src = StoreRows(store, np.asarray(rows), ((0, pb),))
-    h = tx.post_push(rx.endpoint, tid, 3, b"tok", [(0, src, list(map(int, dst)))])
+    h = tx.post_push(
+        rx.endpoint, tid, 3, b"tok", [(0, src, list(map(int, dst)))], caps=rx.capabilities
+    )
     return rx.wait(tid, 20), tx.wait_push(h, 20)
 
 
@@ -168,24 +169,24 @@ def test_header_past_the_producers_segment_fails_by_name_and_reads_nothing(when,
             st, pst = _push(rx, tx, 1, store, rows, dst, pb)
             assert st.done and pst.done
             pool.zero_()
-        reg = tx._rma_alloc[0][0]
+        reg = tx._mapped._alloc[0][0]
         nrows, base = 2 * SLOTS, reg.address
         if how == "rows":
             nrows = 1 << 20  # 4 GiB of rows: the last one far past the segment
         else:
             base += 1 << 30
-        body = ucx_plane._rma_frame(
+        body = wire.rma_frame(
             *(9, 3, b"tok", 0, pb, 0),
             *(base, nrows, pb, pb),
             reg.rkey,
-            tx._endpoint,
+            tx.endpoint,
             ((0, pb),),
             np.arange(4, dtype=np.int64),
             np.array([0, 1, 2, nrows - 1], dtype=np.int64),
         )[4:].tobytes()
         rx.expect(9, 3, b"tok", [4], 10)
         mapped = rx.stats.get("rma_mapped_batches", 0)
-        rx._submit(lambda: rx._rx_rma(body))
+        rx._link.submit(lambda: rx._rma.on_header(body))
         st = rx.wait(9, 5)
         assert st.failed and "outside the producer's mapped segment" in (st.error or ""), st
         assert f"at {base:#x}" in st.error
@@ -216,7 +217,7 @@ def test_abort_during_mapped_copies_writes_nothing_after():
 def test_register_source_keeps_other_tensors_where_they_are(monkeypatch):
     """tcp, ``DISAGG_UCX_MAPPED=0``, a non-contiguous tensor: the tensor comes back
     unchanged; another dtype is mapped with its shape, dtype and values."""
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     t = _slab(8, 64)
     with UcxDataPlane(channel="tcp") as p:
@@ -239,11 +240,11 @@ def test_returned_store_outlives_its_plane():
     would crash it."""
     code = """
 import gc, torch
-from disagg.transport.ucx_plane import UcxDataPlane
+from disagg.transport.ucx.plane import UcxDataPlane
 p = UcxDataPlane(channel="shm")
 s = p.register_source(torch.full((64, 4096), 5, dtype=torch.uint8))
 v = s[3:9]
-reg = p._rma_alloc[0][0]
+reg = p._mapped._alloc[0][0]
 p.close(); del p; gc.collect()
 assert not reg.closed
 v.fill_(9); s[0].fill_(1)
@@ -254,7 +255,7 @@ del v; gc.collect()
 print(reg.closed)
 p = UcxDataPlane(channel="shm")
 s = p.register_source(torch.ones(8, 64, dtype=torch.uint8))
-reg = p._rma_alloc[0][0]
+reg = p._mapped._alloc[0][0]
 del s; gc.collect()
 p.close()
 print(reg.closed, p.stats["rma_mem_free"])

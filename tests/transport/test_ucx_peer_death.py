@@ -1,7 +1,7 @@
 """A producer that dies while the consumer reads its store on the UCX plane's shm *get*
 path (``ucp_get_nbx`` over cma: a store not from ``register_source``, e.g. a pinned host
 store): the consumer must survive, fail the transfer by name, count no wrong page as
-landed, and go on serving. Before ``ucx_rma.guard_cma`` UCX aborted the consumer here
+landed, and go on serving. Without ``cma_guard.guard_cma`` UCX aborted the consumer here
 (``cma_ep.c: process_vm_readv ... No such process``, SIGABRT): shm endpoints run without
 UCX error handling, so UCX logged the failed copy as FATAL. ``DISAGG_UCX_CMA_GUARD=0``
 brings the old behaviour back (the tests below then fail). The mirror image on the shm
@@ -25,20 +25,19 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
 sys.path.insert(0, os.path.dirname(__file__))
 from test_ucx_rma import SLOTS, _slab, _want  # noqa: E402
 
-from disagg.transport import ucx_rma  # noqa: E402
 from disagg.transport.dataplane import StoreRows  # noqa: E402
+from disagg.transport.ucx import cma_guard, native_rma  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(
-        getattr(ucx_rma, "_ucxrma", None) is None, reason="the _ucxrma extension is not built"
+        getattr(native_rma, "_ucxrma", None) is None, reason="the _ucxrma extension is not built"
     ),
 ]
 
@@ -51,14 +50,14 @@ def _sender(q_ep, transfer, salt, rows, dst, q_out, hold):
     endpoint from ``q_ep`` and pushes (so a transfer's deadline, which runs from the
     consumer's ``expect``, never covers this process's start: under load a spawn and
     its imports take seconds). ``hold``: wait there (the test kills this process)."""
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm")
     slab = _slab(N, WIDTH, salt)
     src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, WIDTH),))
     q_out.put("ready")
-    endpoint = q_ep.get(timeout=300)
-    h = plane.post_push(endpoint, transfer, 3, b"tok", [(0, src, dst)], deadline_s=60)
+    endpoint, caps = q_ep.get(timeout=300)
+    h = plane.post_push(endpoint, transfer, 3, b"tok", [(0, src, dst)], 60, caps)
     if hold is not None:
         q_out.put("posted")
         hold.wait(120)
@@ -74,7 +73,7 @@ def _kill_during_reads(victim):
     remaining reads meet a dead process, deterministically."""
     import threading
 
-    orig = ucx_rma.RmaPull.step
+    orig = native_rma.RmaPull.step
     fired = threading.Lock()
 
     def step(self, worker_handle, max_bytes=0):
@@ -96,7 +95,7 @@ def _kill_during_reads(victim):
             time.sleep(0.001)
         return got + orig(self, worker_handle, max_bytes)
 
-    ucx_rma.RmaPull.step = step
+    native_rma.RmaPull.step = step
 
 
 def _stall_first_pull(q_out):
@@ -107,7 +106,7 @@ def _stall_first_pull(q_out):
     left alone."""
     import threading
 
-    orig = ucx_rma.RmaPull.drive
+    orig = native_rma.RmaPull.drive
     stalled: list = []
     lock = threading.Lock()
 
@@ -121,7 +120,7 @@ def _stall_first_pull(q_out):
                 q_out.put("reading")
         return max(left, 1) if stalled[0] is self else left
 
-    ucx_rma.RmaPull.drive = drive
+    native_rma.RmaPull.drive = drive
 
 
 def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
@@ -130,7 +129,7 @@ def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
     its endpoint, then (state, error, pages, pool, stats); with ``victim``, the first
     one's producer is killed during its reads (``_kill_during_reads``); with ``stall``,
     the first batch never ends on the progress thread (``_stall_first_pull``)."""
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     if victim is not None:
         _kill_during_reads(victim)
@@ -144,7 +143,7 @@ def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
         assert q_in.get(timeout=300) == "go"
         pool.zero_()
         plane.expect(7 + k, 3, b"tok", [N], deadline_s)
-        q_out.put(plane.endpoint)
+        q_out.put((plane.endpoint, plane.capabilities))
         st = plane.wait(7 + k, deadline_s + 10)
         q_out.put((st.state.value, st.error, st.pages, pool.numpy().copy(), dict(plane.stats)))
     q_in.get(timeout=60)
@@ -359,13 +358,13 @@ def test_guard_takes_cma_fatal_messages_only(tmp_path):
     code = (
         "import ctypes, sys\n"
         "import ucxx._lib.libucxx\n"
-        "from disagg.transport import ucx_rma\n"
-        "assert ucx_rma.guard_cma(), ucx_rma.cma_guard_reason()\n"
-        "ucs = ucx_rma._libucs()\n"
+        "from disagg.transport.ucx import cma_guard\n"
+        "assert cma_guard.guard_cma(), cma_guard.cma_guard_reason()\n"
+        "ucs = cma_guard._libucs()\n"
         "d = ctypes.cast(ucs.ucs_log_dispatch, ctypes.c_void_p).value\n"
         "comp = ctypes.addressof(ctypes.c_char.in_dll(ucs, 'ucs_global_opts'))\n"
-        "ucx_rma._ucxrma.cma_log_test(d, comp, sys.argv[1])\n"
-        "print('alive', ucx_rma.cma_failures(), flush=True)\n"
+        "cma_guard._ucxrma.cma_log_test(d, comp, sys.argv[1])\n"
+        "print('alive', cma_guard.cma_failures(), flush=True)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
@@ -400,20 +399,20 @@ def _tag_env(ring: bool) -> None:
 
 def _tag_producer(ring, q_in, q_out):
     """Producer on the shm tag path, serving pushes one after another on one plane:
-    each command ``(endpoint, transfer, rows, dst, salt, deadline_s)`` answers
+    each command ``(endpoint, caps, transfer, rows, dst, salt, deadline_s)`` answers
     "posted", then ``(state, error, cma failures taken, stats)``; None closes it."""
     _tag_env(ring)
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm")
     while (cmd := q_in.get(timeout=300)) is not None:
-        ep, transfer, rows, dst, salt, deadline_s = cmd
+        ep, caps, transfer, rows, dst, salt, deadline_s = cmd
         slab = _slab(N, WIDTH, salt)
         src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, WIDTH),))
-        h = plane.post_push(ep, transfer, 3, b"tok", [(0, src, dst)], deadline_s=deadline_s)
+        h = plane.post_push(ep, transfer, 3, b"tok", [(0, src, dst)], deadline_s, caps)
         q_out.put("posted")
         st = plane.wait_push(h, deadline_s + 10)
-        q_out.put((st.state.value, st.error, ucx_rma.cma_failures(), dict(plane.stats)))
+        q_out.put((st.state.value, st.error, cma_guard.cma_failures(), dict(plane.stats)))
     plane.close()
     q_out.put("closed")
 
@@ -428,9 +427,9 @@ def _stop_producer_at_first_receive(producer, q_out):
     deterministically."""
     import threading
 
-    from disagg.transport import ucx_plane
+    from disagg.transport.ucx.receive import Receiver
 
-    orig = ucx_plane.UcxDataPlane._post
+    orig = Receiver.post
     fired = threading.Lock()
 
     def post(self, probe, p):
@@ -448,7 +447,7 @@ def _stop_producer_at_first_receive(producer, q_out):
         threading.Timer(0.3, q_out.put, ("stopped",)).start()
         return ok
 
-    ucx_plane.UcxDataPlane._post = post
+    Receiver.post = post
 
 
 def _tag_consumer(ring, transfer, deadline_s, q_out, q_in, producer):
@@ -456,7 +455,7 @@ def _tag_consumer(ring, transfer, deadline_s, q_out, q_in, producer):
     endpoint, then ``(state, error, pages, pool, stats)``; with ``producer``, stops the
     producer at its first payload receive (``_stop_producer_at_first_receive``)."""
     _tag_env(ring)
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     if producer is not None:
         _stop_producer_at_first_receive(producer, q_out)
@@ -464,7 +463,7 @@ def _tag_consumer(ring, transfer, deadline_s, q_out, q_in, producer):
     pool = torch.zeros(SLOTS, WIDTH, dtype=torch.uint8)
     plane.register_regions([[pool]])
     plane.expect(transfer, 3, b"tok", [N], deadline_s)
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     st = plane.wait(transfer, deadline_s + 10)
     q_out.put((st.state.value, st.error, st.pages, pool.numpy().copy(), dict(plane.stats)))
     q_in.get(timeout=60)
@@ -521,10 +520,10 @@ def _serve_new_consumer(ctx, p, q_p, q_cmd, ring, rng, transfer, salt):
     """The producer ``p`` pushes N pages to a new consumer: byte-exact, both DONE."""
     r, q_r, q_in = _start_tag_consumer(ctx, ring, transfer, 20.0, None)
     try:
-        ep = _get(q_r, r, 60, "consumer")
-        assert "rma=" not in ep  # the tag path
+        ep, caps = _get(q_r, r, 60, "consumer")
+        assert caps.rma == 0  # the tag path
         rows, dst = _tag_push_indices(rng, ring)
-        q_cmd.put((ep, transfer, rows, dst, salt, 20.0))
+        q_cmd.put((ep, caps, transfer, rows, dst, salt, 20.0))
         assert _get(q_p, p, 60, "producer") == "posted"
         state, err, pages, pool, _ = _get(q_r, r, 60, "consumer")
         assert (state, err, pages) == ("done", None, N), err
@@ -559,10 +558,10 @@ def test_consumer_killed_during_tag_path_cma_writes_fails_push_and_producer_serv
     producer = ctx.Value("i", p.pid)
     r, q_r, q_in = _start_tag_consumer(ctx, ring, 7, 30.0, producer)
     try:
-        ep = _get(q_r, r, 60, "consumer")
-        assert "rma=" not in ep  # the tag path
+        ep, caps = _get(q_r, r, 60, "consumer")
+        assert caps.rma == 0  # the tag path
         rows, dst = _tag_push_indices(rng, ring)
-        q_cmd.put((ep, 7, rows, dst, 1, 20.0))
+        q_cmd.put((ep, caps, 7, rows, dst, 1, 20.0))
         # (the producer may be stopped before its "posted" left its queue's feeder)
         assert _get(q_r, r, 60, "consumer") == "stopped"
         _gone(r)
@@ -604,9 +603,9 @@ def test_consumers_killed_at_timed_moments_never_take_the_tag_path_producer_down
         for i in range(16):
             r, q_r, q_in = _start_tag_consumer(ctx, False, 7, 30.0, None)
             try:
-                ep = _get(q_r, r, 60, "consumer")
+                ep, caps = _get(q_r, r, 60, "consumer")
                 dst = rng.permutation(SLOTS)[:N].tolist()
-                q_cmd.put((ep, 7, list(range(N)), dst, 0, 3.0))
+                q_cmd.put((ep, caps, 7, list(range(N)), dst, 0, 3.0))
                 assert _get(q_p, p, 60, f"producer (kill {i})") == "posted"
                 time.sleep(0.002 * (i % 8))
                 _gone(r)

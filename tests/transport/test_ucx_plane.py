@@ -12,10 +12,10 @@ import torch
 
 from disagg.protocol import messages as m
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-ucx_plane = pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+pytest.importorskip(
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
+from disagg.transport.ucx import plan, send, wire  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,7 +27,7 @@ def _page(i: int, pb: int) -> np.ndarray:
 
 
 def _receiver(channel, pb, expected, two_regions, deadline_s, q_out, q_in):
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel=channel)
     if two_regions:  # a group of two regions: pages land via scratch + index_copy_
@@ -40,7 +40,7 @@ def _receiver(channel, pb, expected, two_regions, deadline_s, q_out, q_in):
         regs = [torch.zeros(SLOTS, pb, dtype=torch.uint8)]
     plane.register_regions([regs])
     plane.expect(7, 3, b"tok", [expected], deadline_s)
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     st = plane.wait(7, deadline_s + 10)
     pool = torch.cat(regs, dim=1).numpy()
     q_out.put((st.state.value, st.error, pool.copy(), dict(plane.stats)))
@@ -48,14 +48,14 @@ def _receiver(channel, pb, expected, two_regions, deadline_s, q_out, q_in):
     plane.close()
 
 
-def _sender(endpoint, pb, src_idx, dst, q_out):
-    from disagg.transport.ucx_plane import UcxDataPlane
+def _sender(endpoint, caps, pb, src_idx, dst, q_out):
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="shm" if endpoint.startswith("ucx+shm") else "tcp")
     store = torch.from_numpy(np.stack([_page(i, pb) for i in range(SLOTS)]))
     rows = store[torch.as_tensor(src_idx, dtype=torch.long)]
     try:
-        h = plane.post_push(endpoint, 7, 3, b"tok", [(0, rows, dst)], deadline_s=10)
+        h = plane.post_push(endpoint, 7, 3, b"tok", [(0, rows, dst)], deadline_s=10, caps=caps)
         st = plane.wait_push(h, 15)
         q_out.put((st.state.value, st.error))
     except ValueError as e:
@@ -74,10 +74,10 @@ def _run(
         target=_receiver, args=(channel, pb, expected, two_regions, deadline_s, q_r, q_in)
     )
     r.start()
-    ep = q_r.get(timeout=30)
+    ep, caps = q_r.get(timeout=30)
     s = None
     if send:
-        s = ctx.Process(target=_sender, args=(ep, pb, src_idx, dst, q_s))
+        s = ctx.Process(target=_sender, args=(ep, caps, pb, src_idx, dst, q_s))
         s.start()
     res = q_r.get(timeout=deadline_s + 30)
     q_in.put(None)
@@ -152,39 +152,74 @@ def test_deadline_fails_without_sender():
 
 
 def test_push_to_absent_peer_fails():
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     with UcxDataPlane() as plane:
         rows = torch.zeros(2, 4096, dtype=torch.uint8)
-        ep = "ucx+tcp://127.0.0.1:9?seg=2m&tcpam=1"
-        h = plane.post_push(ep, 1, 1, b"t", [(0, rows, [0, 1])], deadline_s=1)
-        st = plane.wait_push(h, 10)
-        assert st.failed and st.error
+        caps = m.DataCaps(tcp_segment_bytes=2 << 20, tcp_rx_segment_bytes=2 << 20)
+        for c in (caps, None):
+            h = plane.post_push("ucx+tcp://127.0.0.1:9", 1, 1, b"t", [(0, rows, [0, 1])], 1, c)
+            st = plane.wait_push(h, 10)
+            assert st.failed and st.error
 
 
-def test_push_to_an_earlier_protocol_tcp_endpoint_is_refused_by_name():
-    """A receiver without ``tcpam=1`` runs UCX's 8 KiB tcp segments and would never take
-    this plane's 2 MiB fragments: refused before anything is sent, naming the way out."""
-    from disagg.transport.ucx_plane import UcxDataPlane
+def test_endpoint_is_an_address_and_capabilities_say_the_rest():
+    """The endpoint carries no query string; a tcp receiver says its cut and its UCX tcp
+    receive segment in ``capabilities``, a shm receiver none of those."""
+    from disagg.transport.ucx.plane import UcxDataPlane
+
+    with UcxDataPlane(channel="tcp") as tcp, UcxDataPlane(channel="shm") as shm:
+        assert "?" not in tcp.endpoint and "?" not in shm.endpoint
+        assert tcp.capabilities.tcp_segment_bytes == wire.TCP_SEG_BYTES
+        assert tcp.capabilities.tcp_rx_segment_bytes == 2 << 20  # the plane's own setting
+        assert shm.capabilities.tcp_segment_bytes == shm.capabilities.tcp_rx_segment_bytes == 0
+
+
+def test_planes_leave_the_process_environment_alone(monkeypatch):
+    """A plane's UCX settings go into its own UCX context: making planes writes nothing to
+    ``os.environ``, and a CUDA plane extends an operator's explicit ``UCX_TLS`` list in
+    its context's config only."""
+    from disagg.transport.ucx import settings
+    from disagg.transport.ucx.plane import UcxDataPlane
+
+    monkeypatch.delenv("UCX_WARN_UNUSED_ENV_VARS", raising=False)
+    before = dict(os.environ)
+    with UcxDataPlane(channel="tcp"), UcxDataPlane(channel="shm"):
+        pass
+    assert dict(os.environ) == before
+    assert settings.context_config("tcp", "127.0.0.1", False)["WARN_UNUSED_ENV_VARS"] == "n"
+    monkeypatch.setenv("UCX_TLS", "tcp,sm")
+    before = dict(os.environ)
+    assert settings.context_config("shm", None, True)["TLS"] == "tcp,sm,cuda_ipc,cuda_copy"
+    assert "TLS" not in settings.context_config("shm", None, False)  # the operator's list
+    assert dict(os.environ) == before
+
+
+def test_push_to_a_receiver_with_small_tcp_segments_is_refused_by_name():
+    """A receiver that says it runs UCX's 8 KiB tcp segments would never take this plane's
+    2 MiB fragments: refused before anything is sent, naming the way out."""
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     with UcxDataPlane() as plane:
-        assert "tcpam=1" in plane.endpoint
         rows = torch.zeros(2, 4096, dtype=torch.uint8)
-        for ep in ("ucx+tcp://127.0.0.1:9", "ucx+tcp://127.0.0.1:9?seg=2m"):
-            with pytest.raises(ValueError, match="does not say 'tcpam=1'.*UCX_TCP_PUT_ENABLE=y"):
-                plane.post_push(ep, 1, 1, b"t", [(0, rows, [0, 1])], deadline_s=1)
+        for caps in (
+            m.DataCaps(tcp_rx_segment_bytes=8192),
+            m.DataCaps(tcp_segment_bytes=2 << 20, tcp_rx_segment_bytes=8192),
+        ):
+            with pytest.raises(ValueError, match="segments of 8192 bytes.*UCX_TCP_PUT_ENABLE=y"):
+                plane.post_push("ucx+tcp://127.0.0.1:9", 1, 1, b"t", [(0, rows, [0, 1])], 1, caps)
         assert not plane.stats["push_failed"] and not plane.stats["push_done"]
 
 
 def test_abort_and_refuse_foreign_token():
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
         pool = torch.zeros(8, 4096, dtype=torch.uint8)
         rx.register_regions([[pool]])
         rx.expect(1, 1, b"right", [2], 5)
         rows = torch.full((2, 4096), 9, dtype=torch.uint8)
-        h = tx.post_push(rx.endpoint, 1, 1, b"wrong", [(0, rows, [0, 1])], deadline_s=2)
+        h = tx.post_push(rx.endpoint, 1, 1, b"wrong", [(0, rows, [0, 1])], 2, rx.capabilities)
         tx.wait_push(h, 5)
         assert rx.poll(1).state.value == "pending"
         rx.abort(1, "test abort")
@@ -197,14 +232,14 @@ def test_abort_and_refuse_foreign_token():
 @pytest.mark.parametrize("dst", [[2, 3], [0, 0]])
 def test_promised_slots_enforced(dst):
     """slots_by_group: a transfer may write only the slots it was promised, each once."""
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     with UcxDataPlane(channel="shm") as rx, UcxDataPlane(channel="shm") as tx:
         pool = torch.zeros(8, 4096, dtype=torch.uint8)
         rx.register_regions([[pool]])
         rx.expect(1, 1, b"tok", [2], 5, slots_by_group=[[0, 1]])
         rows = torch.full((2, 4096), 9, dtype=torch.uint8)
-        h = tx.post_push(rx.endpoint, 1, 1, b"tok", [(0, rows, dst)], deadline_s=5)
+        h = tx.post_push(rx.endpoint, 1, 1, b"tok", [(0, rows, dst)], 5, rx.capabilities)
         tx.wait_push(h, 10)
         st = rx.wait(1, 10)
         assert st.failed and ("not given" in st.error or "twice" in st.error), st.error
@@ -217,8 +252,8 @@ def _send_raw(plane, endpoint, msgs):
     can do with its own UCX worker."""
     import time
 
-    h = ucx_plane.PushHandle(0, endpoint, time.monotonic() + 5, list(msgs), 0, [])
-    plane._submit(lambda: plane._tx_start(h))
+    h = send.PushHandle(0, endpoint, time.monotonic() + 5, list(msgs), 0, [])
+    plane._link.submit(lambda: plane._sender.begin(h))
     return plane.wait_push(h, 10)
 
 
@@ -236,7 +271,9 @@ def test_stranger_cannot_land_bytes_in_an_announced_segment():
     a stranger who knows the endpoint and the transfer id (not the token) sends payloads
     of the right size under every tag it can derive: none lands, the transfer is intact,
     and the real payload still completes it."""
-    from disagg.transport.ucx_plane import UcxDataPlane, _data_tag, _plan_group, _tag_key
+    from disagg.transport.ucx.plan import plan_group
+    from disagg.transport.ucx.plane import UcxDataPlane
+    from disagg.transport.ucx.wire import data_tag, tag_key
 
     pb, tid, lease = 256 << 10, 5, 1
     token = os.urandom(16)
@@ -249,17 +286,17 @@ def test_stranger_cannot_land_bytes_in_an_announced_segment():
         rx.register_regions([[pool]])
         rx.expect(tid, lease, token, [2], 20)
         rows = torch.from_numpy(np.stack([_page(i, pb) for i in range(2)]))
-        msgs, _, _ = _plan_group(tid, lease, token, 0, rows, [0, 1], 0, [])
+        msgs, _, _ = plan_group(tid, lease, token, 0, rows, [0, 1], 0, [])
         (header, _), (payload, tag) = msgs  # one header, one direct segment of 2 pages
         assert payload.nbytes == 2 * pb
-        assert _send_raw(tx, rx.endpoint, [(header, ucx_plane._HDR_TAG)]).done
-        assert _until(lambda: rx.poll(tid).state.value == "receiving" and rx._pending)
+        assert _send_raw(tx, rx.endpoint, [(header, wire.HDR_TAG)]).done
+        assert _until(lambda: rx.poll(tid).state.value == "receiving" and rx._receiver.pending)
 
         evil = np.full(2 * pb, 0xEE, dtype=np.uint8)
         guesses = [
             (1 << 63) | (tid << 20),  # the old, unkeyed tag of segment 0
-            _data_tag(_tag_key(b""), tid, 0),
-            _data_tag(_tag_key(os.urandom(16)), tid, 0),
+            data_tag(tag_key(b""), tid, 0),
+            data_tag(tag_key(os.urandom(16)), tid, 0),
             *[(1 << 63) | int(x) for x in np.random.default_rng(3).integers(0, 1 << 62, 8)],
         ]
         assert tag not in guesses
@@ -271,20 +308,18 @@ def test_stranger_cannot_land_bytes_in_an_announced_segment():
 
         assert _send_raw(tx, rx.endpoint, [(payload, tag)]).done
         done = m.TransferDone(transfer_id=tid, lease_id=lease, token=token)
-        assert _send_raw(tx, rx.endpoint, [(ucx_plane._frame(done), ucx_plane._HDR_TAG)]).done
+        assert _send_raw(tx, rx.endpoint, [(wire.frame(done), wire.HDR_TAG)]).done
         st = rx.wait(tid, 10)
         assert st.done, st.error
         assert torch.equal(pool[:2], rows) and not pool[2:].any()
 
 
 def test_data_tags_are_keyed_by_the_token():
-    from disagg.transport.ucx_plane import _data_tag, _tag_key
-
-    a, b = _tag_key(b"a" * 16), _tag_key(b"b" * 16)
-    tags = {_data_tag(a, 7, k) for k in range(1000)}
+    a, b = wire.tag_key(b"a" * 16), wire.tag_key(b"b" * 16)
+    tags = {wire.data_tag(a, 7, k) for k in range(1000)}
     assert len(tags) == 1000 and all(t >> 63 for t in tags)
-    assert not tags & {_data_tag(b, 7, k) for k in range(1000)}
-    assert _data_tag(a, 7, 0) != _data_tag(a, 8, 0)
+    assert not tags & {wire.data_tag(b, 7, k) for k in range(1000)}
+    assert wire.data_tag(a, 7, 0) != wire.data_tag(a, 8, 0)
 
 
 # ------------------------------------ CUDA ---------------------------------------------
@@ -303,7 +338,7 @@ def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, 
 
     if rndv:
         os.environ["UCX_RNDV_SCHEME"] = rndv
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     dev = torch.device("cuda:0")
     plane = UcxDataPlane(channel=channel, cuda=True)
@@ -316,7 +351,7 @@ def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, 
     else:
         regs = [torch.zeros(slots, pb, dtype=torch.uint8, device=dev)]
     plane.register_regions([regs])
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     results = []
     for rep, dst in enumerate(dst_by_rep):
         n = sum(1 for d in dst if d >= 0)
@@ -343,10 +378,12 @@ def _cuda_receiver(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_out, 
     plane.close()
 
 
-def _cuda_sender(endpoint, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_out, channel):
+def _cuda_sender(
+    endpoint, caps, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_out, channel
+):
     if rndv:
         os.environ["UCX_RNDV_SCHEME"] = rndv
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     dev = torch.device("cuda:0")
     plane = UcxDataPlane(channel=channel, cuda=True)
@@ -355,7 +392,7 @@ def _cuda_sender(endpoint, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, 
     for rep, dst in enumerate(dst_by_rep):
         _, tid = q_go.get(timeout=60)
         rows = store[torch.as_tensor(src_by_rep[rep], dtype=torch.long, device=dev)]
-        h = plane.post_push(endpoint, tid, 3, b"cuda-tok", [(0, rows, dst)], deadline_s=60)
+        h = plane.post_push(endpoint, tid, 3, b"cuda-tok", [(0, rows, dst)], 60, caps)
         st = plane.wait_push(h, 90)
         out.append((st.state.value, st.error))
     q_out.put(out)
@@ -372,11 +409,11 @@ def _run_cuda(
         args=(pb, slots, two_regions, rndv, dst_by_rep, src_by_rep, q_r, q_in, channel),
     )
     r.start()
-    ep = q_r.get(timeout=120)
+    ep, caps = q_r.get(timeout=120)
     q_go = ctx.Queue()
     s = ctx.Process(
         target=_cuda_sender,
-        args=(ep, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_s, channel),
+        args=(ep, caps, pb, store_pages, rndv, dst_by_rep, src_by_rep, q_go, q_s, channel),
     )
     s.start()
     for _ in dst_by_rep:
@@ -438,7 +475,7 @@ def test_cuda_push_throughput_1gib_of_64kib_pages():
 
 
 def test_batches_vectorised_limits():
-    """``_batches`` (vectorised planning): runs where slots and rows are both adjacent,
+    """``plan.batches`` (vectorised planning): runs where slots and rows are both adjacent,
     at most RUNS_PER_BATCH runs and BATCH_BYTES per batch, every page once, in order."""
     from disagg.transport.receiver import runs_slots
 
@@ -448,12 +485,12 @@ def test_batches_vectorised_limits():
         dst = rng.permutation(3 * n)[:n]
         dst[: n // 3] = np.arange(n // 3) + 3 * n  # a long contiguous run first
         idx = np.arange(n) * (1 + (np.arange(n) % 5 == 0))  # a few source gaps
-        old = ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES
-        ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES = rpb, bb
+        old = wire.RUNS_PER_BATCH, wire.BATCH_BYTES
+        wire.RUNS_PER_BATCH, wire.BATCH_BYTES = rpb, bb
         try:
-            out = ucx_plane._batches(dst, idx, pb)
+            out = plan.batches(dst, idx, pb)
         finally:
-            ucx_plane.RUNS_PER_BATCH, ucx_plane.BATCH_BYTES = old
+            wire.RUNS_PER_BATCH, wire.BATCH_BYTES = old
         assert np.array_equal(np.concatenate([runs_slots(r) for r, _ in out]), dst)
         assert np.array_equal(np.concatenate([s for _, s in out]), idx)
         for runs, src in out:
@@ -478,7 +515,7 @@ def test_planning_scattered_pages_keeps_no_collector_tracked_object_per_page():
     gc.disable()  # only the explicit collection below runs
     try:
         before = len(gc.get_objects())
-        pages, batches = ucx_plane._headed_batches(1, 2, b"t" * 16, 0, slots, pb)
+        pages, batches = plan.headed_batches(1, 2, b"t" * 16, 0, slots, pb)
         gc.collect()
         alive = len(gc.get_objects()) - before
     finally:
@@ -501,16 +538,16 @@ def test_shm_packs_every_run_into_scratch_segments():
     segment stays within SEG_BYTES."""
     pb = 1 << 20
     runs = [(0, 3), (10, 40), (100, 1)]  # 3 MiB, 40 MiB, 1 MiB
-    tcp = ucx_plane.segments(runs, pb)
-    shm = ucx_plane.segments(runs, pb, ucx_plane.SHM_DIRECT_MIN)
+    tcp = wire.segments(runs, pb)
+    shm = wire.segments(runs, pb, wire.SHM_DIRECT_MIN)
     assert all(s.direct for s in tcp)
     assert not any(s.direct for s in shm)
     assert sum(s.pages for s in shm) == 44
-    assert all(s.pages * pb <= ucx_plane.SEG_BYTES for s in shm)
+    assert all(s.pages * pb <= wire.SEG_BYTES for s in shm)
     rows = torch.zeros(44, pb, dtype=torch.uint8)
     dst = [0, 1, 2] + list(range(10, 50)) + [100]
-    for direct_min, segs in ((ucx_plane.DIRECT_MIN, tcp), (ucx_plane.SHM_DIRECT_MIN, shm)):
-        msgs, n, seq = ucx_plane._plan_group(1, 2, b"t", 0, rows, dst, 0, [], direct_min)
+    for direct_min, segs in ((wire.DIRECT_MIN, tcp), (wire.SHM_DIRECT_MIN, shm)):
+        msgs, n, seq = plan.plan_group(1, 2, b"t", 0, rows, dst, 0, [], direct_min)
         assert n == 44 and seq == len(segs)
-        data = [buf for buf, tag in msgs if tag & ucx_plane._DATA_BIT]
+        data = [buf for buf, tag in msgs if tag & wire.DATA_BIT]
         assert [b.nbytes for b in data] == [s.pages * pb for s in segs]

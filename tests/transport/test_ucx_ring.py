@@ -1,4 +1,4 @@
-"""The UCX sender's ring of gather buffers (ucx_plane ``_tx_pump``/``_ring_take``):
+"""The UCX sender's ring of gather buffers (ucx/send.py ``Sender.pump``/``_ring_take``):
 scattered rows gathered on the progress thread into a few reusable send buffers, each
 reused only once its send completed. Segments are made small (``SEG_BYTES`` and
 ``TCP_SEG_BYTES`` patched in both processes, which cut batches the same way) so a push has many more segments than
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
 from disagg.transport.dataplane import StoreRows  # noqa: E402
 
@@ -27,12 +26,12 @@ SLOTS = 512
 
 
 def _small_segments(bufs: int | None = None) -> None:
-    from disagg.transport import ucx_plane
+    from disagg.transport.ucx import send, wire
 
-    ucx_plane.SEG_BYTES = SEG
-    ucx_plane.TCP_SEG_BYTES = SEG
+    wire.SEG_BYTES = SEG
+    wire.TCP_SEG_BYTES = SEG
     if bufs is not None:
-        ucx_plane._SEND_BUFS = bufs
+        send.SEND_BUFS = bufs
 
 
 def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
@@ -60,7 +59,7 @@ def _receiver(pb, transfers, stop_after_first_segment, q_out, q_in):
     _small_segments()
     from harness import stop_after_first_landing
 
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     if stop_after_first_segment:
         stop_after_first_landing(q_out)
@@ -69,7 +68,7 @@ def _receiver(pb, transfers, stop_after_first_segment, q_out, q_in):
     plane.register_regions([[pool]])
     for tid, n in transfers:
         plane.expect(tid, 3, b"tok", [n], 60)
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     for tid, _ in transfers:
         st = plane.wait(tid, 60)
         q_out.put((tid, st.state.value, st.error, pool.numpy().copy()))
@@ -78,27 +77,27 @@ def _receiver(pb, transfers, stop_after_first_segment, q_out, q_in):
 
 
 def _sender(pushes, width, q_out, q_go, iov=False):
-    """``pushes``: [(endpoint, transfer_id, rows, cols, dst, salt, wait_before)]: posted
+    """``pushes``: [((endpoint, caps), transfer_id, rows, cols, dst, salt, wait_before)]: posted
     in order; a push with ``wait_before`` is posted only after every earlier push ended.
     Reports (state, error, gathered segments) per push and the ring's allocations.
     ``iov``: scattered segments go as iov messages from the rows (a tcp plane's default,
     "Scatter-gather sends over tcp"); else through the ring (what most cases here test)."""
     os.environ["DISAGG_UCX_TCP_IOV"] = "1" if iov else "0"
     _small_segments(BUFS)
-    from disagg.transport import ucx_plane
-    from disagg.transport.ucx_plane import UcxDataPlane
+    from disagg.transport.ucx.hostcopy import GatherSeg
+    from disagg.transport.ucx.plane import UcxDataPlane
 
     plane = UcxDataPlane(channel="tcp")
     handles, out = [], []
-    for ep, tid, rows, cols, dst, salt, wait_before in pushes:
+    for (ep, caps), tid, rows, cols, dst, salt, wait_before in pushes:
         if wait_before:
             for h in handles:
                 out.append(plane.wait_push(h, 60))
             handles = []
         slab = _slab(2 * SLOTS, width, salt)
         src = StoreRows(slab, np.asarray(rows, dtype=np.int64), cols)
-        h = plane.post_push(ep, tid, 3, b"tok", [(0, src, dst)], deadline_s=60)
-        gathered = sum(isinstance(b, ucx_plane.GatherSeg) for b, _ in h.plan)
+        h = plane.post_push(ep, tid, 3, b"tok", [(0, src, dst)], deadline_s=60, caps=caps)
+        gathered = sum(isinstance(b, GatherSeg) for b, _ in h.plan)
         q_out.put(("posted", tid, gathered))
         handles.append(h)
     for h in handles:

@@ -1,11 +1,11 @@
-"""A host tcp plane's UCX protocol (ucx_plane ``TCP_HARDENING``, "Exposure"): the tcp put
-off, active-message rendezvous, 2 MiB socket segments. A sender of the earlier protocol
-(put rendezvous, the put on, UCX's 8 KiB segments: what an operator's
-``UCX_TCP_PUT_ENABLE=y UCX_RNDV_SCHEME=put_zcopy`` gives now) still pushes to a hardened
-receiver; a hardened sender refuses a receiver of the earlier protocol at once, by name
-(its 2 MiB fragments would never be taken there: the push would only miss its deadline).
-Each pair moves packed 64 KiB pages and direct 1 MiB runs between two processes, byte for
-byte. Skipped without ucxx."""
+"""A host tcp plane's UCX protocol (ucx/settings.py ``TCP_HARDENING``): the tcp put off,
+active-message rendezvous, 2 MiB socket segments. A sender on the put protocol (put
+rendezvous, the put on, UCX's 8 KiB segments: what an operator's
+``UCX_TCP_PUT_ENABLE=y UCX_RNDV_SCHEME=put_zcopy`` gives) still pushes to a hardened
+receiver; a hardened sender refuses, at once and by name, a receiver whose capabilities
+say it runs 8 KiB tcp segments (its 2 MiB fragments would never be taken there: the push
+would only miss its deadline). Each pair moves packed 64 KiB pages and direct 1 MiB runs
+between two processes, byte for byte. Skipped without ucxx."""
 
 from __future__ import annotations
 
@@ -16,18 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
 from disagg.transport.dataplane import StoreRows  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 SLOTS = 64
-OLD = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
-# the hardening given by an operator (the plane then sets none of it, and still says
-# tcpam=1: its receive segments are 2 MiB)
+PUT = {"UCX_TCP_PUT_ENABLE": "y", "UCX_RNDV_SCHEME": "put_zcopy"}
+# the hardening given by an operator (the plane then sets none of it, and its receive
+# segments are still 2 MiB)
 OPERATOR = {
     "UCX_TCP_PUT_ENABLE": "n",
     "UCX_RNDV_SCHEME": "am",
@@ -45,18 +44,19 @@ def _slab(rows: int, pb: int, salt: int) -> torch.Tensor:
 
 
 def _plane(env: dict[str, str]):
-    os.environ.update(env)  # before ucx_plane's import: as an operator's environment
-    from disagg.transport import ucx_plane
+    os.environ.update(env)  # before the plane's import: as an operator's environment
+    from disagg.transport.ucx import settings
+    from disagg.transport.ucx.plane import UcxDataPlane
 
-    plane = ucx_plane.UcxDataPlane(channel="tcp")
-    return plane, ucx_plane._exposure_config("tcp", "127.0.0.1")
+    plane = UcxDataPlane(channel="tcp")
+    return plane, settings.exposure_config("tcp", "127.0.0.1")
 
 
 def _receiver(env, counts, q_out, q_in):
     plane, cfg = _plane(env)
     pools = [torch.zeros(SLOTS, pb, dtype=torch.uint8) for pb, _ in SHAPES]
     plane.register_regions([[p] for p in pools])
-    q_out.put((plane.endpoint, cfg))
+    q_out.put((plane.endpoint, plane.capabilities, cfg))
     for tid, n in enumerate(counts, 1):
         plane.expect(tid, 3, b"tok", [n if g == tid - 1 else 0 for g in range(2)], 60)
     for tid in range(1, len(SHAPES) + 1):
@@ -67,14 +67,14 @@ def _receiver(env, counts, q_out, q_in):
     plane.close()
 
 
-def _sender(env, ep, plan, q_out, q_go):
+def _sender(env, ep, caps, plan, q_out, q_go):
     plane, cfg = _plane(env)
     out = []
     for tid, ((pb, _), (rows, dst)) in enumerate(zip(SHAPES, plan), 1):
         src = StoreRows(_slab(2 * SLOTS, pb, tid), np.asarray(rows, dtype=np.int64), ((0, pb),))
         groups = [(tid - 1, src, dst)]
         try:
-            h = plane.post_push(ep, tid, 3, b"tok", groups, deadline_s=60)
+            h = plane.post_push(ep, tid, 3, b"tok", groups, deadline_s=60, caps=caps)
         except ValueError as exc:
             out.append(("refused", str(exc)))
             continue
@@ -102,8 +102,8 @@ def _pair(rx_env, tx_env, with_landing=True):
     r.start()
     s = None
     try:
-        ep, rx_cfg = q_r.get(timeout=30)
-        s = ctx.Process(target=_sender, args=(tx_env, ep, plan, q_s, q_go))
+        ep, caps, rx_cfg = q_r.get(timeout=30)
+        s = ctx.Process(target=_sender, args=(tx_env, ep, caps, plan, q_s, q_go))
         s.start()
         sent, tx_cfg = q_s.get(timeout=60)
         landed = pools = None
@@ -125,10 +125,10 @@ def _pair(rx_env, tx_env, with_landing=True):
 
 @pytest.mark.parametrize(
     "rx_env,tx_env",
-    [({}, {}), ({}, OLD), (OLD, OLD), (OPERATOR, {}), ({}, OPERATOR)],
-    ids=["hardened", "old-sender", "old", "operator-receiver", "operator-sender"],
+    [({}, {}), ({}, PUT), (PUT, PUT), (OPERATOR, {}), ({}, OPERATOR)],
+    ids=["hardened", "put-sender", "put", "operator-receiver", "operator-sender"],
 )
-def test_pushes_land_between_hardened_and_earlier_protocol_planes(rx_env, tx_env):
+def test_pushes_land_between_hardened_and_put_protocol_planes(rx_env, tx_env):
     landed, pools, sent, cfgs, plan = _pair(rx_env, tx_env)
     for env, cfg in zip((rx_env, tx_env), cfgs):  # each side ran the protocol it was meant to
         assert (cfg.get("TCP_PUT_ENABLE") == "n") == (not env), cfg
@@ -142,7 +142,9 @@ def test_pushes_land_between_hardened_and_earlier_protocol_planes(rx_env, tx_env
         np.testing.assert_array_equal(pool, want)
 
 
-def test_a_hardened_sender_refuses_an_earlier_protocol_receiver_by_name():
-    _, _, sent, _, _ = _pair(OLD, {}, with_landing=False)
+def test_a_hardened_sender_refuses_a_put_protocol_receiver_by_name():
+    _, _, sent, _, _ = _pair(PUT, {}, with_landing=False)
     assert [state for state, _ in sent] == ["refused"] * len(SHAPES), sent
-    assert all("tcpam=1" in err and "UCX_TCP_PUT_ENABLE=y" in err for _, err in sent), sent
+    assert all(
+        "segments of 8192 bytes" in err and "UCX_TCP_PUT_ENABLE=y" in err for _, err in sent
+    ), sent

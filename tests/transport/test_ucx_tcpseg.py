@@ -1,27 +1,27 @@
-"""Packed segments over tcp (ucx_plane "Segments over tcp"): a tcp receiver offers
-``TCP_SEG_BYTES`` segments in its endpoint (``seg=2m``); a sender that sees it cuts host
-batches into them and sends their headers under ``_HDR_TCP_SEG_TAG`` (so the receiver
-cuts them the same way), and one that does not (an older receiver's endpoint) keeps
-``SEG_BYTES``. The gather into the send ring and the scatter out of scratch use the C
-row copy where it is built. Pushes between two processes are checked byte for byte.
-Skipped without ucxx."""
+"""Packed segments over tcp: a tcp receiver offers ``TCP_SEG_BYTES`` segments in its
+capabilities (``tcp_segment_bytes``); a sender given that cuts host batches into them
+and sends their headers under ``HDR_TCP_SEG_TAG`` (so the receiver cuts them the same
+way), and one given no capabilities keeps ``SEG_BYTES``. The gather into the send ring
+and the scatter out of scratch use the C row copy where it is built. Pushes between two
+processes are checked byte for byte. Skipped without ucxx."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 pytest.importorskip(
-    "disagg.transport.ucx_plane", reason="ucxx is not installed (pip install disagg[ucx])"
+    "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
 )
-from disagg.transport import page_copy, ucx_plane  # noqa: E402
+from disagg.transport import page_copy  # noqa: E402
 from disagg.transport.dataplane import StoreRows  # noqa: E402
 from disagg.transport.receiver import build_groups  # noqa: E402
+from disagg.transport.ucx import hostcopy, wire  # noqa: E402
+from disagg.transport.ucx.plane import UcxDataPlane  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,12 +37,10 @@ def _slab(rows: int) -> torch.Tensor:
 
 
 def _receiver(q_out, q_in):
-    from disagg.transport.ucx_plane import UcxDataPlane
-
     plane = UcxDataPlane(channel="tcp")
     pool = torch.zeros(SLOTS, PB, dtype=torch.uint8)
     plane.register_regions([[pool]])
-    q_out.put(plane.endpoint)
+    q_out.put((plane.endpoint, plane.capabilities))
     for _ in range(2):
         tid = q_in.get(timeout=60)
         plane.expect(tid, 3, b"tok", [N], 60)
@@ -55,53 +53,44 @@ def _receiver(q_out, q_in):
 
 
 def _sender(pushes, q_out, q_go):
-    from disagg.transport.ucx_plane import UcxDataPlane
-
     plane = UcxDataPlane(channel="tcp")
     slab = _slab(2 * SLOTS)
-    for ep, tid, rows, dst in pushes:
+    for ep, caps, tid, rows, dst in pushes:
         q_go.get(timeout=60)
         src = StoreRows(slab, np.asarray(rows, dtype=np.int64), ((0, PB),))
-        h = plane.post_push(ep, tid, 3, b"tok", [(0, src, dst)], deadline_s=60)
-        hdrs = [tag for b, tag in h.plan if not tag & ucx_plane._DATA_BIT]
-        sizes = [b.nbytes for b, tag in h.plan if tag & ucx_plane._DATA_BIT]
+        h = plane.post_push(ep, tid, 3, b"tok", [(0, src, dst)], deadline_s=60, caps=caps)
+        hdrs = [tag for b, tag in h.plan if not tag & wire.DATA_BIT]
+        sizes = [b.nbytes for b, tag in h.plan if tag & wire.DATA_BIT]
         st = plane.wait_push(h, 60)
         q_out.put((st.state.value, st.error, hdrs, sizes))
     q_go.get(timeout=60)
     plane.close()
 
 
-def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
-    """Random store rows into random slots, pushed once to the receiver's endpoint (it
-    offers ``seg=2m``: headers under ``_HDR_TCP_SEG_TAG``, segments of at most
-    ``TCP_SEG_BYTES``; its ``iovrx=1`` is left out here, as a sender that does not pack
-    ignores it: test_ucx_iovrecv.py covers the packed cut) and once to the same endpoint without the segment offer, as a
-    receiver without the offer advertises it (``_HDR_TAG``, one ``SEG_BYTES``
-    segment; ``tcpam=1`` kept, since a hardened sender refuses an endpoint without it):
-    both land byte for byte."""
+def test_offered_small_segments_are_used_and_no_offer_keeps_big_ones():
+    """Random store rows into random slots, pushed once with the receiver's capabilities
+    without ``iov_recv`` (headers under ``HDR_TCP_SEG_TAG``, segments of at most
+    ``TCP_SEG_BYTES``; test_ucx_iovrecv.py covers the packed cut) and once with none (the
+    base cut: ``HDR_TAG``, one ``SEG_BYTES`` segment): both land byte for byte."""
     rng = np.random.default_rng(5)
     ctx = mp.get_context("spawn")
     q_r, q_rin, q_s, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(target=_receiver, args=(q_r, q_rin))
     r.start()
-    ep = q_r.get(timeout=30)
-    assert ep.split("?", 1)[1].split("&") == [
-        ucx_plane._TCP_SEG_QUERY,
-        ucx_plane._TCP_AM_QUERY,
-        ucx_plane._TCP_IOV_RX_QUERY,  # it takes iov receives: runs up to 2 MiB packed
-    ]
-    old_ep = ep.split("?", 1)[0] + "?" + ucx_plane._TCP_AM_QUERY  # no segment offer
+    ep, caps = q_r.get(timeout=30)
+    assert caps.tcp_segment_bytes == wire.TCP_SEG_BYTES
+    assert caps.iov_recv  # it takes iov receives: runs up to 2 MiB packed
     pushes = []
-    seg_ep = ep.replace("&" + ucx_plane._TCP_IOV_RX_QUERY, "")  # a sender before iovrx
-    for tid, e in ((1, seg_ep), (2, old_ep)):
+    seg_caps = msgspec.structs.replace(caps, iov_recv=False)
+    for tid, c in ((1, seg_caps), (2, None)):
         rows = rng.permutation(2 * SLOTS)[:N]
         dst = rng.permutation(SLOTS)[:N]
-        pushes.append((e, tid, rows.tolist(), dst.tolist()))
+        pushes.append((ep, c, tid, rows.tolist(), dst.tolist()))
     s = ctx.Process(target=_sender, args=(pushes, q_s, q_go))
     s.start()
     try:
         out = []
-        for _, tid, rows, dst in pushes:
+        for _, _, tid, rows, dst in pushes:
             q_rin.put(tid)
             assert q_r.get(timeout=60) == "expecting"
             q_go.put(None)
@@ -124,23 +113,23 @@ def test_tcp_endpoint_offers_small_segments_and_old_endpoints_keep_big_ones():
         want[dst] = slab[rows]
         np.testing.assert_array_equal(pool, want)
     _, _, (_, _, hdrs, sizes), _ = small
-    assert hdrs[0] == ucx_plane._HDR_TCP_SEG_TAG and hdrs[-1] == ucx_plane._HDR_TAG
-    assert max(sizes) <= ucx_plane.TCP_SEG_BYTES and sum(sizes) == N * PB and len(sizes) > 1
+    assert hdrs[0] == wire.HDR_TCP_SEG_TAG and hdrs[-1] == wire.HDR_TAG
+    assert max(sizes) <= wire.TCP_SEG_BYTES and sum(sizes) == N * PB and len(sizes) > 1
     _, _, (_, _, hdrs, sizes), _ = big
-    assert set(hdrs) == {ucx_plane._HDR_TAG}
+    assert set(hdrs) == {wire.HDR_TAG}
     assert sizes == [N * PB]
 
 
 def test_segments_follow_the_cut_size():
     """``segments`` packs up to ``seg_bytes`` per message: the cut both sides make
-    from a header under ``_HDR_TCP_SEG_TAG``."""
+    from a header under ``HDR_TCP_SEG_TAG``."""
     pb = 64 << 10
     runs = [(i * 3, 1) for i in range(100)] + [(1000, 40)]  # 100 scattered, one 2.5 MiB run
-    small = ucx_plane.segments(runs, pb, ucx_plane.DIRECT_MIN, ucx_plane.TCP_SEG_BYTES)
-    big = ucx_plane.segments(runs, pb, ucx_plane.DIRECT_MIN)
+    small = wire.segments(runs, pb, wire.DIRECT_MIN, wire.TCP_SEG_BYTES)
+    big = wire.segments(runs, pb, wire.DIRECT_MIN)
     for segs in (small, big):
         assert sum(s.pages for s in segs) == 140
-    assert all(s.pages * pb <= ucx_plane.TCP_SEG_BYTES for s in small)
+    assert all(s.pages * pb <= wire.TCP_SEG_BYTES for s in small)
     assert [s.pages for s in small] == [32, 32, 32, 4, 32, 8]
     assert [s.pages for s in big] == [100, 40]
 
@@ -148,7 +137,7 @@ def test_segments_follow_the_cut_size():
 @pytest.mark.parametrize("native", [True, False], ids=["rowcopy", "numpy"])
 def test_gather_and_scatter_byte_exact(native, monkeypatch):
     """A gathered segment (``GatherSeg.gather_into``) and its scatter into the slots
-    (``_scatter_host``), with the C row copy and without it (numpy fallback): the same
+    (``scatter_host``), with the C row copy and without it (numpy fallback): the same
     bytes; a slot outside the region is refused before a byte moves (C row copy)."""
     if native and page_copy._rowcopy is None:
         pytest.skip("_rowcopy is not built")
@@ -157,21 +146,21 @@ def test_gather_and_scatter_byte_exact(native, monkeypatch):
     rng = np.random.default_rng(2)
     slab = _slab(64).numpy()
     rows = rng.permutation(64)[:10].astype(np.int64)
-    seg = ucx_plane.GatherSeg(slab, rows, ((0, PB),), 10 * PB)
+    seg = hostcopy.GatherSeg(slab, rows, ((0, PB),), 10 * PB)
     out = np.zeros(10 * PB, dtype=np.uint8)
     seg.gather_into(out)
     np.testing.assert_array_equal(out.reshape(10, PB), slab[rows])
     pool = torch.zeros(32, PB, dtype=torch.uint8)
     (grp,) = build_groups([[pool]])
     runs = ((3, 2), (20, 1), (7, 4), (30, 2), (0, 1))
-    s = ucx_plane.Segment(runs, 0, 10, False)
-    ucx_plane._scatter_host(grp, s, out)
+    s = wire.Segment(runs, 0, 10, False)
+    hostcopy.scatter_host(grp, s, out)
     want = np.zeros((32, PB), dtype=np.uint8)
     want[[3, 4, 20, 7, 8, 9, 10, 30, 31, 0]] = slab[rows]
     np.testing.assert_array_equal(pool.numpy(), want)
     if native:
-        bad = ucx_plane.Segment(((31, 2),), 0, 2, False)
+        bad = wire.Segment(((31, 2),), 0, 2, False)
         pool.zero_()
         with pytest.raises(IndexError, match="destination row 32"):
-            ucx_plane._scatter_host(grp, bad, out[: 2 * PB])
+            hostcopy.scatter_host(grp, bad, out[: 2 * PB])
         assert not pool.numpy().any()

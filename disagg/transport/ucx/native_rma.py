@@ -1,59 +1,49 @@
-"""One-sided UCX reads (``ucp_get_nbx``) of registered store rows, for the UCX plane.
+"""One-sided UCX reads (``ucp_get_nbx``) and memory registration, for the UCX plane.
 
-ucxx 0.52 exposes no memory handles, rkeys or put/get to Python (deps.md §3). This module
-calls libucp directly, the same copy ucxx loaded (``ucx_iov._libucp_path``), on ucxx's raw
-handles (``context.handle``, ``worker.handle``, ``ep.handle``): ``ucp_mem_map`` /
-``ucp_rkey_pack`` / ``ucp_rkey_buffer_release`` / ``ucp_mem_unmap`` for the producer's
-store slab (``Registration``), ``ucp_ep_rkey_unpack`` / ``ucp_rkey_destroy`` on the
-consumer (``unpack``/``destroy``), and thousands of ``ucp_get_nbx`` from the small C loop
-in ``_ucxrma.c`` (``RmaShared`` / ``RmaPull``: one read list, claimed a slice at a time
-through an atomic cursor by every reader thread, each on its own worker and endpoint),
-which receives libucp's function addresses from ctypes as integers and so needs no UCX
-header at build time. ``ucp_mem_map_params_t`` is mirrored
+ucxx 0.52 exposes no memory handles, rkeys or put/get to Python. This module calls
+libucp directly (the copy ucxx loaded, ``iov.libucp_path``) on ucxx's raw handles
+(``context.handle``, ``worker.handle``, ``ep.handle``):
+
+- producer: ``register`` (``ucp_mem_map`` of a store slab, remote read, its rkey packed
+  once), ``allocate`` (memory UCX allocates, shareable: a mapped store), ``Registration``;
+- consumer: ``unpack`` / ``destroy`` of a producer's rkey on an endpoint, ``rkey_ptr``
+  (where a producer's memory is mapped into this process) with ``shared_mapping`` to
+  bound every access, ``populate`` (map a range's pages ahead of the copies);
+- the read list of a batch (``page_pieces``, ``op_lists``: vectorised, one read per run
+  of rows into a run of slots) and its readers: ``RmaShared`` (the list and an atomic
+  cursor) and ``RmaPull`` (one thread's share, posted and reaped on its own worker by
+  the C loop in ``_ucxrma.c``, GIL released, no Python step per read).
+
+The C loop receives libucp's function addresses from ctypes as integers, so it needs no
+UCX header at build time. ``ucp_mem_map_params_t`` and ``ucp_mem_attr_t`` are mirrored
 below and checked field by field against a C compile of the installed ucp.h in
-tests/transport/test_ucx_rma.py (``ucp_request_param_t`` is ucx_iov's, checked there).
+tests/transport/test_ucx_rma.py (``ucp_request_param_t`` is iov.py's).
 
-What is exposed to whom: the producer maps its store slab with remote *read* access only
-and hands the packed rkey (plus the slab's address, row count and stride) to the
-consumers it pushes to, in the RMA batch headers, which travel to the endpoint the
-consumer's control Push named and are authenticated by the transfer's token. A consumer
-holding the rkey can read any row of that slab, not only the rows of its own transfer,
-for as long as the producer keeps it mapped (until its plane closes, or the slab's
-registration is evicted: ``UcxDataPlane``). That is NIXL's trust model (a peer that
-holds a descriptor may read the whole registered region) and the same as our ipc
-plane's shared store. Nothing of the consumer is registered or exposed: it writes its
-own slots itself, after its ``ReceiverBook`` checked them, so the receiver's slot rules
-(bounds, promised slots, each once) hold even against a producer holding the token.
-Note that UCX itself trusts its peers at the memory level whatever we register: its tcp
-transport carries rendezvous puts (``RNDV_SCHEME=put_zcopy``, set by the plane) to
-addresses the peer names, and cma reads through ``process_vm_readv`` (the kernel's
-same-user ptrace check is the only guard). Run UCX endpoints on trusted networks only.
-
-Capability check (``available()``): the ``_ucxrma`` extension is built, libucp loads
-with the symbols and an API version whose layouts are mirrored (1.10+), the structs
-agree with their recorded offsets, and ``DISAGG_UCX_RMA`` is not ``0``. Without the
-extension the plane keeps its tag-message path; with ``DISAGG_REQUIRE_NATIVE=1`` a
-missing extension raises at import (as page_copy.py does).
+Capability check (``available()``): the ``_ucxrma`` extension is built, libucp loads with
+the symbols and an API version whose layouts are mirrored (1.10+), the structs agree with
+their recorded offsets, and ``tuning.ucx_rma`` is not False. Without the extension the
+plane keeps its tag-message path; with ``tuning.require_native`` a missing extension
+raises at import.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import ucx_iov
+from ... import tuning
+from . import iov
 
 try:
-    from . import _ucxrma
+    from .. import _ucxrma
 except ImportError:  # no compiler at install time: the plane keeps its tag path
     _ucxrma = None  # type: ignore[assignment]
-    if os.environ.get("DISAGG_REQUIRE_NATIVE") == "1":
+    if tuning.current().require_native:
         raise
 
 log = logging.getLogger(__name__)
@@ -116,7 +106,7 @@ MEM_ATTR_LAYOUT = {"field_mask": 0, "address": 8, "length": 16, "mem_type": 24}
 
 
 def _layout_ok() -> bool:
-    return ucx_iov.layout_matches(MapParams, MAP_LAYOUT, MAP_SIZE) and ucx_iov.layout_matches(
+    return iov.layout_matches(MapParams, MAP_LAYOUT, MAP_SIZE) and iov.layout_matches(
         MemAttr, MEM_ATTR_LAYOUT, 32
     )
 
@@ -151,7 +141,7 @@ class _Lib:
         lib.ucp_mem_query.argtypes = [vp, ctypes.POINTER(MemAttr)]
         lib.ucp_rkey_ptr.restype = status
         lib.ucp_rkey_ptr.argtypes = [vp, u64, ctypes.POINTER(vp)]
-        self.version = ucx_iov.bind_common(lib)
+        self.version = iov.bind_common(lib)
         self.lib = lib
 
         def addr(name: str) -> int:
@@ -164,7 +154,7 @@ class _Lib:
         self.free_fn = addr("ucp_request_free")
         if not all((self.get_fn, self.put_fn, self.progress_fn, self.check_fn, self.free_fn)):
             raise RuntimeError("libucp lacks an RMA entry point")
-        p = ucx_iov.RequestParam()
+        p = iov.RequestParam()
         p.op_attr_mask = _OP_ATTR_FIELD_MEMORY_TYPE
         p.memory_type = 0  # UCS_MEMORY_TYPE_HOST
         self.param = p  # kept alive: the C loop reads it
@@ -182,16 +172,16 @@ def load() -> _Lib | None:
     if _lib is not None or _lib_error is not None:
         return _lib
     try:
-        if os.environ.get("DISAGG_UCX_RMA", "1") == "0":
-            raise RuntimeError("turned off by DISAGG_UCX_RMA=0")
+        if tuning.current().ucx_rma is False:
+            raise RuntimeError("turned off by DISAGG_UCX_RMA=0 (tuning.ucx_rma)")
         if _ucxrma is None:
             raise RuntimeError("the _ucxrma extension is not built")
-        # the libucp ucxx loaded, and the layouts ucx_iov mirrors (not its on/off switch:
+        # the libucp ucxx loaded, and the layouts iov.py mirrors (not its on/off switch:
         # DISAGG_UCX_IOV=0 turns off iov sends only)
-        path = ucx_iov._libucp_path()
+        path = iov.libucp_path()
         if path is None:
             raise RuntimeError("libucp not found (is ucxx imported?)")
-        if not ucx_iov._layout_ok() or not _layout_ok():
+        if not iov.layout_ok() or not _layout_ok():
             raise RuntimeError("ctypes layouts of ucp_request_param_t / ucp_mem_map_params_t")
         _lib = _Lib(path)
     except Exception as exc:
@@ -216,20 +206,6 @@ def _need() -> _Lib:
     return lib
 
 
-# ---- cma failures: a failed request, not an abort -------------------------------------
-# UCX's cma transport logs a failed process_vm_readv/writev (peer gone: ESRCH; memory
-# unmapped: EFAULT) at FATAL level when the endpoint has no error handling, and UCS's
-# default log handler aborts on FATAL. Our shm endpoints cannot have error handling
-# (UCP_ERR_HANDLING_MODE_PEER moves every lane to tcp: ``ucx_info -e -u rte`` shows one
-# tcp/lo lane, and gets become software emulation, 0.43-0.69 GB/s against 13-18 on cma;
-# UcxDataPlane, "Peer failures on shm"). Apart from that log call, UCX's error path is
-# the ordinary one (the operation completes with UCS_ERR_IO_ERROR), so ``guard_cma``
-# installs a UCS log handler (C, ``_ucxrma.cma_handler``) that takes exactly cma_ep.c's
-# FATAL messages: the read (or, on the shm tag path, the producer's rendezvous write into a
-# killed consumer) fails, and the process keeps serving.
-_CMA_GUARD_ENV = "DISAGG_UCX_CMA_GUARD"  # "0": leave UCX's abort in place (tests, A/B)
-_cma_guard: bool | None = None
-_cma_guard_error: str | None = None
 _STATUS_NAMES = {
     -3: "UCS_ERR_IO_ERROR",
     -4: "UCS_ERR_NO_MEMORY",
@@ -238,74 +214,6 @@ _STATUS_NAMES = {
     -25: "UCS_ERR_CONNECTION_RESET",
     -80: "UCS_ERR_ENDPOINT_TIMEOUT",
 }
-
-
-def _libucs() -> ctypes.CDLL:
-    """The libucs that ucxx loaded (its log handlers are the ones UCX calls)."""
-    path = None
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libucs.so"):
-                    path = parts[-1]
-                    break
-    except OSError:
-        pass
-    if path is None:
-        ucp = ucx_iov._libucp_path()
-        cand = os.path.join(os.path.dirname(ucp), "libucs.so") if ucp else None
-        if cand is None or not os.path.exists(cand):
-            raise RuntimeError("libucs not found (is ucxx imported?)")
-        path = cand
-    return ctypes.CDLL(path)
-
-
-def guard_cma() -> bool:
-    """Make a failed cma copy (``process_vm_readv``/``writev`` of a peer process that
-    died or unmapped the memory) fail its UCX request instead of aborting this process
-    (see above); once per process, after ucxx is imported. False, with the reason kept
-    (``cma_guard_reason``), when the ``_ucxrma`` extension is missing, libucp is older
-    than 1.15 (the log-handler signature mirrored in _ucxrma.c: ucs/debug/log_def.h with
-    the component argument), libucs cannot be found, or ``DISAGG_UCX_CMA_GUARD=0``."""
-    global _cma_guard, _cma_guard_error
-    if _cma_guard is not None:
-        return _cma_guard
-    try:
-        if os.environ.get(_CMA_GUARD_ENV, "1") == "0":
-            raise RuntimeError(f"turned off by {_CMA_GUARD_ENV}=0")
-        if _ucxrma is None:
-            raise RuntimeError("the _ucxrma extension is not built")
-        ucp_path = ucx_iov._libucp_path()
-        if ucp_path is None:
-            raise RuntimeError("libucp not found (is ucxx imported?)")
-        version = ucx_iov.bind_common(ctypes.CDLL(ucp_path))
-        if version < (1, 15, 0):
-            raise RuntimeError(f"libucp {version}: log handler mirrored for 1.15+")
-        ucs = _libucs()
-        push = int(ctypes.cast(ucs.ucs_log_push_handler, ctypes.c_void_p).value or 0)
-        _cma_guard = bool(_ucxrma.guard_cma(push))
-    except Exception as exc:
-        _cma_guard = False
-        _cma_guard_error = f"{type(exc).__name__}: {exc}"
-        log.warning(
-            "UCX cma failures stay fatal (%s): a peer killed during a cma copy aborts this process",
-            _cma_guard_error,
-        )
-    return _cma_guard
-
-
-def cma_guard_reason() -> str | None:
-    """Why ``guard_cma`` is off, None when it is on (or was not tried)."""
-    return _cma_guard_error
-
-
-def cma_failures() -> tuple[int, str]:
-    """(count, latest message) of the cma failures taken in this process."""
-    if _ucxrma is None or not _cma_guard:
-        return 0, ""
-    n, text = _ucxrma.cma_failures()
-    return int(n), str(text)
 
 
 def status_text(status: int) -> str:
@@ -586,7 +494,7 @@ def op_lists(
 
 class RmaShared:
     """A read list that several threads read at once (the consumer's reader threads,
-    "Reader threads" in ucx_plane.py), each through its own ``RmaPull``: they claim
+    "Reader threads" in rma.py), each through its own ``RmaPull``: they claim
     ``slice`` reads at a time from one atomic cursor (``_ucxrma.pull``), so the list is
     shared out as it goes, whatever each thread's speed. Keeps the arrays (and ``keep``:
     what they point into) alive while any reader may still post from them."""

@@ -1,44 +1,30 @@
-"""Scatter-gather tag sends (and tcp receives) on ucxx handles, through libucp directly
-(ctypes).
+"""Scatter-gather tag sends and receives on ucxx handles, through libucp directly (ctypes).
 
-ucxx 0.52's Python API sends one contiguous buffer per message. UCX itself takes an
-array of (pointer, length) pairs (``UCP_DATATYPE_IOV``), so a message whose pages lie in
-scattered rows of a store slab can leave from where they lie instead of being gathered
-into a buffer first. This module calls ``ucp_tag_send_nbx`` with that datatype on the
-very ``ucp_ep_h`` a ucxx ``UCXEndpoint`` wraps (``ep.handle``), from the thread that
-owns the worker, and polls the request with ``ucp_request_check_status`` (no callback,
-so no Python runs inside UCX). The receiver cannot tell: the message's bytes are the
-same as those of the gathered buffer.
+ucxx 0.52's Python API sends one contiguous buffer per message. UCX itself takes an array
+of (pointer, length) pairs (``UCP_DATATYPE_IOV``), so a message whose pages lie in
+scattered rows of a store slab can leave from where they lie (``tag_send``), and a message
+can land straight in scattered slots (``probe_length`` + ``tag_recv_exact``). The calls
+go to the very ``ucp_ep_h`` / ``ucp_worker_h`` a ucxx object wraps (``.handle``), from
+the thread that owns the worker; requests are polled with ``ucp_request_check_status``
+(``RawRequest``: no callback, so no Python runs inside UCX). The receiver cannot tell an
+iov message from a gathered one: the bytes are the same.
 
 Capability check (``available()``): libucp is the copy ucxx loaded (found in
 ``/proc/self/maps``, else next to the ``libucx`` wheel), the symbols exist, and the
-library's API version is the one whose struct layouts are mirrored here (1.x with
-x >= 10, where ``ucp_request_param_t`` took its current 72-byte shape; checked
-field by field against a C compile in tests/transport/test_ucx_iov.py when a compiler
-is around). Anything else: ``available()`` is False and callers gather instead (the UCX
-plane: into its ring of send buffers, as over tcp with UCX's default tcp settings).
+library's API version is one whose struct layouts are mirrored here (1.10+, where
+``ucp_request_param_t`` took its current 72-byte shape; checked field by field against
+a C compile in tests/transport/test_ucx_iov.py), and ``tuning.ucx_iov`` is not False.
+Otherwise callers gather into a buffer instead.
 
-Why only sends (measured on the 2-core box, 128 MiB of 64 KiB-1 MiB pages between two
-processes, /scratch spikes, huge-page store and pool): UCX 1.21 never lands an IOV
-*receive* with one copy. Its rendezvous puts no rkey in the RTR of a non-contiguous
-receive buffer, so the sender answers with "fragmented copy-in copy-out" (8 KiB pieces
-through the sysv shared-memory FIFO: two copies, on two cores in lock step). That ran
-at 8.3-10.9 GB/s at 64 KiB (scratch + numpy scatter: 7.3-8.3; memcpy 11-15), but in
-about one run in four it fell to 2.1-3.0 GB/s for the whole run, and with one busy
-process beside it 5.1-5.3 against the scratch path's 6.3-7.5: a lock-step pipeline
-stalls whenever a third thread takes a core. An RMA ``ucp_get_nbx`` into an IOV of the
-slots does copy once (cma, one ``process_vm_readv`` per entry): 7.2 GB/s at 64 KiB,
-8.3-10.3 at 256 KiB and 10.8-12.3 at 1 MiB in that spike. That is now the shm path for
-StoreRows (ucx_rma.py; one ``ucp_get_nbx`` per run of rows, posted from a C loop);
-these iov sends remain for receivers that do not offer it.
+Where UCX 1.21 moves an iov (``UCX_PROTO_INFO=used``): over tcp with active-message
+rendezvous in large segments, zero-copy both ways ("rendezvous data send from iov[32]
+... zero-copy", "rendezvous data fetch into iov[32] ... zero-copy"); over tcp with UCX's
+default settings in 8 KiB copy-in pieces (the plane gathers there instead); on shm
+through the sysv FIFO, copy-in copy-out in lock step (the plane sends that way, where it
+measured no worse than gathering, and never receives so: docs/design/ucx-plane.md).
 
-Over tcp with large segments (active-message rendezvous, 2 MiB tcp segments) it is
-otherwise: UCX unpacks each fragment straight into an IOV receive buffer ("rendezvous
-data fetch into iov[32] ... zero-copy", the same protocol as for a contiguous buffer),
-so the UCX plane's tcp receiver takes packed segments for host slots with
-``probe_length`` (a look, nothing taken) and ``tag_recv_exact`` (``ucp_tag_probe_nb``
-with remove + ``ucp_tag_msg_recv_nbx``) into ``page_iov`` entries of the slots
-(ucx_plane "Scatter-gather receives over tcp").
+Also here: the ctypes plumbing the RMA helper shares (``RequestParam``,
+``layout_matches``, ``bind_common``, ``libucp_path``).
 """
 
 from __future__ import annotations
@@ -50,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ... import tuning
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +150,7 @@ _lib: _Lib | None = None
 _lib_error: str | None = None
 
 
-def _libucp_path() -> str | None:
+def libucp_path() -> str | None:
     """The libucp that ucxx loaded (so both speak to the same worker objects)."""
     try:
         with open("/proc/self/maps") as f:
@@ -181,7 +169,7 @@ def _libucp_path() -> str | None:
         return None
 
 
-def _layout_ok() -> bool:
+def layout_ok() -> bool:
     return layout_matches(RequestParam, PARAM_LAYOUT, PARAM_SIZE) and (
         ctypes.sizeof(TagRecvInfo) == RECV_INFO_SIZE
     )
@@ -193,14 +181,14 @@ def load() -> _Lib | None:
     global _lib, _lib_error
     if _lib is not None or _lib_error is not None:
         return _lib
-    if os.environ.get("DISAGG_UCX_IOV", "1") == "0":
-        _lib_error = "turned off by DISAGG_UCX_IOV=0"
+    if tuning.current().ucx_iov is False:
+        _lib_error = "turned off by DISAGG_UCX_IOV=0 (tuning.ucx_iov)"
         return None
-    path = _libucp_path()
+    path = libucp_path()
     try:
         if path is None:
             raise OSError("libucp not found (is ucxx imported?)")
-        if not _layout_ok():
+        if not layout_ok():
             raise RuntimeError("ctypes layout of ucp_request_param_t does not match ucp.h")
         _lib = _Lib(path)
     except Exception as exc:
