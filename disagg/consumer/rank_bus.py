@@ -38,26 +38,7 @@ No wait is unbounded: a rank waits for a peer's state at most until its own load
 (``load_timeout_s`` from dispatch) plus ``PEER_GRACE_S``; a peer that has not reported by
 then counts as failed on this rank, logged naming the rank.
 
-Measured across real rank processes (the reference engine's MPI mode: a TP=2 producer and
-a TP=2 consumer, 4 processes on this 2-core box, tcp plane; V2, 8 requests of 200 tokens
-loaded one at a time, medians per request; two runs each)::
-
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n $((2*TP)) \
-      --oversubscribe python tests/e2e/test_tp_mpi.py '{"tp":TP,"phases":[{"kv_manager":
-      "v2","load_mode":"sync","bench":true,"n":9,"batches":[[0],[1],[2],[3],[4],[5],[6],
-      [7],[8]],"max_tokens":2}]}' OUTDIR     # prints one BENCH line (TP=1: no bus)
-
-- one hop (a state recorded on one rank -> merged on the other, through the hub): median
-  0.22-0.28 ms, max 0.7-1.9 ms (18-24 states per run);
-- layer-wise (sync) loads: ``wait_for_layer_load`` per request 1.7-2.4 ms at TP=2 (all of
-  it in the rank decisions) against 0.7-1.0 ms at TP=1; the request, start to token,
-  11.8-13.8 ms against 5.5-8.0 ms (that includes the layers' all-gathers and the 4
-  processes sharing 2 cores);
-- async loads: ``get_finished``'s decisions cost 0.02-0.03 ms per request (no wait: the
-  ranks' states have arrived by the next iteration); request 8.1-10.3 ms (TP=1 8.9-12.4).
-
-Before ``wait`` woke the bus thread, a layer-wise wait sat out the thread's 50 ms idle poll
-before its own load was polled: ``wait_for_layer_load`` took 40 ms per request at TP=2.
+Its cost, measured across real rank processes: docs/design/consumer.md ("The TP rank bus").
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
   own pushes (until their deadline), never the workers that serve other consumers;
 - a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT. It
   judges by its own clock: after a gap in its own loop of ``max(1 s, 4 periods)`` (this
-  process was stopped or starved) every owner and lease gets a fresh grace (leases.py).
+  process was stopped or starved) nobody is judged within STALL_GRACE (leases.py).
 
 Every waiting state and the named timeout that ends it (config ``producer.*``):
 
@@ -37,10 +37,9 @@ Every waiting state and the named timeout that ends it (config ``producer.*``):
     save planned, never committed           aborted, row freed      SAVE_TIMEOUT
                                                                     (save_timeout_s)
 
-The sweeper runs every ``min(0.5, lease_ttl_s / 4)`` s and looks at every lease (deadlines
-move on renewal, so they are not ordered). A push pins its own blocks until its transfer
-is final, so a lease freed mid-push never lets those rows be evicted and rewritten. A
-push's ``push_timeout_s`` runs from its Push's arrival (queueing counts).
+The sweeper runs every ``min(0.5, lease_ttl_s / 4)`` s. A push pins its own blocks until
+its transfer is final (a lease freed mid-push never lets those rows be rewritten); its
+``push_timeout_s`` runs from its Push's arrival.
 """
 
 from __future__ import annotations
