@@ -424,6 +424,8 @@ def _classify(data: bytes | memoryview, detail: str, kinds: Collection[Any]) -> 
         )
     if head.kind is None:
         return ProtocolError(ErrorCode.BAD_FRAME, f"frame has no `kind`: {detail}")
+    if not isinstance(head.kind, str):  # a map or list as `kind` cannot name a message
+        return ProtocolError(ErrorCode.BAD_FRAME, f"`kind` is not a string: {detail}")
     if head.kind not in kinds:
         return ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {head.kind!r}")
     return ProtocolError(ErrorCode.BAD_FIELD, f"bad {head.kind!r} message: {detail}")

@@ -188,6 +188,9 @@ class ControlServer:
             msg = m.decode(body, self.max_frame)
         except ProtocolError as e:
             return self._error(ident, corr, e)
+        except Exception as e:  # a decoder bug must not end the server: the frame is bad
+            log.exception("decoding a control frame failed")
+            return self._error(ident, corr, ProtocolError(ErrorCode.BAD_FRAME, repr(e)))
         try:
             reply = self._handler(ident, msg)
             if reply is None:

@@ -67,7 +67,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The chunked variants repeat their unchunked case with another chunk size (~10 s each):
+# they run with -m slow.
+_CHUNKED = {"v1-chunked", "v2-vswa-chunked"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c in _CHUNKED else c for c in sorted(CASES)],
+)
 def test_cold_then_warm_fresh_process(tmp_path: Path, case: str) -> None:
     classes, extra = CASES[case]
     args = [

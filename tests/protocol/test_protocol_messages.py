@@ -278,3 +278,10 @@ def test_push_validates_on_construction():
             num_blocks=2,
             dst_slots=[[1]],
         )
+
+
+@pytest.mark.parametrize("kind", [{"a": 1}, [1], 7])
+def test_a_kind_that_is_not_a_string_is_a_bad_frame(kind: object) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode(msgspec.msgpack.encode({"kind": kind, "v": PROTOCOL_VERSION}))
+    assert e.value.code is ErrorCode.BAD_FRAME and "kind" in e.value.message
