@@ -298,11 +298,6 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
         assert status == 400, (data[:40], body)
         assert why in body["error"]["message"], (data[:40], body)
         assert body["error"]["code"] == 400
-    # a string full of brackets is not nesting
-    status, body = _raw_post(
-        url, json.dumps({"prompt": "[" * 3000 + "{" * 3000, "max_tokens": 1}).encode()
-    )
-    assert status == 200, body
     # too large: 413, JSON
     status, body = _raw_post(url, b'{"prompt": "' + b"a" * (33 << 20) + b'"}')
     assert status == 413 and "larger than" in body["error"]["message"], body
@@ -318,9 +313,12 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
         assert head.split(b" ")[1] == b"400" and b"application/json" in head, head
         body = json.loads(payload)
         assert why in body["error"]["message"] and "\n" not in body["error"]["message"], body
-    if target == "x":  # nothing reached an upstream except the one valid request
-        after = {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")}
-        assert after["c"] + after["c1"] == seen["c"] + seen["c1"] + 1
-        assert after["p0"] + after["p1"] == seen["p0"] + seen["p1"] + 1
+    if target == "x":  # none of them reached an upstream
+        assert {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")} == seen
+    # a string full of brackets is not nesting
+    status, body = _raw_post(
+        url, json.dumps({"prompt": "[" * 3000 + "{" * 3000, "max_tokens": 1}).encode()
+    )
+    assert status == 200, body
     status, _ = sp.get(f"{url}/health")
     assert status == 200
