@@ -118,13 +118,13 @@ class _Progress:
             self._bar.close()
 
 
-async def _one(session: Any, url: str, req: Request, rec: Record) -> None:
+async def _one(http: Any, url: str, req: Request, rec: Record) -> None:
     import aiohttp
 
     body = {"prompt": req.tokens, "max_tokens": req.max_tokens, "stream": True}
     rec.sent = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as r:
+        async with http.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
                 text = (await r.text())[:200].replace("\n", " ")
                 rec.error = f"HTTP {r.status} from {url}: {text}"
@@ -162,7 +162,7 @@ async def replay(
     bar = _Progress(len(reqs), desc)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         start = time.perf_counter()
 
         async def go(i: int) -> None:
@@ -172,7 +172,7 @@ async def replay(
             k = min(range(len(urls)), key=lambda j: (in_flight[j], (j - i) % len(urls)))
             in_flight[k] += 1
             try:
-                await _one(session, urls[k], reqs[i], recs[i])
+                await _one(http, urls[k], reqs[i], recs[i])
             finally:
                 in_flight[k] -= 1
                 bar.update()

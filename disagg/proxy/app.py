@@ -104,7 +104,7 @@ class ProxyState:
         self.index = PrefixIndex()
         self.feeds = EventFeeds(self.index, curve=events_curve)
         self.timeout = aiohttp.ClientTimeout(total=limits.request_timeout_s, sock_connect=5)
-        self.session: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._first_beat = asyncio.Event()
@@ -177,7 +177,7 @@ class ProxyState:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        self.http = aiohttp.ClientSession(timeout=self.timeout)
         self._discovery = asyncio.create_task(self._discover())
         self._heartbeat = asyncio.create_task(self._heartbeats())
 
@@ -185,8 +185,8 @@ class ProxyState:
         for task in (self._discovery, self._heartbeat, *self._seed_tasks.values()):
             if task is not None:
                 task.cancel()
-        if self.session is not None:
-            await self.session.close()
+        if self.http is not None:
+            await self.http.close()
         await asyncio.to_thread(self.feeds.close)
 
     async def _discover(self) -> None:
@@ -226,8 +226,8 @@ class ProxyState:
                 await asyncio.sleep(1.0)
 
     async def _info(self, up: Upstream) -> dict[str, Any]:
-        assert self.session is not None
-        async with self.session.get(
+        assert self.http is not None
+        async with self.http.get(
             f"{up.url}/disagg/info", timeout=aiohttp.ClientTimeout(total=3)
         ) as r:
             if r.status != 200:
@@ -238,10 +238,10 @@ class ProxyState:
         """Fetch ``up``'s namespace seed for ``salt`` once (a miss only costs routing)."""
         if salt in up.seeds or up.instance_id is None:
             return
-        assert self.session is not None
+        assert self.http is not None
         timeout = self.limits.heartbeat_s
         try:
-            async with self.session.get(
+            async with self.http.get(
                 f"{up.url}/disagg/seed",
                 params={"cache_salt": salt or ""},
                 timeout=aiohttp.ClientTimeout(total=timeout),
@@ -283,11 +283,11 @@ class ProxyState:
             await asyncio.sleep(max(0.0, self.limits.heartbeat_s - (time.monotonic() - t0)))
 
     async def _beat(self, up: Upstream, producer: bool) -> None:
-        assert self.session is not None
+        assert self.http is not None
         timeout = self.limits.heartbeat_s
         role = "producer" if producer else "consumer"
         try:
-            async with self.session.get(
+            async with self.http.get(
                 f"{up.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as r:
                 status = r.status
@@ -348,7 +348,7 @@ class ProxyState:
         path: str = "/v1/completions",
     ) -> web.Response | None:
         """Run the prefill on a producer; ``None`` on success, else the error response."""
-        assert self.session is not None
+        assert self.http is not None
         if salt is not None:
             await self.seeds_for(salt)
         order, matched = choose(
@@ -363,7 +363,7 @@ class ProxyState:
             t0 = time.monotonic()
             up.in_flight += 1
             try:
-                async with self.session.post(
+                async with self.http.post(
                     f"{up.url}{path}",
                     json=pbody,
                     headers={"X-Request-Id": rid},
@@ -426,7 +426,7 @@ class ProxyState:
     ) -> web.StreamResponse:
         """Run the request on a consumer, retrying others until bytes reach the client;
         each attempt bounded by ``deadline`` seconds."""
-        assert self.session is not None
+        assert self.http is not None
         order = sorted(self.consumers, key=lambda u: (u.known_down(), u.in_flight))
         last: UpstreamError | None = None
         for attempt, up in enumerate(order):
@@ -471,9 +471,9 @@ class ProxyState:
         deadline: float,
         path: str,
     ) -> web.StreamResponse:
-        assert self.session is not None
+        assert self.http is not None
         try:
-            ctx = self.session.post(
+            ctx = self.http.post(
                 f"{up.url}{path}",
                 json=body,
                 headers={"X-Request-Id": rid},
@@ -561,11 +561,11 @@ class ProxyState:
 
     async def models(self) -> web.Response:
         """``GET /v1/models``: the first consumer that answers (they serve the same model)."""
-        assert self.session is not None
+        assert self.http is not None
         last = "no consumer configured"
         for up in sorted(self.consumers, key=lambda u: u.known_down()):
             try:
-                async with self.session.get(
+                async with self.http.get(
                     f"{up.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
                 ) as r:
                     data = await r.read()
