@@ -118,7 +118,9 @@ class LeaseTable:
         self.stall_grace_s = (
             owner_dead_after_s + 2 * max_ttl_s if stall_grace_s is None else stall_grace_s
         )
-        self._last_sweep: float | None = None
+        # The judge's clock runs from the table's start: a stall before the first sweep
+        # (a producer stopped within one sweep period of starting) is a stall too.
+        self._last_sweep = time.monotonic()
         self._lock = threading.Lock()
         self.stats = LeaseStats()
 
@@ -265,7 +267,7 @@ class LeaseTable:
         freed: list[Lease] = []
         with self._lock:
             last, self._last_sweep = self._last_sweep, now
-            if self.stall_after_s is not None and last is not None:
+            if self.stall_after_s is not None:
                 if now - last > self.stall_after_s:
                     self._forgive(now)
                     return 0

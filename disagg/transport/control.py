@@ -209,6 +209,13 @@ class ControlServer:
         return [ident, corr, m.encode(reply)]
 
 
+class _KeepSocket(Exception):
+    """Carries a call's error out of ``call`` without recreating its socket."""
+
+    def __init__(self, error: ProtocolError):
+        self.error = error
+
+
 def _user_id(frame: zmq.Frame) -> bytes | None:
     """The ZAP User-Id (the CURVE client's Z85 key) a received frame carries, if any."""
     try:
@@ -223,9 +230,11 @@ class ControlClient:
 
     ``call`` returns the reply message, or raises ProtocolError: TIMEOUT when no reply
     came before the deadline (also what a CURVE client whose keys the server refuses
-    sees: ``curve`` = (client secret, client public, server public)) (the socket is then recreated, dropping any queued request
-    and any late reply), the reply's code when the server answered Error, or a decode
-    error code when the reply itself was malformed.
+    sees: ``curve`` = (client secret, client public, server public)), the reply's code when
+    the server answered Error, or a decode error code when the reply itself was malformed.
+    After a timeout with the request sent, the socket is recreated (dropping a queued
+    request and any late reply); after one with no connection to send it on ("not
+    connected"), the socket and its handshake under way are kept for the next call.
     """
 
     def __init__(
@@ -290,7 +299,9 @@ class ControlClient:
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 except zmq.Again:
                     if not sock.poll(self._ms_left(deadline), zmq.POLLOUT):
-                        raise self._timeout(msg, timeout, "not connected") from None
+                        # Nothing was queued, so the socket is kept: a new one would
+                        # restart a handshake that may take longer than one call.
+                        raise self._timeout(msg, timeout, "not connected", reset=False) from None
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 while True:
                     if not replies.poll(self._ms_left(deadline)):
@@ -298,6 +309,8 @@ class ControlClient:
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and frames[0] == corr:
                         break  # anything else is a stale reply or garbage: skip it
+            except _KeepSocket as e:
+                raise e.error from None
             except (ProtocolError, zmq.ZMQError):
                 self._reset()
                 raise
@@ -308,11 +321,12 @@ class ControlClient:
     def _ms_left(deadline: float) -> int:
         return max(0, int((deadline - time.monotonic()) * 1000))
 
-    def _timeout(self, msg: m.Message, timeout: float, why: str) -> ProtocolError:
-        return ProtocolError(
+    def _timeout(self, msg: m.Message, timeout: float, why: str, reset: bool = True) -> Exception:
+        error = ProtocolError(
             ErrorCode.TIMEOUT,
             f"{type(msg).__name__} to {self.endpoint} timed out after {timeout:.3g}s ({why})",
         )
+        return error if reset else _KeepSocket(error)
 
     def close(self) -> None:
         with self._lock:

@@ -147,6 +147,21 @@ def test_a_stalled_sweeper_forgives_once_then_judges():
     assert table.stats.freed_dead_owner == 1 and store.pinned_blocks() == 0
 
 
+def test_a_stall_before_the_first_sweep_is_a_stall():
+    """Stopped within one sweep period of starting: the first sweep's gap counts from the
+    table's start."""
+    store = BlockStore(64, 64 * 8)
+    keys = [bytes([i]) * 16 for i in range(2)]
+    store.plan(keys)
+    store.commit(keys)
+    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=1.0)
+    t0 = time.monotonic()
+    table.heartbeat("owner", now=t0)
+    table.grant("owner", "r", keys, 1.0)
+    assert table.sweep(now=t0 + 5.0) == 0  # the first sweep ever, after a 5 s stop
+    assert table.stats.stalls_forgiven == 1 and table.active() == 1
+
+
 def test_an_owner_heard_from_after_a_stall_is_judged_as_usual_again():
     store = BlockStore(64, 64 * 8)
     keys = [bytes([i]) * 16 for i in range(2)]

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 from disagg.protocol import ipc as wire
 from disagg.protocol.errors import ProtocolError
@@ -344,7 +345,7 @@ def test_pages_cross_processes_through_shared_memory(planes):
     regions = [torch.zeros((8, 96), dtype=torch.uint8)]
     rx.register_regions([regions])
     rx.expect(9, 2, b"x", [3], 120.0, [[4, 0, 1]])  # the child imports torch first
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q = ctx.Queue()
     child = ctx.Process(target=_child_sender, args=(rx.endpoint, q))
     child.start()

@@ -139,3 +139,83 @@ def test_curve_keys_are_checked_and_a_key_holder_is_served():
     with ControlServer("tcp://127.0.0.1:0", handler, curve=(sec, pub, [cpub])) as srv:
         with ControlClient(srv.endpoint, curve=(csec, cpub, pub)) as c:
             assert c.call(Heartbeat(owner="c")) == Ok()
+
+
+class _SlowLink:
+    """A TCP forwarder that delivers every byte ``delay_s`` after it was read, both ways:
+    a peer whose handshake takes longer than one call's timeout (a resumed or starved
+    process, a long path)."""
+
+    def __init__(self, target: str, delay_s: float):
+        import socket
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target, self.delay_s = (host, int(port)), delay_s
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.accepted = 0
+        self._socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                a, _ = self.lsock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            b = socket.create_connection(self.target)
+            self._socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        import queue
+
+        q: queue.Queue = queue.Queue()
+
+        def deliver() -> None:
+            while (item := q.get()) is not None:
+                at, data = item
+                time.sleep(max(0.0, at - time.monotonic()))
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        threading.Thread(target=deliver, daemon=True).start()
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                q.put(None)
+                return
+            q.put((time.monotonic() + self.delay_s, data))
+
+    def close(self) -> None:
+        self.lsock.close()
+        for s in self._socks:
+            s.close()
+
+
+def test_a_handshake_slower_than_one_call_completes_for_a_later_call(server):
+    """A call that found no connection queued nothing, so its timeout keeps the socket and
+    the handshake under way: the next call goes out on it. Recreating the socket on every
+    such timeout would restart the handshake each time, and never reach a peer whose
+    handshake takes longer than one call's timeout (a process resumed after a stop, or
+    starved)."""
+    link = _SlowLink(server.endpoint, delay_s=0.25)  # a handshake of several round trips
+    try:
+        with ControlClient(link.endpoint, default_timeout_s=0.2) as c:
+            with pytest.raises(ProtocolError) as ei:
+                c.call(Heartbeat(owner="c"))
+            assert ei.value.code == ErrorCode.TIMEOUT and "not connected" in ei.value.message
+            time.sleep(2.5)  # the handshake completes meanwhile, on the kept socket
+            assert c.call(Heartbeat(owner="c"), timeout_s=1.0) == Ok()
+            assert link.accepted == 1  # one connection, kept across the timeout
+    finally:
+        link.close()

@@ -4,7 +4,6 @@ iov path (fallback: gather). Skipped without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from harness import pattern_rows, spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -84,9 +84,7 @@ SLOTS = 96
 
 
 def _slab(rows: int, width: int) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(width, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7) % 251).astype(np.uint8))
+    return torch.from_numpy(pattern_rows(rows, width))
 
 
 # the hardened tcp settings (settings.TCP_HARDENING: a tcp plane's own default) given by
@@ -147,7 +145,7 @@ def _sender(endpoint, caps, width, rows, cols, dst, iov_on, q_out, env=None):
 
 def _push(channel, width, rows, cols, dst, iov_on=True, env=None):
     pb = sum(c for _, c in cols)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     expected = sum(1 for d in dst if d >= 0)
     r = ctx.Process(target=_receiver, args=(channel, pb, expected, q_r, q_in, env))

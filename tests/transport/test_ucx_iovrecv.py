@@ -11,7 +11,6 @@ without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
@@ -19,6 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -34,9 +34,9 @@ SLOTS = 160
 
 
 def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(width, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7 + salt * 29) % 251).astype(np.uint8))
+    from harness import pattern_rows
+
+    return torch.from_numpy(pattern_rows(rows, width, salt * 29))
 
 
 def test_page_iov_entries():
@@ -132,7 +132,7 @@ def test_packed_segments_land_byte_exact(layout, env, want_iov):
     for byte, as iov receives straight into the slots (counted in ``iov_recvs``), or,
     switched off, into scratch and the row copy; a second push lands over the first."""
     rng = np.random.default_rng(21)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
     rows = np.concatenate([rng.permutation(2 * SLOTS)[:100], np.arange(200, 220)])
     dst = np.concatenate([rng.permutation(np.arange(40, SLOTS))[:100], np.arange(0, 20)])
@@ -177,7 +177,7 @@ def test_runs_up_to_a_segment_are_packed_for_an_iov_receiver(sender_packs):
     20 adjacent 64 KiB slots travel as 4 packed segments, all iov receives. Given the
     same capabilities without ``iov_recv``, the sender sends the runs alone, which the
     same receiver lands in place. Byte for byte either way."""
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
     dst = np.concatenate([np.arange(k, k + 20) for k in (0, 40, 80, 120)])
     rows = np.random.default_rng(5).permutation(2 * SLOTS)[: dst.size]
@@ -289,7 +289,7 @@ def _stalling_sender(endpoint, caps, pushes, q_out, q_go, stall_after, stalled, 
 
 def _stall_scenario(env, dst_order):
     """One run of test_abort_severs_a_stalled_producer; returns what both sides saw."""
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in, q_go = (ctx.Queue() for _ in range(4))
     stalled, resume = ctx.Event(), ctx.Event()
     r = ctx.Process(target=_abort_receiver, args=(env, q_r, q_in))

@@ -8,13 +8,13 @@ Skipped without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -81,7 +81,7 @@ def test_mapped_store_lands_scattered_rows_byte_exact_across_processes():
     rng = np.random.default_rng(11)
     rows = np.concatenate([rng.permutation(2 * SLOTS)[:120], np.arange(10, 30)])
     dst = rng.permutation(SLOTS)[:140]
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(target=_receiver, args=(sizes, rows.size, q_r, q_in))
     r.start()

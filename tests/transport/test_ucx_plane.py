@@ -3,12 +3,12 @@ scattered and contiguous runs, refused slots, deadlines. Skipped without ucxx.""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 from disagg.protocol import messages as m
 
@@ -66,7 +66,7 @@ def _sender(endpoint, caps, pb, src_idx, dst, q_out):
 def _run(
     channel, pb, src_idx, dst, *, expected=None, two_regions=False, deadline_s=10.0, send=True
 ):
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     if expected is None:
         expected = sum(1 for d in dst if d >= 0)
@@ -402,7 +402,7 @@ def _cuda_sender(
 def _run_cuda(
     pb, slots, store_pages, dst_by_rep, src_by_rep, two_regions=False, rndv="", channel="shm"
 ):
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(
         target=_cuda_receiver,

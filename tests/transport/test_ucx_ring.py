@@ -6,12 +6,12 @@ the ring has buffers. Skipped without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -35,9 +35,9 @@ def _small_segments(bufs: int | None = None) -> None:
 
 
 def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(width, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7 + salt) % 251).astype(np.uint8))
+    from harness import pattern_rows
+
+    return torch.from_numpy(pattern_rows(rows, width, salt))
 
 
 def _expect(slab: np.ndarray, rows, cols, dst, pb: int) -> np.ndarray:
@@ -139,7 +139,7 @@ def test_scattered_rows_reuse_the_ring_byte_exact(cols):
     rows = rng.permutation(2 * SLOTS)[:400]
     dst = rng.permutation(SLOTS)[:400]
     dst[[5, 77, 300]] = -1
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = _spawn(ctx, _receiver, pb, [(7, int((dst >= 0).sum()))], False, q_r, q_in)
     ep = q_r.get(timeout=30)
@@ -170,7 +170,7 @@ def test_push_failing_midway_does_not_corrupt_later_pushes(iov):
     gathered: A's requests fail with the peer and B, C still land."""
     rng = np.random.default_rng(12)
     width, cols = 4096, ((0, 4096),)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_a, q_b, q_s, q_in, q_go = (ctx.Queue() for _ in range(5))
     a_rows, a_dst = rng.permutation(2 * SLOTS)[:480], rng.permutation(SLOTS)[:480]
     b_rows, b_dst = rng.permutation(2 * SLOTS)[:256], rng.permutation(SLOTS)[:256]
@@ -219,7 +219,7 @@ def test_stalled_peer_does_not_hold_back_other_peers(iov):
     one-off buffer; with iov sends it needs none) instead of waiting for A's deadline."""
     rng = np.random.default_rng(13)
     width, cols = 4096, ((0, 4096),)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_a, q_b, q_s, q_in, q_go = (ctx.Queue() for _ in range(5))
     a_rows, a_dst = rng.permutation(2 * SLOTS)[:480], rng.permutation(SLOTS)[:480]
     b_rows, b_dst = rng.permutation(2 * SLOTS)[:256], rng.permutation(SLOTS)[:256]

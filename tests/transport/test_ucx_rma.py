@@ -6,7 +6,6 @@ registration / remote-key teardown on close. Skipped without ucxx."""
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from harness import spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -131,9 +131,9 @@ def test_op_lists_merge_runs_on_both_sides():
 
 
 def _slab(rows: int, width: int, salt: int = 0) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(width, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7 + salt) % 251).astype(np.uint8))
+    from harness import pattern_rows
+
+    return torch.from_numpy(pattern_rows(rows, width, salt))
 
 
 def _want(slab: np.ndarray, rows, cols, dst, pb: int, slots: int = SLOTS) -> np.ndarray:
@@ -177,7 +177,7 @@ def _sender(endpoint, caps, width, rows, cols, dst, q_out, hold, mapped=False):
 
 
 def _push(channel, sizes, width, rows, cols, dst):
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     expected = sum(1 for d in dst if d >= 0)
     r = ctx.Process(target=_receiver, args=(channel, sizes, expected, 20, q_r, q_in))
@@ -242,7 +242,7 @@ def test_producer_dying_mid_transfer_fails_typed_and_lands_no_wrong_page():
     killed during a cma read used to make UCX abort the consumer, is tested in
     test_ucx_peer_death.py."""
     width, n = 1 << 20, 48
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in = ctx.Queue(), ctx.Queue(), ctx.Queue()
     hold = ctx.Event()
     rng = np.random.default_rng(3)
@@ -648,7 +648,7 @@ def test_consumer_killed_mid_pull_fails_the_push_and_the_producer_serves_another
     rows = rng.permutation(2 * n)[:n]
     dst = rng.permutation(n)
     slab = _slab(2 * n, width)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_a, q_in = ctx.Queue(), ctx.Queue()
     a = ctx.Process(target=_stopping_receiver, args=(width, n, q_a, q_in))
     a.start()

@@ -9,12 +9,12 @@ between two processes, byte for byte. Skipped without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
 import torch
+from harness import pattern_rows, spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -38,9 +38,7 @@ SHAPES = [(64 << 10, 40), (1 << 20, 12)]
 
 
 def _slab(rows: int, pb: int, salt: int) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(pb, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7 + salt) % 251).astype(np.uint8))
+    return torch.from_numpy(pattern_rows(rows, pb, salt))
 
 
 def _plane(env: dict[str, str]):
@@ -96,7 +94,7 @@ def _pair(rx_env, tx_env, with_landing=True):
         dst[3] = -1  # a page the consumer skips
         plan.append((rows.tolist(), dst.tolist()))
     counts = [sum(d >= 0 for d in dst) for _, dst in plan]
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_s, q_in, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(target=_receiver, args=(rx_env, counts, q_r, q_in))
     r.start()

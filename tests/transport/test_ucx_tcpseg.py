@@ -7,12 +7,11 @@ processes are checked byte for byte. Skipped without ucxx."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import msgspec
 import numpy as np
 import pytest
 import torch
+from harness import pattern_rows, spawn_context
 
 pytest.importorskip(
     "disagg.transport.ucx.plane", reason="ucxx is not installed (pip install disagg[ucx])"
@@ -31,9 +30,7 @@ N = 200  # 12.5 MiB: one SEG_BYTES segment, seven TCP_SEG_BYTES ones
 
 
 def _slab(rows: int) -> torch.Tensor:
-    r = np.arange(rows, dtype=np.int64)[:, None]
-    c = np.arange(PB, dtype=np.int64)[None, :]
-    return torch.from_numpy(((r * 131 + c * 7) % 251).astype(np.uint8))
+    return torch.from_numpy(pattern_rows(rows, PB))
 
 
 def _receiver(q_out, q_in):
@@ -73,7 +70,7 @@ def test_offered_small_segments_are_used_and_no_offer_keeps_big_ones():
     ``TCP_SEG_BYTES``; test_ucx_iovrecv.py covers the packed cut) and once with none (the
     base cut: ``HDR_TAG``, one ``SEG_BYTES`` segment): both land byte for byte."""
     rng = np.random.default_rng(5)
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     q_r, q_rin, q_s, q_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     r = ctx.Process(target=_receiver, args=(q_r, q_rin))
     r.start()
