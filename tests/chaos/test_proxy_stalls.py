@@ -322,3 +322,55 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
     assert status == 200, body
     status, _ = sp.get(f"{url}/health")
     assert status == 200
+
+
+def test_an_operator_run_with_a_stop_and_a_restart_under_load(system: dict[str, Any]) -> None:
+    """Requests with shared prefixes flow through the proxy from four clients while one
+    producer is stopped and resumed and the other is killed -9 and started again: every
+    request answers 200 with the monolithic tokens, each within the documented bound. (A
+    producer's own pause and stale releases after a restart are judged lease by lease in
+    test_restarts.py.)"""
+    urls, procs = system["urls"], system["procs"]
+    proxy = urls["x"]
+    prefixes = [sp.prompt(seed=70 + i, n=192) for i in range(3)]
+    prompts = [prefixes[i % 3] + sp.prompt(seed=80 + i, n=32) for i in range(24)]
+    wants = [sp.monolithic(p, MAX_TOKENS) for p in prompts]
+    status, _, healthy_s = _completion(proxy, prompts[0])
+    assert status == 200
+    out: list[tuple[int, Any, float] | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            out[i] = _completion(proxy, prompts[i])
+
+    def faults() -> None:
+        os.kill(procs["p0"].pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.0)
+        finally:
+            os.kill(procs["p0"].pid, signal.SIGCONT)
+        time.sleep(1.0)
+        system["restart"]("p1")
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    threads.append(threading.Thread(target=faults))
+    for t in threads:
+        t.start()
+    # per request: one prefill deadline on each producer tried, then its decode (slack for
+    # this shared 2-core box, where a restart's start runs in the middle of the load)
+    bound = 2 * LIMITS.prefill_s(len(prompts[0])) + 3 * healthy_s + 10.0
+    for t in threads:
+        t.join(len(prompts) * bound)
+    for i, got in enumerate(out):
+        assert got is not None, f"request {i} never answered"
+        status, body, took = got
+        assert status == 200, (i, body)
+        assert body["choices"][0]["token_ids"] == wants[i], f"request {i}: wrong tokens"
+        assert took < bound, f"request {i} took {took:.1f}s (bound {bound:.1f}s)"
+    _wait(lambda: _health(proxy)[0] == 200, 15, "the proxy never healthy again")

@@ -72,7 +72,12 @@ def make(plane_kind: tuple[str, str | None], tmp_path: Any) -> Iterator[Make]:
 
     yield new
     for p in made:
+        t0 = time.monotonic()
         p.close()
+        # a peer that died mid-message must not hold the plane's thread (a UCX header
+        # receive from a killed sender once spun forever: close waited 10 s, then left
+        # the thread spinning)
+        assert time.monotonic() - t0 < 5.0, f"{plane_kind} close took {time.monotonic() - t0:.1f}s"
 
 
 def _store(plane: DataPlane, rows: int, seed: int) -> torch.Tensor:

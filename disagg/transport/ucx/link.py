@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,11 @@ from ucxx._lib.arr import Array
 from . import wire
 
 log = logging.getLogger(__name__)
+
+# How long a header or acknowledgement receive may take once its message was matched.
+# Such messages are small (a header is at most wire.HDR_MAX): taking longer means the
+# sender died or stopped in the middle of it.
+SMALL_RECV_WAIT_S = 2.0
 
 
 class Link:
@@ -195,6 +201,30 @@ class Link:
         buf = np.empty(min(max(int(probe.length), 1), wire.SEG_BYTES), dtype=np.uint8)
         self._discards.append((self.worker.tag_recv_with_handle(Array(buf), probe), buf))
         self.stats["discarded"] += 1
+
+    def receive_small(self, probe: Any, buf: np.ndarray, what: str) -> Any:
+        """Receive an arrived control message (a header, an acknowledgement) into ``buf``
+        and wait for it, at most SMALL_RECV_WAIT_S: a peer that died or stopped in the
+        middle of it (its rendezvous never answered; shm endpoints run without error
+        handling) must not hold this thread. The request, or None when it was abandoned
+        (``buf`` is then kept until the request ends or teardown cancels it)."""
+        req = self.worker.tag_recv_with_handle(Array(buf), probe)
+        if req.completed:
+            return req
+        give_up = time.monotonic() + SMALL_RECV_WAIT_S
+        while not req.completed:
+            if self.stop.is_set() or time.monotonic() > give_up:
+                self._discards.append((req, buf))
+                self.stats[f"abandoned_{what}"] += 1
+                log.warning(
+                    "a %s receive did not complete within %.1f s (its sender died or "
+                    "stopped): abandoned",
+                    what,
+                    SMALL_RECV_WAIT_S,
+                )
+                return None
+            self.worker.progress()
+        return req
 
     def reap_discards(self) -> None:
         if self._discards:

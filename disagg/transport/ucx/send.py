@@ -354,9 +354,10 @@ class Sender:
                 self.link.discard(probe)
                 continue
             buf = np.empty(n, dtype=np.uint8)
-            req = worker.tag_recv_with_handle(Array(buf), probe)
-            while not req.completed:
-                worker.progress()
+            req = self.link.receive_small(probe, buf, "ack")
+            if req is None:
+                self.fail(h, f"acknowledgement from {h.endpoint} never completed")
+                continue
             try:
                 req.check_error()
             except Exception as exc:
