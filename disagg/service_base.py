@@ -18,12 +18,14 @@ free port on every rank, so consumers then list the ranks' endpoints explicitly.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import Counter
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from . import tuning
 from .config import DisaggConfig
 from .identity import (
     RequestIdentity,
@@ -100,6 +102,24 @@ class Registry(Generic[S]):
                     self.services[svc.name] = min(rest, key=lambda s: s.tp_rank)
 
 
+# Python's own thread switch interval: a thread waiting for the GIL waits up to this long
+# for a thread that never blocks (an engine loop polling for loads) to hand it over.
+DEFAULT_GIL_SWITCH_US = 500
+
+
+def lower_switch_interval() -> None:
+    """Lower the interpreter's thread switch interval to ``tuning.gil_switch_us`` (never
+    raise it). The data plane's receive and send threads need the GIL a few times per
+    transfer; at Python's 5 ms, each time waited for the engine thread's loop. On the H200
+    (``disagg bench overhead``, 1B model, ipc) a load took 35-43 ms for 1-2 ms of wire; at
+    0.5 ms, 5-6 ms (docs/design/consumer.md)."""
+    want = tuning.current().gil_switch_us
+    want = DEFAULT_GIL_SWITCH_US if want is None else want
+    if want and sys.getswitchinterval() > want / 1e6:
+        sys.setswitchinterval(want / 1e6)
+        log.info("thread switch interval set to %d us (tuning.gil_switch_us)", want)
+
+
 class ConnectorService:
     """Identity and bookkeeping common to both roles; ``role`` names the subclass's."""
 
@@ -129,6 +149,7 @@ class ConnectorService:
         if self.pool is not None:
             raise RuntimeError(f"disagg {self.role}: KV caches were registered twice")
         self.pool = pool
+        lower_switch_interval()
         self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
         if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
             from .metrics import serve_metrics

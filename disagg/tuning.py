@@ -176,6 +176,20 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    gil_switch_us: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=1_000_000,
+                description="a connector lowers Python's thread switch interval to this many "
+                "microseconds (never raises it) when it registers the KV cache, so the data "
+                "plane's threads get the GIL from an engine loop that polls for loads; 0 "
+                "leaves the interpreter's (5000); default 500",
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

@@ -129,3 +129,24 @@ def test_config_check_bad_variable_is_one_line(tmp_path, monkeypatch, capsys):
     assert not out and err.splitlines() == [
         "config error: DISAGG_UCX_RMA_READERS='two': expected an integer >= 1"
     ]
+
+
+def test_the_switch_interval_is_lowered_never_raised(monkeypatch):
+    import sys
+
+    from disagg.service_base import lower_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        lower_switch_interval()  # the default: 500 us
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        monkeypatch.setenv("DISAGG_GIL_SWITCH_US", "2000")
+        lower_switch_interval()  # never raised
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.005)
+        monkeypatch.setenv("DISAGG_GIL_SWITCH_US", "0")
+        lower_switch_interval()  # 0: the interpreter's own
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
