@@ -209,13 +209,6 @@ class ControlServer:
         return [ident, corr, m.encode(reply)]
 
 
-class _KeepSocket(Exception):
-    """Carries a call's error out of ``call`` without recreating its socket."""
-
-    def __init__(self, error: ProtocolError):
-        self.error = error
-
-
 def _user_id(frame: zmq.Frame) -> bytes | None:
     """The ZAP User-Id (the CURVE client's Z85 key) a received frame carries, if any."""
     try:
@@ -292,6 +285,7 @@ class ControlClient:
             replies = self._replies
             assert replies is not None
             corr = next(self._ids).to_bytes(8, "little")
+            sent = False
             try:
                 try:
                     # A live connection with room takes the request at once (IMMEDIATE:
@@ -299,20 +293,20 @@ class ControlClient:
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 except zmq.Again:
                     if not sock.poll(self._ms_left(deadline), zmq.POLLOUT):
-                        # Nothing was queued, so the socket is kept: a new one would
-                        # restart a handshake that may take longer than one call.
-                        raise self._timeout(msg, timeout, "not connected", reset=False) from None
+                        raise self._timeout(msg, timeout, "not connected") from None
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
+                sent = True
                 while True:
                     if not replies.poll(self._ms_left(deadline)):
                         raise self._timeout(msg, timeout, "no reply")
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and frames[0] == corr:
                         break  # anything else is a stale reply or garbage: skip it
-            except _KeepSocket as e:
-                raise e.error from None
-            except (ProtocolError, zmq.ZMQError):
-                self._reset()
+            except (ProtocolError, zmq.ZMQError) as exc:
+                # Not sent ("not connected"): nothing is queued, so the socket is kept; a
+                # new one would restart a handshake that may take longer than one call.
+                if sent or isinstance(exc, zmq.ZMQError):
+                    self._reset()
                 raise
         reply = m.decode(frames[1], self.max_frame)
         return m.raise_if_error(reply)
@@ -321,12 +315,11 @@ class ControlClient:
     def _ms_left(deadline: float) -> int:
         return max(0, int((deadline - time.monotonic()) * 1000))
 
-    def _timeout(self, msg: m.Message, timeout: float, why: str, reset: bool = True) -> Exception:
-        error = ProtocolError(
+    def _timeout(self, msg: m.Message, timeout: float, why: str) -> ProtocolError:
+        return ProtocolError(
             ErrorCode.TIMEOUT,
             f"{type(msg).__name__} to {self.endpoint} timed out after {timeout:.3g}s ({why})",
         )
-        return error if reset else _KeepSocket(error)
 
     def close(self) -> None:
         with self._lock:

@@ -123,16 +123,24 @@ def test_a_restarted_consumer_loses_the_old_process_leases(producer):
         old.close()
 
 
-def test_a_stalled_sweeper_forgives_once_then_judges():
+def _owned_lease(
+    blocks: int = 2, stall_after_s: float | None = 1.0
+) -> tuple[BlockStore, LeaseTable, float]:
+    """A lease table (TTL 1 s, owner dead after 0.6 s) whose one owner, heard from at t0,
+    holds a 1 s lease of ``blocks`` stored blocks: (store, table, t0)."""
     store = BlockStore(64, 64 * 8)
-    keys = [bytes([i]) * 16 for i in range(4)]
+    keys = [bytes([i]) * 16 for i in range(blocks)]
     store.plan(keys)
     store.commit(keys)
-    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=1.0)
+    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=stall_after_s)
     t0 = time.monotonic()  # grant() stamps its deadlines on this clock
     table.heartbeat("owner", now=t0)
-    lease = table.grant("owner", "r", keys, 1.0)
-    assert lease is not None
+    assert table.grant("owner", "r", keys, 1.0) is not None
+    return store, table, t0
+
+
+def test_a_stalled_sweeper_forgives_once_then_judges():
+    store, table, t0 = _owned_lease(blocks=4)
     assert table.sweep(now=t0 + 0.25) == 0
     # the producer itself was stopped for 5 s: the owner's silence is ours
     assert table.sweep(now=t0 + 5.25) == 0
@@ -150,27 +158,13 @@ def test_a_stalled_sweeper_forgives_once_then_judges():
 def test_a_stall_before_the_first_sweep_is_a_stall():
     """Stopped within one sweep period of starting: the first sweep's gap counts from the
     table's start."""
-    store = BlockStore(64, 64 * 8)
-    keys = [bytes([i]) * 16 for i in range(2)]
-    store.plan(keys)
-    store.commit(keys)
-    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=1.0)
-    t0 = time.monotonic()
-    table.heartbeat("owner", now=t0)
-    table.grant("owner", "r", keys, 1.0)
+    store, table, t0 = _owned_lease()
     assert table.sweep(now=t0 + 5.0) == 0  # the first sweep ever, after a 5 s stop
     assert table.stats.stalls_forgiven == 1 and table.active() == 1
 
 
 def test_an_owner_heard_from_after_a_stall_is_judged_as_usual_again():
-    store = BlockStore(64, 64 * 8)
-    keys = [bytes([i]) * 16 for i in range(2)]
-    store.plan(keys)
-    store.commit(keys)
-    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6, stall_after_s=1.0)
-    t0 = time.monotonic()
-    table.heartbeat("owner", now=t0)
-    table.grant("owner", "r", keys, 1.0)
+    store, table, t0 = _owned_lease()
     assert table.sweep(now=t0 + 0.25) == 0
     assert table.sweep(now=t0 + 5.25) == 0  # our own stall: the grace opens
     table.heartbeat("owner", now=t0 + 5.5)  # it reached us again, then went silent
@@ -181,14 +175,7 @@ def test_an_owner_heard_from_after_a_stall_is_judged_as_usual_again():
 
 def test_without_stall_detection_the_pause_would_have_freed_a_live_lease():
     """The control case: the same timeline, judged without the own-clock rule."""
-    store = BlockStore(64, 64 * 8)
-    keys = [bytes([i]) * 16 for i in range(2)]
-    store.plan(keys)
-    store.commit(keys)
-    table = LeaseTable(store, max_ttl_s=1.0, owner_dead_after_s=0.6)
-    t0 = time.monotonic()
-    table.heartbeat("owner", now=t0)
-    table.grant("owner", "r", keys, 1.0)
+    _, table, t0 = _owned_lease(stall_after_s=None)
     assert table.sweep(now=t0 + 0.25) == 0
     assert table.sweep(now=t0 + 5.25) == 1
 
