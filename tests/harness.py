@@ -8,6 +8,7 @@ import itertools
 import multiprocessing.context
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -266,3 +267,18 @@ def stop_processes(procs: list[Any]) -> None:
         p.join(15)
         if p.is_alive():
             p.kill()
+
+
+def hold_pushes(psvc: Any) -> tuple[threading.Event, threading.Event]:
+    """Every push of ``psvc`` waits, on its push worker before the data plane sees it, until
+    ``go`` is set (any plane); ``started`` is set when the first one is held."""
+    started, go = threading.Event(), threading.Event()
+    post = psvc.data.post_push
+
+    def held(*args: Any, **kw: Any) -> Any:
+        started.set()
+        go.wait(30)
+        return post(*args, **kw)
+
+    psvc.data.post_push = held
+    return started, go

@@ -193,8 +193,9 @@ class ConsumerConfig(Section, frozen=True):
         Meta(
             description="async: whole pages, completion through get_finished; sync: pages "
             "stream layer by layer and wait_for_layer_load(i) waits only for layer i; auto: "
-            "async where the TensorRT-LLM line keeps a cancelled request's pages while its load "
-            "is pending (has_pending_transfers), else sync"
+            "async where the data plane's abort proves no byte lands afterwards (a load whose "
+            "pages the engine hands to another request is fenced by aborting it), else sync "
+            "(ucx_channel: shm or auto)"
         ),
     ] = "auto"
     on_load_failure: Annotated[

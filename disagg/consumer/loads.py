@@ -28,7 +28,8 @@ afterwards; a write the plane cannot quiet makes the service unhealthy), then th
 recorded against the request, whose forward raises (or which is reported for a restart)
 before any layer reads those pages, and the lease is released once the worker takes the
 outcome (``settle``) or the request ends. A request that ends while its load lands makes it
-ABANDONED the same way (aborted before the engine may reuse the pages). A load REFUSED
+ABANDONED the same way (aborted before the engine may reuse the pages), and so does a load
+whose pages the engine hands to another request while it lands (``fence``). A load REFUSED
 before dispatch wrote nothing; the next metadata tells every rank (``ConsumerMeta.failed``),
 which fail its request. Every failure state carries ``error``; final states: LANDED
 (TP = 1), AGREED, REFUSED, FAILED, ABANDONED, REJECTED. An illegal transition raises

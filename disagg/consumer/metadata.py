@@ -12,6 +12,10 @@ pickles and copies as is. One struct per request (or reservation) and event:
     failed          ``LoadFailure``: a load that failed before dispatch (every rank fails
                     the request)
     dropped         TP > 1: request ids whose loads were dropped since the last metadata
+                    (ended, or fenced: their pages were handed to another request)
+    awaited         ``AwaitedLoad``: a load of a request that ended while it landed, whose
+                    pages another request of this pass reads as a cached prefix: every
+                    rank waits for it to land before this pass's loads and forward
     prefix_loads    ``PrefixStart``: an authorised reservation load starting now (TP > 1:
                     with its ``PrefixPlan``)
     prefix_failed   ``PrefixFailure``: an authorised reservation load refused by name
@@ -26,8 +30,8 @@ from __future__ import annotations
 
 import msgspec
 
-from ..config import ConfigError
-from ..engine import runtime
+from ..config import ConfigError, DisaggConfig
+from ..transport.factory import abort_gap
 
 
 class KvLoadFailedError(RuntimeError):
@@ -101,6 +105,14 @@ class BusAddress(msgspec.Struct):
     secret: bytes
 
 
+class AwaitedLoad(msgspec.Struct):
+    """A load still landing in pages the engine now serves as a cached prefix to
+    ``readers`` (its own request ended; the bytes landing are the ones they read)."""
+
+    request_id: int
+    readers: list[int]
+
+
 class ConsumerMeta(msgspec.Struct):
     """The scheduler's word to every worker for one iteration (see the module docstring)."""
 
@@ -112,21 +124,26 @@ class ConsumerMeta(msgspec.Struct):
     prefix_failed: list[PrefixFailure] = []
     prefix_dropped: list[int] = []
     bus: BusAddress | None = None
+    awaited: list[AwaitedLoad] = []
 
 
-def loads_async(load_mode: str) -> bool:
-    """``consumer.load_mode`` against the runtime: ``auto`` loads asynchronously where the
-    runtime keeps a cancelled request's pages while its load is pending, else layer by
-    layer (a synchronous load ends inside the forward that reads it); ``async`` on a
-    runtime that frees them at once is refused: a load still landing would write into
-    pages another request owns."""
-    feats = runtime.current()
+def loads_async(config: DisaggConfig) -> bool:
+    """``consumer.load_mode`` against the data plane: an executor may free a cancelled
+    request's pages at once and hand them to another request while its load still lands
+    (no stored TensorRT-LLM executor waits), and the consumer then fences that load by
+    aborting it (``fence``). ``auto`` loads asynchronously where the plane's abort proves
+    that no byte lands afterwards, else layer by layer (a synchronous load ends inside the
+    forward that reads it); ``async`` on a plane whose abort can leave writes landing is
+    refused naming the fix."""
+    assert config.consumer is not None
+    load_mode = config.consumer.load_mode
+    gap = abort_gap(config.transport, config.ucx_channel)
     if load_mode == "auto":
-        return feats.keeps_cancelled_pages
-    if load_mode == "async" and not feats.keeps_cancelled_pages:
+        return gap is None
+    if load_mode == "async" and gap is not None:
         raise ConfigError(
-            f"consumer.load_mode: async loads need a runtime that keeps a cancelled "
-            f"request's pages while its load is pending, and TensorRT-LLM's {feats.line} "
-            "frees them at once (no has_pending_transfers): set load_mode: sync (or auto)"
+            f"consumer.load_mode: async loads need a data plane whose abort proves that no "
+            f"byte lands afterwards, and {gap}: set load_mode: sync (or auto), or "
+            "ucx_channel: tcp"
         )
     return load_mode == "async"

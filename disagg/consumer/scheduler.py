@@ -15,10 +15,13 @@ from ..connector_common import request_tokens, resolve_config
 from ..engine import KvCacheConnectorScheduler, SchedulerOutput
 from ..identity import request_identity
 from ..protocol.keys import block_key_blob, tokens_array
+from .fence import Fence
 from .loads import ORPHAN_AFTER, Load, LoadState, Reservation
 from .metadata import (
+    AwaitedLoad,
     BusAddress,
     ConsumerMeta,
+    KvLoadFailedError,
     LoadFailure,
     LoadPlan,
     LoadStart,
@@ -39,7 +42,8 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = loads_async(self.service.ccfg.load_mode)
+        self.is_async = loads_async(self.service.config)
+        self.fence = Fence()  # loads whose pages were handed to another request (fence.py)
         self._dropped: list[int] = []  # TP > 1: told to the other ranks in the next metadata
         self._prefix_dropped: list[int] = []  # TP > 1: reservations abandoned while loading
         # loads REFUSED before dispatch: told to every rank in the next metadata
@@ -284,13 +288,25 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         group's page is not wanted and is skipped. Only what the runtime honoured
         (``py_num_connector_matched_tokens``, set by its commit before this call) is
         loaded; the rest of the lease goes back at once. CLAIMED (or PLANNED: a second
-        call) -> PLANNED, or REFUSED when the engine allocated no page for it."""
-        load = self.service.loads.get(request.request_id)
-        if load is None or load.started:
-            return
+        call) -> PLANNED, or REFUSED when the engine allocated no page for it. Every
+        request's pages are first checked against the loads of requests that ended while
+        their pages were still landing (``fence``)."""
+        svc = self.service
+        load = svc.loads.get(request.request_id)
         groups = block_ids_by_layer_group
         if isinstance(groups, dict):
             groups = [groups[g] for g in sorted(groups)]
+        pending = Fence.pending(svc.loads.values(), svc.tp_size > 1)
+        if pending and svc.pool is not None:
+            # below the request's own load (or its computed position) its pages are a
+            # cached prefix it reads; from there on it writes them
+            pos = getattr(request, "context_current_position", None)
+            reads = load.first_block if load is not None else None
+            if reads is None:
+                reads = pos // svc.pool.tokens_per_block if isinstance(pos, int) else 1 << 62
+            self.fence.check(request.request_id, groups, reads, pending)
+        if load is None or load.started:
+            return
         honoured = getattr(request, "py_num_connector_matched_tokens", None)
         if isinstance(honoured, int) and not isinstance(honoured, bool):
             self._honour(load, honoured // self.service.pool.tokens_per_block)  # type: ignore[union-attr]
@@ -337,6 +353,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             ]
         )
         tp = self.service.tp_size > 1
+        self._apply_fence(scheduler_output, meta)
         if tp:
             meta.dropped, self._dropped = self._dropped, []
             meta.prefix_dropped, self._prefix_dropped = self._prefix_dropped, []
@@ -384,6 +401,44 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             self._drop(rid)
         return meta
 
+    def _apply_fence(self, scheduler_output: SchedulerOutput, meta: ConsumerMeta) -> None:
+        """This pass's fence verdicts (``fence``), before any load starts or forward runs:
+        a load whose pages another request writes is dropped (aborted here, and on the
+        other ranks through this metadata's ``dropped``); one whose pages another request
+        reads as a cached prefix is awaited by every rank (``meta.awaited``). Raises (fatal
+        to the engine) if an abort could not prove the pages quiet."""
+        svc = self.service
+        pending = Fence.pending(svc.loads.values(), svc.tp_size > 1)
+        if pending and svc.pool is not None:
+            self.fence.check_output(scheduler_output, svc.pool.tokens_per_block, pending)
+        fenced, awaited = self.fence.take()
+        for rid, by in fenced.items():
+            svc.metrics["loads_fenced"] += 1
+            log.warning(
+                "request %d's pages were handed to request %d while its KV load landed (the "
+                "executor freed them without waiting): load fenced",
+                rid,
+                by,
+            )
+            self._drop(rid, f"its pages were handed to request {by} while it landed")
+            if svc.stuck_writes:
+                raise KvLoadFailedError(
+                    f"fencing the KV load of request {rid}: {svc.stuck_writes}; request "
+                    f"{by} must not run on those pages"
+                )
+            for reader in sorted(awaited.pop(rid, ())):
+                why = f"its cached prefix holds pages of request {rid}'s load, fenced half landed"
+                meta.failed.append(LoadFailure(reader, why))
+        for rid, readers in awaited.items():
+            svc.metrics["loads_awaited"] += 1
+            log.info(
+                "request(s) %s read pages of request %d's KV load, still landing after its "
+                "request ended: the pass waits for it",
+                sorted(readers),
+                rid,
+            )
+            meta.awaited.append(AwaitedLoad(rid, sorted(readers)))
+
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Once at the end: release the lease, after stopping a load still landing (its
         pages are freed when this returns). Where the engine publishes a freed request's
@@ -419,14 +474,14 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         """V2: the request will replay from scratch and be queried again."""
         self._drop(request.request_id)
 
-    def _drop(self, rid: int) -> None:
+    def _drop(self, rid: int, why: str | None = None) -> None:
         if self._refused:  # a failure not told yet is moot: the request's load is gone
             self._refused = [f for f in self._refused if f.request_id != rid]
         load = self.service.loads.pop(rid, None)
         if load is not None:
             # The engine frees (and may reuse) this request's pages as soon as we return:
             # a load still landing must not write one more byte into them.
-            self.service.abandon(load, f"request {rid} ended before its pages landed")
+            self.service.abandon(load, why or f"request {rid} ended before its pages landed")
             self.service.release(load.claimed)
             if self.service.tp_size > 1:
                 self._dropped.append(rid)

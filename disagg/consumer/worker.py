@@ -28,7 +28,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "consumer")
         self.service: ConsumerService = service_for(self.config, llm_args)
-        self.is_async = loads_async(self.service.ccfg.load_mode)
+        self.is_async = loads_async(self.service.config)
         self._loading: set[int] = set()  # ids handed in through get_finished
         self._failed: dict[int, str] = {}
         self._sync_pending: list[Load] = []
@@ -102,6 +102,7 @@ class ConsumerWorker(KvCacheConnectorWorker):
             self._failed[f.request_id] = f.why
             if self.is_async:  # parked: get_finished reports it (rank > 0 has no load)
                 self._failed_early.add(f.request_id)
+        self._await_ended_loads(meta)
         if self.service.stop_on_failure:
             # Raised here, outside the forward's error handler, this stops the executor in
             # every TensorRT-LLM version, before the request's blocks could be released.
@@ -129,6 +130,27 @@ class ConsumerWorker(KvCacheConnectorWorker):
             self.service.dispatch(load, layerwise=not self.is_async)
             if not self.is_async:
                 self._sync_pending.append(load)
+
+    def _await_ended_loads(self, meta: ConsumerMeta) -> None:
+        """Every rank, before this pass's loads and forward: wait for the loads whose
+        pages a request of this pass reads as a cached prefix although their own request
+        ended (``fence``), bounded by each load's deadline (TP > 1: the ranks' common
+        verdict). A failed one fails its readers by the policy (``stop_on_failure``: the
+        check right after this raises, before the forward)."""
+        svc = self.service
+        for aw in meta.awaited:
+            load = svc.loads.get(aw.request_id)
+            if load is None:
+                continue  # reported and settled here already: it landed
+            if self._tp:
+                err = svc.rank_decision(load, None, wait=True)
+            else:
+                svc.wait(load)
+                err = load.error
+            if err:
+                why = f"its cached prefix holds pages of request {aw.request_id}'s load: {err}"
+                for reader in aw.readers:
+                    self._failed[reader] = why
 
     def _prefix_starting(self, meta: ConsumerMeta) -> list[tuple[int, Load, bool]]:
         """This pass's reservation loads on this rank, not started yet: rank 0's are the

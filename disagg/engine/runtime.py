@@ -2,13 +2,11 @@
 
 TensorRT-LLM's lines differ in behaviour a connector must match, and the connector base
 classes are the only thing a connector is handed. ``features_of(module)`` reads it off the
-imported connector module (TensorRT-LLM's, or None for our fallback copies):
+imported connector module (TensorRT-LLM's, or None for our fallback copies). What no class
+tells is left out on purpose: whether the executor keeps a cancelled request's pages while
+a transfer of it is pending (a manager's ``has_pending_transfers`` says nothing of whether
+the executor asks it, and no stored one does), so the consumer assumes it does not:
 
-- ``keeps_cancelled_pages``: a cancelled request's pages stay allocated while the manager
-  has a transfer of it pending (``KvCacheConnectorManager.has_pending_transfers``). Without
-  it the executor frees them at once, with no connector call, so an asynchronous load
-  still landing would write into pages another request owns: such runtimes get
-  synchronous (layer-wise) loads only, which end inside the forward that reads them.
 - ``cancel_load``: the scheduler hears a short honour or a dropped offer as
   ``cancel_load(request, start, end)``.
 - ``failed_load_reports``: the worker reports failed loads
@@ -36,7 +34,6 @@ from typing import Any
 @dataclass(frozen=True)
 class RuntimeFeatures:
     line: str
-    keeps_cancelled_pages: bool = True
     cancel_load: bool = False
     failed_load_reports: bool = False
     grouped: str | None = "list"
@@ -56,7 +53,6 @@ def features_of(conn: Any) -> RuntimeFeatures:
         grouped = "dict" if "Dict" in kind or "dict" in kind else "list"
     return RuntimeFeatures(
         line=conn.__name__,
-        keeps_cancelled_pages=mgr is not None and hasattr(mgr, "has_pending_transfers"),
         cancel_load=hasattr(sched, "cancel_load") and hasattr(mgr, "cancel_load"),
         failed_load_reports=hasattr(worker, "take_failed_load_requests"),
         grouped=grouped,

@@ -127,7 +127,7 @@ class ProxyState:
         )
         self.m_resyncs = Counter(
             "disagg_proxy_index_resyncs",
-            "Routing index reloads after a producer changed incarnation",
+            "Routing index reloads after a producer changed incarnation or its events were missed",
             registry=reg,
         )
         self.m_retries = Counter(
@@ -312,7 +312,7 @@ class ProxyState:
             self._down(up, role, "unhealthy", f"/health answered {status}: {detail or 'no reason'}")
             return
         if producer:
-            await self._check_incarnation(up, info.get("incarnation"))
+            await self._check_incarnation(up, info.get("incarnation"), info.get("events_seq"))
         if up.down_reason is not None and time.monotonic() >= up.down_until:
             log.info("upstream up", extra={"upstream": up.url, "was": up.down_reason})
             up.down_reason = None
@@ -325,8 +325,11 @@ class ProxyState:
         up.down_reason = reason
         up.down_until = max(up.down_until, time.monotonic() + hold_s)
 
-    async def _check_incarnation(self, up: Upstream, inc: Any) -> None:
-        """A producer answering with a new incarnation restarted: reload its keys."""
+    async def _check_incarnation(self, up: Upstream, inc: Any, seq: Any = None) -> None:
+        """A producer answering with a new incarnation restarted: reload its keys. So does
+        one whose last event (``seq``) the index has still not applied one heartbeat
+        later: events published before our subscription (re)connected are lost without a
+        gap to show it, until the producer's next event."""
         if not isinstance(inc, int) or isinstance(inc, bool):
             return
         before, up.incarnation = up.incarnation, inc
@@ -336,7 +339,19 @@ class ProxyState:
         if (before is not None and before != inc) or (synced is not None and synced[0] != inc):
             log.warning("producer restarted: resyncing its keys", extra={"upstream": up.url})
             self.m_resyncs.inc()
+            up.behind_at = None
             await asyncio.to_thread(self.feeds.resync, up.instance_id)
+            return
+        if synced is None or not isinstance(seq, int) or synced[1] >= seq:
+            up.behind_at = None
+            return
+        if up.behind_at is not None and synced[1] <= up.behind_at:
+            log.info("events of a producer missed: resyncing its keys", extra={"upstream": up.url})
+            self.m_resyncs.inc()
+            up.behind_at = None
+            await asyncio.to_thread(self.feeds.resync, up.instance_id)
+            return
+        up.behind_at = synced[1]
 
     # -- one request ---------------------------------------------------------------------
     async def prefill(

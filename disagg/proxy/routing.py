@@ -65,6 +65,8 @@ class Upstream:
     misses: int = 0
     beaten: bool = False  # a heartbeat has completed (answered or not)
     incarnation: int | None = None  # producer: the process's, from /health
+    # producer: the index's seq of its stream when a heartbeat last found it behind
+    behind_at: int | None = None
 
     def known_down(self) -> bool:
         """Down by a heartbeat or an expired deadline (unknown before the first beat)."""

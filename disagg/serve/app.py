@@ -241,6 +241,8 @@ def build_app(
         svc = _service(role)
         if role == "producer" and svc is not None:
             details["incarnation"] = svc.incarnation  # a proxy notices a restart by it
+            # and events it missed (a subscriber that joined late never sees a gap)
+            details["events_seq"] = svc.events.seq if svc.events is not None else 0
         return web.json_response(
             {"status": "ok" if ok else "unhealthy", "role": role, **details},
             status=200 if ok else 503,

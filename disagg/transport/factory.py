@@ -1,4 +1,4 @@
-"""Pick a data plane by the config's ``transport`` name."""
+"""Pick a data plane by the config's ``transport`` name, and say what its abort proves."""
 
 from __future__ import annotations
 
@@ -67,3 +67,17 @@ def make_data_plane(
     if transport in RENAMED_TRANSPORTS:
         raise ValueError(f"transport: {RENAMED_TRANSPORTS[transport]}")
     raise ValueError(f"transport: unknown data plane {transport!r}; use 'tcp', 'ucx' or 'ipc'")
+
+
+def abort_gap(transport: str, ucx_channel: str | None = None) -> str | None:
+    """Why an ``abort`` of this plane may return with writes of the transfer still under
+    way (None: it never does; the contract's "no byte lands after abort" holds whatever
+    the peer does). The consumer fences a load whose pages the engine handed to another
+    request by aborting it, so asynchronous loads need a plane without a gap."""
+    if transport == "ucx" and (ucx_channel or "tcp") != "tcp":
+        return (
+            f"ucx_channel: {ucx_channel}: UCX cannot cancel a receive it has matched, and "
+            "only the tcp channel can sever a stalled producer, so an abort may leave "
+            "writes landing"
+        )
+    return None

@@ -1,9 +1,11 @@
-"""Requests that end while their KV is still moving (peer bugs: a load landing in pages the
-engine already freed and handed to another request; a failed forward leaving its saves
-counted forever, so the prefill instance's pages are never given back)."""
+"""Requests that end while their KV is still moving: a load landing in pages the engine
+already freed and handed to another request (the consumer fences it, whatever the executor
+does), and a failed forward leaving its saves counted forever, so the prefill instance's
+pages are never given back."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 
@@ -12,6 +14,7 @@ from harness import (
     SHAPE,
     check_against_monolithic,
     close_all_services,
+    hold_pushes,
     make_consumer,
     make_producer,
     prompts,
@@ -25,6 +28,9 @@ from disagg.transport import tcp
 from disagg.transport.dataplane import TransferState
 
 CFG = EngineConfig(**SHAPE, capture_pages=True)
+_no_ucx = pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (disagg[ucx])"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -49,15 +55,21 @@ def _slots_bytes(eng: Engine, slots: list[list[int]]) -> dict[tuple[int, int], b
 
 @pytest.mark.parametrize("kv_manager", ["v1", "v2"])
 def test_cancel_while_its_load_is_landing_never_writes_into_freed_pages(monkeypatch, kv_manager):
-    """TensorRT-LLM cancels without a connector call; a line that keeps a cancelled
-    request's pages while its load is pending (``has_pending_transfers``) frees them once
-    the load is reported: the load never writes into freed pages, its lease goes back
-    then, and the next request on those pages gets the monolithic tokens (V1 stores the
-    cancelled request's blocks for reuse: they hold the loaded bytes)."""
+    """An executor that asks ``has_pending_transfers`` before freeing a cancelled request's
+    pages frees them once the load is reported: the load never writes into freed pages,
+    its lease goes back then, and the next request on those pages gets the monolithic
+    tokens (V1 stores the cancelled request's blocks for reuse: they hold the loaded
+    bytes)."""
     from chaos_role import slow_pushes
 
     monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes changes it
-    cfg = EngineConfig(**SHAPE, capture_pages=True, kv_manager=kv_manager, runtime="main")
+    cfg = EngineConfig(
+        **SHAPE,
+        capture_pages=True,
+        kv_manager=kv_manager,
+        runtime="main",
+        cancel_waits_for_transfers=True,
+    )
     ps = prompts(n=2, length=300)
     prod, psvc = make_producer(cfg)
     produced = run(prod, ps, 1)
@@ -131,18 +143,22 @@ def test_failed_forward_on_the_producer_gives_its_pages_back():
     check_against_monolithic(produced, run(cons, fresh, 4), Engine(CFG).generate(fresh, 4))
 
 
-def test_tp_cancel_keeps_the_pages_until_every_rank_reported(monkeypatch):
-    """TP=2, V2: a request cancelled while both ranks' loads stall keeps its pages until
-    every rank reported its load (the manager intersects the ranks' reports), then frees
-    them; every rank's lease goes back; the next request on those pages is right."""
+def test_tp_cancel_fences_every_rank_before_the_next_forward(monkeypatch):
+    """TP=2, V2, an executor that frees a cancelled request's pages at once: the next
+    request takes them while both ranks' pushes stall; both ranks abort their part before
+    its forward (the leader in ``build_connector_meta``, rank 1 from that pass's
+    metadata), every rank's lease goes back, and its tokens and pages are its own."""
     from chaos_role import slow_pushes
     from harness import rank_endpoints, rank_services
 
     monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)
-    cfg = EngineConfig(**dict(SHAPE, tp=2), kv_manager="v2", runtime="main", capture_pages=True)
-    ps = prompts(n=2, length=300)
+    cfg = EngineConfig(
+        **dict(SHAPE, tp=2, num_blocks=24), kv_manager="v2", runtime="main", capture_pages=True
+    )
+    ps = prompts(n=1, length=300)
+    fresh = prompts(n=1, length=300, seed=99)
     prod, psvc = make_producer(cfg)
-    produced = run(prod, ps, 1)
+    run(prod, ps, 1)
     started = [threading.Event(), threading.Event()]
     go = threading.Event()
 
@@ -150,21 +166,120 @@ def test_tp_cancel_keeps_the_pages_until_every_rank_reported(monkeypatch):
         ev.set()
         go.wait(30)
 
-    plain = []
     for r, svc in enumerate(rank_services(psvc)):
-        plain.append(svc.data._wait_writable)
         slow_pushes(svc, 0.0, on_start=lambda tid, ev=started[r]: stall(tid, ev))
     cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)], load_timeout_s=10.0)
     rid = cons.add_request(ps[0], 4)
     cons.step()
     assert all(ev.wait(10) for ev in started), "a rank's push never started"
+    rank_loads = [s.loads[rid] for s in rank_services(csvc)]
     cons.cancel(rid)
-    cons.step()
-    assert cons.requests[rid].state == "cancelled"
+    c_id = cons.add_request(fresh[0], 4)
+    pages: list[list[int]] = []
+    while cons.has_work():
+        cons.step()
+        if not cons.results[c_id].finished:
+            pages = cons.request_pages(c_id)
+    assert [ld.state.name for ld in rank_loads] == ["ABANDONED", "ABANDONED"]
     go.set()
-    drain(cons)
-    for r, svc in enumerate(rank_services(psvc)):
-        svc.data._wait_writable = plain[r]
-    assert wait_for(lambda: all(s.leases.active() == 0 for s in rank_services(psvc)))
-    got = run(cons, [ps[1]], 4)
-    check_against_monolithic(produced[1:], got, Engine(cfg).generate([ps[1]], 4))
+    assert wait_for(lambda: all(s.leases.active() == 0 for s in rank_services(psvc)), 15)
+    time.sleep(0.3)  # a stray frame would have landed by now
+    res = cons.results[c_id]
+    assert res.error is None and res.tokens == Engine(cfg).generate(fresh, 4)[0]
+    checked = 0
+    for (g, b), data in res.computed_pages.items():
+        if b < len(pages[g]) and pages[g][b] >= 0:
+            assert cons.page_bytes(g, pages[g][b]) == data, f"page {(g, b)} was overwritten"
+            checked += 1
+    assert checked >= 4
+
+
+PLANES = [
+    pytest.param("tcp", None, id="tcp"),
+    pytest.param("ucx", "tcp", id="ucx-tcp", marks=_no_ucx),
+    pytest.param("ucx", "shm", id="ucx-shm", marks=_no_ucx),
+    pytest.param("ipc", None, id="ipc"),
+]
+
+
+@pytest.mark.parametrize("transport,channel", PLANES)
+def test_cancel_then_reuse_on_every_plane(transport, channel):
+    """The executor frees a cancelled request's pages at once and the next request takes
+    them while the push is held: on every plane the consumer fences the load (or, where
+    the plane's abort cannot prove it quiet, loads layer by layer, so no load outlives
+    its forward), and the next request's tokens and pages are its own."""
+    cfg = EngineConfig(**dict(SHAPE, num_blocks=24), capture_pages=True, kv_manager="v1")
+    top = {"ucx_channel": channel} if channel else None
+    ps = prompts(n=1, length=300)
+    fresh = prompts(n=1, length=300, seed=99)
+    prod, psvc = make_producer(cfg, transport=transport, top=top)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], transport=transport, top=top)
+    layerwise = channel == "shm"
+    started, go = hold_pushes(psvc)
+    if layerwise:
+        go.set()
+    rid = cons.add_request(ps[0], 4)
+    cons.step()
+    assert started.wait(10), "the push never started"
+    cons.cancel(rid)
+    c_id = cons.add_request(fresh[0], 4)
+    c_slots: list[list[int]] = []
+    while cons.has_work():
+        cons.step()
+        if not cons.results[c_id].finished:
+            c_slots = cons.request_pages(c_id)
+    assert csvc.metrics["loads_fenced"] == (0 if layerwise else 1)
+    go.set()
+    assert wait_for(lambda: psvc.metrics["pushes_failed"] + psvc.metrics["pushes_done"] >= 1, 15)
+    time.sleep(0.3)
+    res = cons.results[c_id]
+    assert res.error is None and res.tokens == Engine(cfg).generate(fresh, 4)[0]
+    for (g, b), data in res.computed_pages.items():
+        assert cons.page_bytes(g, c_slots[g][b]) == data, f"page {(g, b)} was overwritten"
+    assert wait_for(lambda: psvc.leases.active() == 0, 10)
+    assert csvc.health() == (True, "")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["lands", "fails"])
+def test_a_cached_prefix_still_landing_is_awaited_never_served_half(monkeypatch, fails):
+    """V1 with block reuse stores a cancelled request's blocks for reuse at once; the same
+    prompt, sent again while the cancelled request's load is still held, reads those pages
+    as its cached prefix. The consumer neither aborts the load (half a page would be
+    served) nor lets the forward run before it lands: the pass waits for it, and the
+    tokens are the monolithic ones. A load that fails there stops the instance (the page
+    stays published for reuse), never a wrong token."""
+    cfg = EngineConfig(**SHAPE, capture_pages=True, kv_manager="v1")
+    ps = prompts(n=1, length=300)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, 1)
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=10.0)
+    started, go = hold_pushes(psvc)
+    if fails:
+        monkeypatch.setattr(psvc.data, "post_push", lambda *a, **k: (go.wait(30), 1 / 0))
+    rid = cons.add_request(ps[0], 4)
+    cons.step()
+    assert fails or started.wait(10), "the push never started"
+    cons.cancel(rid)
+    again = cons.add_request(ps[0], 4)
+    # the held push goes on only once the pass is waiting for it
+    releaser = threading.Thread(
+        target=lambda: (wait_for(lambda: csvc.metrics["loads_awaited"] >= 1, 15), go.set())
+    )
+    releaser.start()
+    try:
+        if fails:
+            with pytest.raises(Exception, match="unrecoverable"):
+                while cons.has_work():
+                    cons.step()
+            assert not cons.results[again].tokens
+            return
+        while cons.has_work():
+            cons.step()
+    finally:
+        go.set()
+        releaser.join()
+    assert csvc.metrics["loads_awaited"] == 1 and csvc.metrics["loads_fenced"] == 0
+    res = cons.results[again]
+    assert res.device_matched_tokens > 0, "the cancelled request's blocks were not reused"
+    assert res.error is None and res.tokens == Engine(cfg).generate(ps, 4)[0]

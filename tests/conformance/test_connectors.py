@@ -83,8 +83,8 @@ SHAPES = {
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tokens_and_pages_match_monolithic(line, shape):
-    """Default load mode (``auto``): async where the line keeps a cancelled request's
-    pages while its load is pending, layer by layer where it does not."""
+    """Default load mode (``auto``): async on every line over the tcp plane (its abort
+    proves no byte lands afterwards)."""
     cfg = cfg_for(line, **SHAPES[shape])
     ps = prompts()
     mono = Engine(cfg).generate(ps, max_tokens=5)
@@ -95,9 +95,8 @@ def test_tokens_and_pages_match_monolithic(line, shape):
     assert type(cons.driver).__name__ == ("TrtllmDriver" if USING_TRTLLM else "Driver")
     consumed = run(cons, ps, max_tokens=5)
     check_against_monolithic(produced, consumed, mono)
-    layerwise = not features(line).keeps_cancelled_pages
     assert wait_for(lambda: psvc.metrics["pushes_done"] >= len(ps))
-    assert (psvc.metrics["pushes_layerwise"] > 0) == layerwise
+    assert psvc.metrics["pushes_layerwise"] == 0
     no_lease_left(psvc)
 
 
@@ -112,14 +111,22 @@ def test_sync_loads_match_monolithic(line):
     no_lease_left(psvc)
 
 
-def test_async_loads_refused_where_cancelled_pages_are_freed(line):
-    cfg = cfg_for(line, kv_manager="v1")
-    prod, psvc = make_producer(cfg)
-    if features(line).keeps_cancelled_pages:
-        make_consumer(cfg, [psvc.endpoint], load_mode="async")  # accepted
-        return
-    with pytest.raises(ConfigError, match="load_mode: async loads need a runtime"):
-        make_consumer(cfg, [psvc.endpoint], load_mode="async")
+def test_async_loads_refused_where_an_abort_can_leave_writes(line):
+    """Async loads are fenced by aborting them, so a plane whose abort may leave writes
+    landing (UCX over shared memory) loads layer by layer under ``auto`` and refuses
+    ``async`` naming the fix; the config is checked before any plane is built."""
+    from disagg.config import DisaggConfig
+    from disagg.consumer.metadata import loads_async
+
+    base = {"role": "consumer", "consumer": {"producers": ["tcp://127.0.0.1:5557"]}}
+    shm = {**base, "transport": "ucx", "ucx_channel": "shm"}
+    assert loads_async(DisaggConfig.from_dict(base)) is True
+    assert loads_async(DisaggConfig.from_dict(shm)) is False
+    forced = {**shm, "consumer": {**base["consumer"], "load_mode": "async"}}
+    with pytest.raises(
+        ConfigError, match="load_mode: async loads need a data plane.*ucx_channel: tcp"
+    ):
+        loads_async(DisaggConfig.from_dict(forced))
 
 
 def test_salted_requests_through_the_bound_request(line):
@@ -166,49 +173,45 @@ def test_short_honour_loads_only_what_is_honoured(line, cap):
     no_lease_left(psvc)
 
 
-def test_cancelled_request_pages_are_never_written_after_release(line, monkeypatch):
-    """A request parked on a load is cancelled (the executor calls no connector hook) and
-    another request takes the freed pages at once: the load never writes into them, its
-    lease goes back within a bound, and the next request's tokens and pages are right."""
+def test_cancelled_request_pages_are_never_written_after_reuse(line, monkeypatch):
+    """A request parked on an async load is cancelled and the executor frees its pages at
+    once, asking no ``has_pending_transfers`` and calling no connector hook, as every
+    stored ``py_executor.py`` does; the next request takes those pages and runs while the
+    push is stalled mid-way. The consumer fences the load before that request's forward:
+    no byte of it lands afterwards, its lease goes back, and the next request's tokens and
+    pages are its own."""
     from chaos_role import slow_pushes
 
     monkeypatch.setattr(tcp.plan, "MSG_BYTES", tcp.plan.MSG_BYTES)  # slow_pushes sets it
     cfg = cfg_for(line, kv_manager="v1", num_blocks=24)
+    assert not cfg.cancel_waits_for_transfers
     ps = prompts(n=1, length=300)
     fresh = prompts(n=1, length=300, seed=99)  # no producer holds it
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
-    parks = features(line).keeps_cancelled_pages  # async loads (auto); else layer-wise
     started, go = threading.Event(), threading.Event()
-    if parks:  # the push stalls mid-way until the cancel has been handled
-        slow_pushes(psvc, 0.0, on_start=lambda tid: (started.set(), go.wait(30)))
+    slow_pushes(psvc, 0.0, on_start=lambda tid: (started.set(), go.wait(30)))
     cons, csvc = make_consumer(cfg, [psvc.endpoint], load_mode="auto", load_timeout_s=10.0)
     rid = cons.add_request(ps[0], 4)
-    cons.step()  # claimed, allocated, load dispatched (async: parked; sync: landed)
+    cons.step()  # claimed, allocated, parked, push asked for
+    load = csvc.loads[rid]
     b_slots = {s for g in cons.request_pages(rid) for s in g if s >= 0}
-    if parks:
-        assert started.wait(10), "the push never started"
+    assert started.wait(10), "the push never started"
     cons.cancel(rid)
-    # the next request arrives at once and wants the pages the cancel frees (the pool is
-    # too small otherwise); the stalled push resumes only after it had its chance to run
+    # the next request arrives at once and gets the freed pages (the pool is too small
+    # otherwise); it runs to the end while the push is still stalled
     c_id = cons.add_request(fresh[0], 4)
-    c_slots: list[list[int]] = []
-    for _ in range(3):
-        cons.step()
-        if not c_slots and cons.requests[c_id].queried:
-            c_slots = cons.request_pages(c_id)
-    if parks:  # the line keeps the pages while the load is pending: nothing freed yet
-        assert cons.requests[rid].state == "cancelled"
-        assert not cons.results[c_id].tokens, "the next request ran on pages still loading"
-    go.set()
+    cons.step()
+    c_slots = cons.request_pages(c_id)
+    assert b_slots & {s for g in c_slots for s in g}, "the next request reused no freed page"
+    assert cons.results[rid].error == "cancelled"
+    assert csvc.metrics["loads_fenced"] == 1
+    assert load.state.name == "ABANDONED" and "handed to request" in (load.error or "")
     while cons.has_work():
         cons.step()
-        if not c_slots and cons.requests[c_id].queried:
-            c_slots = cons.request_pages(c_id)
-        time.sleep(0.005)
-    assert cons.results[rid].error == "cancelled"
-    assert b_slots & {s for g in c_slots for s in g}, "the next request reused no freed page"
-    time.sleep(0.5)  # a stray push would land now
+    go.set()  # the producer sends the rest of the push now: the receiver must drop it
+    assert wait_for(lambda: psvc.metrics["pushes_failed"] + psvc.metrics["pushes_done"] >= 1, 15)
+    time.sleep(0.3)  # a stray frame would have landed by now
     res = cons.results[c_id]
     assert res.error is None and res.tokens == Engine(cfg).generate(fresh, 4)[0]
     checked = 0

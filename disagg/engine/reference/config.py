@@ -29,25 +29,13 @@ def parse_windows(text: str) -> tuple[int | None, ...]:
 # How each TensorRT-LLM line's executor treats a connector where the lines differ (the
 # connector package variants of that line; see disagg.engine.runtime.RuntimeFeatures).
 RUNTIMES: dict[str, dict[str, Any]] = {
-    # 1.1/1.2-era flat module: flat block ids, no pending-transfer guard on cancellation
-    "flat": dict(
-        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped=None
-    ),
-    "saltid": dict(
-        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped=None
-    ),
-    "groups": dict(
-        keeps_cancelled_pages=False, cancel_load=False, failed_load_reports=False, grouped="list"
-    ),
-    "main": dict(
-        keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False, grouped="list"
-    ),
-    "reservations": dict(
-        keeps_cancelled_pages=True, cancel_load=False, failed_load_reports=False, grouped="list"
-    ),
-    "cancel": dict(
-        keeps_cancelled_pages=True, cancel_load=True, failed_load_reports=True, grouped="dict"
-    ),
+    # 1.1/1.2-era flat module: flat block ids only
+    "flat": dict(cancel_load=False, failed_load_reports=False, grouped=None),
+    "saltid": dict(cancel_load=False, failed_load_reports=False, grouped=None),
+    "groups": dict(cancel_load=False, failed_load_reports=False, grouped="list"),
+    "main": dict(cancel_load=False, failed_load_reports=False, grouped="list"),
+    "reservations": dict(cancel_load=False, failed_load_reports=False, grouped="list"),
+    "cancel": dict(cancel_load=True, failed_load_reports=True, grouped="dict"),
 }
 
 
@@ -80,6 +68,11 @@ class EngineConfig:
     # (cancellation, failed loads, how layer groups are passed: ``RUNTIMES``); None: the
     # line of the TensorRT-LLM connector package in use, else "main".
     runtime: str | None = None
+    # Whether the executor keeps a cancelled request's pages while its manager reports a
+    # transfer of it pending (``has_pending_transfers``). No stored ``py_executor.py``
+    # asks: it frees them at once (False), and the consumer fences a load still landing
+    # in them itself. True stands for an executor that asks.
+    cancel_waits_for_transfers: bool = False
     # V2: the runtime honours at most this many of a connector's offered tokens
     # (``commit_new_matched_tokens``), standing for a chunked allocation that cannot
     # reserve pages for the whole offer; None honours all of it.

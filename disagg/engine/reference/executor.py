@@ -165,11 +165,11 @@ class Engine:
         """Cancel a request (a client going away), as TensorRT-LLM's executor does
         (``_handle_canceled_requests``): it ends at the start of the next iteration with the
         error ``cancelled``, and the connector is not told (no ``request_finished``). Its
-        pages are freed at once, unless the line keeps a cancelled request's pages while a
-        transfer of it is pending (``has_pending_transfers``: a parked load not yet
-        reported by every rank): then they are freed once it is. A reservation load
-        drains first (``defer_load_termination``). Finished or unknown requests are
-        ignored."""
+        pages are freed at once, as every stored ``py_executor.py`` does, unless
+        ``EngineConfig.cancel_waits_for_transfers`` (an executor that asks
+        ``has_pending_transfers``: a parked load not yet reported by every rank): then
+        they are freed once it is. A reservation load drains first
+        (``defer_load_termination``). Finished or unknown requests are ignored."""
         if request_id in self.requests:
             self._cancels.append(request_id)
 
@@ -206,7 +206,7 @@ class Engine:
                 continue
             if (
                 self.driver is not None
-                and self.features.keeps_cancelled_pages
+                and self.config.cancel_waits_for_transfers
                 and self.driver.pending_transfer(rid)
             ):
                 req.state = "cancelled"  # freed when every rank reported the transfer
