@@ -203,10 +203,16 @@ def test_stopped_producer_costs_at_most_one_prefill_deadline(system: dict[str, A
         why = health["producers"][urls[holder]]
         assert status == 200, health
         assert isinstance(why, str) and ("deadline" in why or "missed" in why), why
-        # a new prompt (salted: its seed is fetched) pays nothing for the stopped producer
-        status, _, took = _completion(proxy, sp.prompt(seed=33), cache_salt="fresh")
+        # a new prompt (salted: its seed is fetched) pays nothing for the stopped producer:
+        # the proxy neither tries it nor waits for its seed, and the other one prefills
+        other = "p1" if holder == "p0" else "p0"
+        errors, served = _producer_errors(proxy), _requests_seen(urls[other])
+        new = sp.prompt(seed=33)
+        status, _, took = _completion(proxy, new, cache_salt="fresh")
         assert status == 200
-        assert took < healthy_s + 1.5, f"{took:.2f}s vs {healthy_s:.2f}s healthy"
+        assert _producer_errors(proxy) == errors, "the proxy tried the stopped producer"
+        assert _requests_seen(urls[other]) == served + 1
+        assert took < LIMITS.prefill_s(len(new)), f"{took:.2f}s: it waited a prefill deadline"
     finally:
         os.kill(procs[holder].pid, signal.SIGCONT)
     _wait(lambda: _health(proxy)[1]["producers"][urls[holder]] == 200, 15, "never back up")
@@ -260,6 +266,16 @@ def _raw_request(url: str, raw: bytes) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
     return out
+
+
+def _producer_errors(proxy: str) -> float:
+    """Failed producer attempts the proxy counted, every kind."""
+    _, text = sp.get(f"{proxy}/metrics")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("disagg_proxy_upstream_errors_total{") and 'role="producer"' in line
+    )
 
 
 def _requests_seen(url: str) -> float:
