@@ -315,6 +315,14 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--store-device", choices=("cpu", "pinned", "cuda"), default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--http",
+        action="store_true",
+        help="at the client, over HTTP: a local server against producer + consumer + proxy "
+        "(TTFT, first-to-second-token gap, TBT); see disagg.bench.client_overhead",
+    )
+    ap.add_argument("--http-tokens", type=int, default=8, help="--http: tokens per answer")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="--http: KV blocks per engine")
     args = ap.parse_args(list(argv))
     try:
         args.lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
@@ -333,6 +341,17 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if args.role == "producer":
         return run_producer(args)
+    if args.http:
+        if args.http_tokens < 3:
+            print("disagg bench overhead: --http-tokens must be >= 3", file=sys.stderr)
+            return 2
+        from . import client_overhead
+
+        rep = client_overhead.run(args)
+        print(client_overhead.table(rep), flush=True)
+        if args.json:
+            print(json.dumps(rep))
+        return 0
     rep = run_parent(args)
     print(table(rep), flush=True)
     if args.json:

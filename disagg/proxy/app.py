@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -62,16 +61,16 @@ from ..serve.bodies import (
     read_json,
 )
 from ..serve.chat import parse_chat
+from . import first_token
 from .errors import (
-    UpstreamError,
-    _all_failed,
     _err_json,
     _json_dict,
     _upstream_message,
     _why,
 )
-from .limits import SEED_WAIT_S, ProxyLimits
-from .routing import EventFeeds, PrefixIndex, Upstream, advertised, choose, prompt_keys
+from .forward import Forwarding
+from .limits import ProxyLimits
+from .routing import EventFeeds, PrefixIndex, Upstream, advertised
 
 log = logging.getLogger("disagg.proxy")
 
@@ -82,7 +81,7 @@ def _in_flight(up: Upstream) -> float:
     return float(up.in_flight)
 
 
-class ProxyState:
+class ProxyState(Forwarding):
     """Upstreams, routing index, HTTP client and metrics of one proxy."""
 
     def __init__(
@@ -146,6 +145,13 @@ class ProxyState:
             "disagg_proxy_request_seconds",
             "End-to-end latency",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=reg,
+        )
+        self.m_first_token = Counter(
+            "disagg_proxy_first_token",
+            "Where the client's first token came from: producer (the consumer continued "
+            "after it), or a plain path's reason (the consumer computed it again)",
+            ["source"],
             registry=reg,
         )
         self.m_prefill = Histogram(
@@ -225,54 +231,6 @@ class ProxyState:
             if pending:
                 await asyncio.sleep(1.0)
 
-    async def _info(self, up: Upstream) -> dict[str, Any]:
-        assert self.http is not None
-        async with self.http.get(
-            f"{up.url}/disagg/info", timeout=aiohttp.ClientTimeout(total=3)
-        ) as r:
-            if r.status != 200:
-                raise ValueError(f"status {r.status}")
-            return dict(await r.json())
-
-    async def seed_for(self, up: Upstream, salt: str | None) -> None:
-        """Fetch ``up``'s namespace seed for ``salt`` once (a miss only costs routing)."""
-        if salt in up.seeds or up.instance_id is None:
-            return
-        assert self.http is not None
-        timeout = self.limits.heartbeat_s
-        try:
-            async with self.http.get(
-                f"{up.url}/disagg/seed",
-                params={"cache_salt": salt or ""},
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as r:
-                if r.status == 200:
-                    up.seeds[salt] = bytes.fromhex((await r.json())["namespace_seed"])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-            pass
-
-    async def seeds_for(self, salt: str | None) -> None:
-        """The seeds of ``salt`` from every producer that is up, waiting at most
-        ``SEED_WAIT_S``: a stopped producer never adds seconds to a request; the fetches
-        go on in the background and later requests route with what they learn."""
-        tasks = []
-        for up in self.producers:
-            if salt in up.seeds or up.instance_id is None or up.known_down():
-                continue
-            key = (up.url, salt)
-            task = self._seed_tasks.get(key)
-            if task is None:
-                task = asyncio.create_task(self.seed_for(up, salt))
-                self._seed_tasks[key] = task
-                task.add_done_callback(partial(self._seed_done, key))
-            tasks.append(task)
-        if tasks:
-            await asyncio.wait(tasks, timeout=SEED_WAIT_S)
-
-    def _seed_done(self, key: tuple[str, str | None], _task: asyncio.Task[None]) -> None:
-        self._seed_tasks.pop(key, None)
-
-    # -- health: heartbeats ------------------------------------------------------------
     async def _heartbeats(self) -> None:
         """Every ``heartbeat_s``: ``GET /health`` of every upstream, at once."""
         while True:
@@ -317,14 +275,6 @@ class ProxyState:
             log.info("upstream up", extra={"upstream": up.url, "was": up.down_reason})
             up.down_reason = None
 
-    def _down(self, up: Upstream, role: str, cause: str, reason: str, hold_s: float = 0.0) -> None:
-        """Mark ``up`` down for ``reason`` (kept at least ``hold_s``)."""
-        if up.down_reason is None:
-            self.m_down.labels(role, cause).inc()
-            log.warning("upstream down", extra={"upstream": up.url, "reason": reason})
-        up.down_reason = reason
-        up.down_until = max(up.down_until, time.monotonic() + hold_s)
-
     async def _check_incarnation(self, up: Upstream, inc: Any, seq: Any = None) -> None:
         """A producer answering with a new incarnation restarted: reload its keys. So does
         one whose last event (``seq``) the index has still not applied one heartbeat
@@ -352,227 +302,6 @@ class ProxyState:
             await asyncio.to_thread(self.feeds.resync, up.instance_id)
             return
         up.behind_at = synced[1]
-
-    # -- one request ---------------------------------------------------------------------
-    async def prefill(
-        self,
-        body: dict[str, Any],
-        tokens: list[int],
-        salt: str | None,
-        rid: str,
-        path: str = "/v1/completions",
-    ) -> web.Response | None:
-        """Run the prefill on a producer; ``None`` on success, else the error response."""
-        assert self.http is not None
-        if salt is not None:
-            await self.seeds_for(salt)
-        order, matched = choose(
-            self.producers, self.index, tokens, salt, self.limits.prefix_load_skew
-        )
-        self.m_route.labels("prefix" if matched else "least_loaded").inc()
-        self.m_matched.inc(matched)
-        pbody = {**body, "max_tokens": 1, "stream": False}
-        deadline = self.limits.prefill_s(len(tokens))
-        last: UpstreamError | None = None
-        for up in order:
-            t0 = time.monotonic()
-            up.in_flight += 1
-            try:
-                async with self.http.post(
-                    f"{up.url}{path}",
-                    json=pbody,
-                    headers={"X-Request-Id": rid},
-                    timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
-                ) as r:
-                    data = await r.read()
-                    status = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                up.failures += 1
-                if isinstance(e, asyncio.TimeoutError):
-                    kind, why = "deadline", f"prefill deadline of {deadline:.3g} s expired"
-                    self._down(up, "producer", kind, why, self.limits.down_after_s)
-                else:
-                    kind, why = "unreachable", f"unreachable: {_why(e)}"
-                    self._down(up, "producer", kind, why)
-                self.m_upstream_errors.labels("producer", kind).inc()
-                last = UpstreamError(up.url, None, why, True)
-                log.warning(
-                    "producer failed; trying the next",
-                    extra={"request_id": rid, "upstream": up.url, "error": why},
-                )
-                continue
-            finally:
-                up.in_flight -= 1
-            self.m_prefill.observe(time.monotonic() - t0)
-            if status == 200:
-                log.info(
-                    "prefilled",
-                    extra={"request_id": rid, "upstream": up.url, "matched_blocks": matched},
-                )
-                if up.instance_id is not None:
-                    self.index.note_routed(up.instance_id, prompt_keys(up, tokens, salt))
-                return None
-            msg = _upstream_message(data)
-            if 400 <= status < 500:
-                self.m_upstream_errors.labels("producer", "client_error").inc()
-                return _err_json(
-                    f"producer {up.url}: {msg}",
-                    status,
-                    "invalid_request_error",
-                    upstream=up.url,
-                    upstream_status=status,
-                )
-            self.m_upstream_errors.labels("producer", "server_error").inc()
-            last = UpstreamError(up.url, status, msg, True)
-            log.warning(
-                "producer failed",
-                extra={"request_id": rid, "upstream": up.url, "status": status, "error": msg},
-            )
-        assert last is not None
-        return _all_failed("producer", last)
-
-    async def decode(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        rid: str,
-        deadline: float,
-        path: str = "/v1/completions",
-    ) -> web.StreamResponse:
-        """Run the request on a consumer, retrying others until bytes reach the client;
-        each attempt bounded by ``deadline`` seconds."""
-        assert self.http is not None
-        order = sorted(self.consumers, key=lambda u: (u.known_down(), u.in_flight))
-        last: UpstreamError | None = None
-        for attempt, up in enumerate(order):
-            if attempt:
-                self.m_retries.inc()
-            up.in_flight += 1
-            try:
-                return await self._decode_on(request, up, body, rid, deadline, path)
-            except UpstreamError as e:
-                up.failures += 1
-                last = e
-                log.warning(
-                    "consumer failed before the first byte; trying the next",
-                    extra={
-                        "request_id": rid,
-                        "upstream": up.url,
-                        "status": e.status,
-                        "error": e.message,
-                    },
-                )
-                if not e.retryable:
-                    break
-            finally:
-                up.in_flight -= 1
-        assert last is not None
-        if last.status is not None and 400 <= last.status < 500:
-            return _err_json(
-                f"consumer {last.url}: {last.message}",
-                last.status,
-                "invalid_request_error",
-                upstream=last.url,
-                upstream_status=last.status,
-            )
-        return _all_failed("consumer", last)
-
-    async def _decode_on(
-        self,
-        request: web.Request,
-        up: Upstream,
-        body: dict[str, Any],
-        rid: str,
-        deadline: float,
-        path: str,
-    ) -> web.StreamResponse:
-        assert self.http is not None
-        try:
-            ctx = self.http.post(
-                f"{up.url}{path}",
-                json=body,
-                headers={"X-Request-Id": rid},
-                timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
-            )
-            r = await ctx.__aenter__()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise self._decode_failed(up, e, deadline, "") from e
-        try:
-            if r.status != 200:
-                try:
-                    data = await r.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    raise self._decode_failed(up, e, deadline, "") from e
-                kind = "client_error" if r.status < 500 else "server_error"
-                self.m_upstream_errors.labels("consumer", kind).inc()
-                raise UpstreamError(up.url, r.status, _upstream_message(data), r.status >= 500)
-            ctype = r.headers.get("Content-Type", "")
-            if not ctype.startswith("text/event-stream"):
-                try:
-                    data = await r.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    raise self._decode_failed(up, e, deadline, "") from e
-                return web.Response(
-                    body=data,
-                    status=200,
-                    content_type="application/json",
-                    headers={"X-Request-Id": rid},
-                )
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": rid,
-                }
-            )
-            # Wait for the first bytes before answering: a failure until then can retry.
-            try:
-                first = await r.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise self._decode_failed(up, e, deadline, "stream broke before any data: ") from e
-            await resp.prepare(request)
-            await resp.write(first)
-            try:
-                async for data in r.content.iter_any():
-                    await resp.write(data)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.m_upstream_errors.labels("consumer", "stream_broken").inc()
-                why = _why(e, deadline)
-                if isinstance(e, asyncio.TimeoutError):
-                    why = f"decode deadline of {deadline:.3g} s expired"
-                    self._down(up, "consumer", "deadline", why, self.limits.down_after_s)
-                log.warning(
-                    "consumer stream broke",
-                    extra={"request_id": rid, "upstream": up.url, "error": why},
-                )
-                err = {
-                    "error": {
-                        "message": f"consumer {up.url}: stream broke: {why}",
-                        "type": "upstream_error",
-                        "code": 502,
-                    }
-                }
-                await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            await resp.write_eof()
-            return resp
-        finally:
-            await ctx.__aexit__(None, None, None)
-
-    def _decode_failed(
-        self, up: Upstream, e: BaseException, deadline: float, prefix: str
-    ) -> UpstreamError:
-        """A decode attempt failed before any byte reached the client: mark the consumer
-        down (an expired deadline holds it down a while) and say how, to retry elsewhere."""
-        if isinstance(e, asyncio.TimeoutError):
-            kind, why = "deadline", f"{prefix}decode deadline of {deadline:.3g} s expired"
-            self._down(up, "consumer", kind, why, self.limits.down_after_s)
-        elif prefix:  # it answered, then broke: not known to be down
-            kind, why = "stream_broken", f"{prefix}{_why(e)}"
-        else:
-            kind, why = "unreachable", f"unreachable: {_why(e)}"
-            self._down(up, "consumer", kind, why)
-        self.m_upstream_errors.labels("consumer", kind).inc()
-        return UpstreamError(up.url, None, why, True)
 
     async def models(self) -> web.Response:
         """``GET /v1/models``: the first consumer that answers (they serve the same model)."""
@@ -609,7 +338,11 @@ class ProxyState:
         prod = {u.url: state(u) for u in self.producers}
         cons = {u.url: state(u) for u in self.consumers}
         ok = any(s == 200 for s in prod.values()) and any(s == 200 for s in cons.values())
-        return ok, {"producers": prod, "consumers": cons}
+        plain = {
+            why: int(self.m_first_token.labels(why)._value.get())
+            for why in (first_token.NO_TOKEN_IDS, first_token.NO_CONTINUATION)
+        }
+        return ok, {"producers": prod, "consumers": cons, "first_token_plain_path": plain}
 
 
 def build_app(state: ProxyState) -> web.Application:
@@ -641,13 +374,13 @@ def build_app(state: ProxyState) -> web.Application:
             bad.headers["X-Request-Id"] = rid
             return bad
         log.info("request", extra={"request_id": rid, "stream": stream})
-        failed = await state.prefill(body, tokens, salt, rid, path)
-        if failed is not None:
+        pre = await state.prefill(body, tokens, salt, rid, path, stream)
+        if isinstance(pre, web.Response):
             state.m_requests.labels("prefill_failed").inc()
-            failed.headers["X-Request-Id"] = rid
-            return failed
+            pre.headers["X-Request-Id"] = rid
+            return pre
         deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.decode(request, body, rid, deadline, path)
+        resp = await state.answer(request, body, pre, max_tokens, stream, rid, deadline, path)
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(

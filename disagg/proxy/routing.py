@@ -65,6 +65,7 @@ class Upstream:
     misses: int = 0
     beaten: bool = False  # a heartbeat has completed (answered or not)
     incarnation: int | None = None  # producer: the process's, from /health
+    continuation: bool | None = None  # consumer: takes disagg.first_tokens (None: unknown)
     # producer: the index's seq of its stream when a heartbeat last found it behind
     behind_at: int | None = None
 

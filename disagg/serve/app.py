@@ -8,7 +8,12 @@ Routes
         ``choices[0].token_ids`` besides ``text``; streaming sends SSE ``data: {...}``
         chunks (one per engine step that produced tokens), a last chunk with
         ``finish_reason``, ``usage`` and ``disagg`` (``connector_matched_tokens``...,
-        as a whole answer carries), then ``data: [DONE]``. Errors are OpenAI-style
+        as a whole answer carries), then ``data: [DONE]``. ``disagg.first_tokens`` (token
+        ids) continues an answer another server began (the proxy's prefill): the engine
+        computes after prompt + those tokens, the answer's ``token_ids``, ``text`` and
+        ``usage`` count them, and a stream sends only what follows them (its text decoded
+        as if they had been streamed: a character split across them comes out whole).
+        Errors are OpenAI-style
         ``{"error": {"message", "type", "code"}}`` with 400 (bad request), 413 (body over
         32 MiB) or 500/503; every error, 404 and uncaught ones included, is JSON
         (:mod:`disagg.serve.bodies`, which also bounds the body's nesting).
@@ -20,7 +25,8 @@ Routes
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
         request counters and a latency histogram.
     ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
-        needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`);
+        needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`),
+        ``continuation: true`` (this server takes ``disagg.first_tokens``);
         ``/disagg/info`` also carries ``engine``: the engine's shape (its ``model`` name,
         ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``).
 
@@ -54,6 +60,7 @@ from .bodies import (
     error_body,
     json_errors,
     parse_completion,
+    parse_continuation,
     read_json,
 )
 from .engine_loop import EngineLoop, Job
@@ -112,6 +119,8 @@ def build_app(
             body = await read_json(request)
             parse = chat.parse_chat if is_chat else parse_completion
             tokens, max_tokens, stream, salt, _ = parse(body)
+            cfg = getattr(engine_loop.engine, "config", None)
+            first = parse_continuation(body, max_tokens, getattr(cfg, "vocab_size", 1 << 31))
         except BadRequest as e:
             requests_total.labels("bad_request").inc()
             log.info("bad request", extra={"request_id": rid, "error": str(e)})
@@ -128,8 +137,8 @@ def build_app(
 
         job = Job(
             request_id=rid,
-            prompt=tokens,
-            max_tokens=max_tokens,
+            prompt=tokens + first,  # a continuation computes only after the given tokens
+            max_tokens=max_tokens - len(first),
             cache_salt=salt,
             on_tokens=lambda new: post("tokens", new, None),
             on_done=lambda err, info: post("done", err, info),
@@ -147,22 +156,25 @@ def build_app(
                 "max_tokens": max_tokens,
                 "stream": stream,
                 "cache_salt": salt is not None,
+                "first_tokens": len(first),
             },
         )
         created = int(time.time())
-        out: list[int] = []
+        out: list[int] = list(first)  # a continuation's answer counts the given tokens
+        text = tokenizer.StreamDecoder(first)  # whose text the client has already had
         headers = {"X-Request-Id": rid}
 
         def chunk(new: list[int], finish: str | None, usage: bool) -> dict[str, Any]:
+            said = (text.feed(new) + (text.flush() if finish else "")) if stream else None
             if is_chat:
                 kind = "chat.completion.chunk" if stream else "chat.completion"
-                first = len(out) == len(new)  # the first delta carries the role
-                choice = chat.choice(new, finish, stream, first)
+                lead = len(out) == len(new)  # the first delta carries the role
+                choice = chat.choice(new, finish, stream, lead, said)
             else:
                 kind = "text_completion"
                 choice = {
                     "index": 0,
-                    "text": tokenizer.decode(new),
+                    "text": tokenizer.decode(new) if said is None else said,
                     "token_ids": new,
                     "logprobs": None,
                     "finish_reason": finish,
@@ -186,7 +198,7 @@ def build_app(
         while True:
             kind, a, info = await events.get()
             if kind == "tokens":
-                if not out:
+                if len(out) == len(first):
                     ttft.observe(time.monotonic() - job.t0)
                 out.extend(a)
                 if stream:
@@ -254,7 +266,12 @@ def build_app(
 
     async def info(request: web.Request) -> web.Response:
         svc = _service(role)
-        out: dict[str, Any] = {"role": role, "instance_id": instance_id, "model": model_name}
+        out: dict[str, Any] = {
+            "role": role,
+            "instance_id": instance_id,
+            "model": model_name,
+            "continuation": True,
+        }
         cfg = getattr(engine_loop.engine, "config", None)
         if cfg is not None and hasattr(cfg, "model_name"):
             out["engine"] = {

@@ -115,6 +115,28 @@ def parse_completion(body: Any) -> tuple[list[int], int, bool, str | None, bool]
     return tokens, max_tokens, stream, salt, was_text
 
 
+def parse_continuation(body: dict[str, Any], max_tokens: int, vocab_size: int) -> list[int]:
+    """``disagg.first_tokens``: tokens of the answer already generated elsewhere (the
+    producer's first token, sent by the proxy); the answer continues after them and
+    counts them. ``[]`` when absent. Raises :class:`BadRequest` naming the field."""
+    ext = body.get("disagg")
+    if ext is None:
+        return []
+    if not isinstance(ext, dict):
+        raise BadRequest("disagg: must be an object")
+    first = ext.get("first_tokens", [])
+    if not isinstance(first, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in first
+    ):
+        raise BadRequest(f"disagg.first_tokens: must be a list of token ids in [0, {vocab_size})")
+    if len(first) >= max_tokens:
+        raise BadRequest(
+            f"disagg.first_tokens: {len(first)} token(s) leave nothing of max_tokens="
+            f"{max_tokens} to generate; answer from them directly"
+        )
+    return list(first)
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error answered as JSON: HTTP exceptions keep their status, anything uncaught

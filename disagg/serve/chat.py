@@ -69,10 +69,13 @@ def parse_chat(body: Any) -> tuple[list[int], int, bool, str | None, bool]:
     return parse_completion(as_completion)
 
 
-def choice(new: list[int], finish: str | None, stream: bool, first: bool) -> dict[str, Any]:
+def choice(
+    new: list[int], finish: str | None, stream: bool, first: bool, text: str | None = None
+) -> dict[str, Any]:
     """One chat choice: a ``delta`` when streaming (the first carries the role), else the
-    whole ``message``; ``token_ids`` as in completions."""
-    text = tokenizer.decode(new)
+    whole ``message``; ``token_ids`` as in completions; ``text`` (default: ``new`` decoded
+    alone) is what a stream's decoder gives for them."""
+    text = tokenizer.decode(new) if text is None else text
     body: dict[str, Any] = {"index": 0, "token_ids": new, "finish_reason": finish}
     if stream:
         body["delta"] = {"role": "assistant", "content": text} if first else {"content": text}

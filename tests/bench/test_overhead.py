@@ -33,3 +33,17 @@ def test_overhead_bad_lengths_are_one_line(capsys: pytest.CaptureFixture[str]) -
     assert main(["overhead", "--prompt-lens", "10"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--prompt-lens '10'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.timeout(240)
+def test_overhead_at_the_client_over_http(capsys: pytest.CaptureFixture[str]) -> None:
+    """The quick form of the client-side comparison: one local server against producer +
+    consumer + proxy, the same prompt lengths; every figure measured and positive."""
+    argv = ["overhead", "--http", "--prompt-lens", "128", "--repeats", "1", "--layers", "2"]
+    assert main([*argv, "--http-tokens", "4", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = rep["results"]
+    assert row["prompt_tokens"] == 128
+    for side in ("local", "disaggregated"):
+        assert row[side]["ttft_ms"] > 0 and row[side]["gap_ms"] > 0 and row[side]["tbt_ms"] > 0
+    assert row["ttft_ratio"] > 0 and row["gap_ratio"] > 0

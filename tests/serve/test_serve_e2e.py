@@ -185,11 +185,14 @@ def test_upstream_down_is_502(tmp_path: Path, system: dict[str, Any]) -> None:
             except OSError:  # not listening yet
                 time.sleep(0.1)
         assert status == 503 and "unreachable" in text
-        status, out = sp.post(f"{url}/v1/completions", {"prompt": [1] * 40, "max_tokens": 1})
+        status, out = sp.post(f"{url}/v1/completions", {"prompt": [1] * 40, "max_tokens": 2})
         assert status == 502
         assert (
             out["error"]["upstream"] == dead and "every consumer failed" in out["error"]["message"]
         )
+        # one token is the producer's whole answer: no consumer is needed for it
+        status, out = sp.post(f"{url}/v1/completions", {"prompt": [1] * 40, "max_tokens": 1})
+        assert status == 200 and out["choices"][0]["token_ids"] == sp.monolithic([1] * 40, 1)
     finally:
         sp.stop([proc])
 

@@ -1,0 +1,111 @@
+"""The producer's first token, handed to the client and continued by the consumer.
+
+The proxy asks the producer for one token (``max_tokens: 1``, streamed when the client
+streams). That token is the answer's first: the client gets it as soon as the producer has
+it, and the consumer continues from prompt + that token (``disagg.first_tokens`` in its
+request, :func:`disagg.serve.bodies.parse_continuation`): it claims the prompt's blocks,
+computes only the tail and the first token's KV, and its answer counts the given token
+(a non-streamed one carries it; a stream sends only what follows). The request is the
+client's own, chat or completions, so a chat prompt is templated on the consumer as
+before.
+
+When the producer's answer is the whole answer (``max_tokens: 1``, or its finish reason
+is not ``length``: a stop condition met by the first token), it goes to the client as is
+and no consumer is asked. When the producer's answer carries no token ids, or the consumer
+does not take continuations (its ``/disagg/info`` has no ``continuation: true``, as a
+``trtllm-serve`` one), the request takes the plain path: the consumer computes the first
+token again and its answer goes to the client; each such request is counted by reason.
+
+Wire: a streamed prefill is read to its ``[DONE]`` as SSE events; the event carrying the
+token (``choices[0].token_ids``) is forwarded to the client byte for byte, so its text is
+the producer's (a UTF-8 character split across the first and second token comes out whole
+in the consumer's next chunk).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+# why a request took the plain path (the proxy's metric label and /health)
+NO_TOKEN_IDS = "producer_gave_no_token_ids"
+NO_CONTINUATION = "consumer_takes_no_continuation"
+
+
+@dataclass
+class Prefilled:
+    """What a producer answered for the prefill."""
+
+    tokens: list[int] = field(default_factory=list)  # its token ids ([] if it gave none)
+    finish: str | None = None  # the finish reason of its answer
+    body: bytes = b""  # a JSON answer as received
+    events: list[bytes] = field(default_factory=list)  # a stream's SSE events, raw
+    first_event: bytes | None = None  # the streamed event carrying the tokens
+
+    @property
+    def whole(self) -> bool:
+        """The producer's answer is the whole answer (a stop condition met)."""
+        return self.finish is not None and self.finish != "length"
+
+
+def _choice(d: Any) -> dict[str, Any]:
+    if isinstance(d, dict) and isinstance(d.get("choices"), list) and d["choices"]:
+        c = d["choices"][0]
+        if isinstance(c, dict):
+            return c
+    return {}
+
+
+def _ids(choice: dict[str, Any]) -> list[int]:
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return list(ids)
+    return []
+
+
+def from_json(data: bytes) -> Prefilled:
+    """A non-streamed prefill answer."""
+    try:
+        c = _choice(json.loads(data))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        c = {}
+    finish = c.get("finish_reason")
+    return Prefilled(_ids(c), finish if isinstance(finish, str) else None, body=data)
+
+
+async def from_stream(content: aiohttp.StreamReader) -> Prefilled:
+    """A streamed prefill answer, read to its end (``[DONE]`` or the stream's close)."""
+    out = Prefilled()
+    buf = b""
+    async for line in content:
+        buf += line
+        if line not in (b"\n", b"\r\n"):
+            continue
+        event, buf = buf, b""
+        data = b"".join(ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:"))
+        if not data:
+            continue
+        out.events.append(event)
+        if data == b"[DONE]":
+            break
+        try:
+            c = _choice(json.loads(data))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        ids = _ids(c)
+        if ids and out.first_event is None:
+            out.tokens, out.first_event = ids, event
+        finish = c.get("finish_reason")
+        if isinstance(finish, str):
+            out.finish = finish
+    return out
+
+
+def continuation(body: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+    """The consumer's request: the client's, continuing after ``tokens``."""
+    ext = body.get("disagg")
+    extra: dict[str, Any] = ext if isinstance(ext, dict) else {}
+    return {**body, "disagg": {**extra, "first_tokens": list(tokens)}}

@@ -1,0 +1,411 @@
+"""One request's way through the upstreams: the prefill on a producer (longest held
+prefix first), the first token's hand-over (:mod:`disagg.proxy.first_token`) and the
+decode on a consumer, each attempt bounded by its deadline and retried on the next upstream
+until bytes of that role reach the client. ``ProxyState`` (:mod:`disagg.proxy.app`) is
+built on it and owns what it reads: the HTTP client, upstreams, routing index, limits and
+metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+
+from . import first_token
+from .errors import UpstreamError, _all_failed, _err_json, _upstream_message, _why
+from .first_token import Prefilled
+from .limits import SEED_WAIT_S, ProxyLimits
+from .routing import PrefixIndex, Upstream, choose, prompt_keys
+
+log = logging.getLogger("disagg.proxy")
+
+
+class Forwarding:
+    """The request path of a proxy (see the module docstring)."""
+
+    http: aiohttp.ClientSession | None
+    producers: list[Upstream]
+    consumers: list[Upstream]
+    index: PrefixIndex
+    limits: ProxyLimits
+    _seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]]
+    m_down: Counter
+    m_route: Counter
+    m_matched: Counter
+    m_upstream_errors: Counter
+    m_retries: Counter
+    m_first_token: Counter
+    m_prefill: Histogram
+
+    async def _info(self, up: Upstream) -> dict[str, Any]:
+        assert self.http is not None
+        async with self.http.get(
+            f"{up.url}/disagg/info", timeout=aiohttp.ClientTimeout(total=3)
+        ) as r:
+            if r.status != 200:
+                raise ValueError(f"status {r.status}")
+            return dict(await r.json())
+
+    async def seed_for(self, up: Upstream, salt: str | None) -> None:
+        """Fetch ``up``'s namespace seed for ``salt`` once (a miss only costs routing)."""
+        if salt in up.seeds or up.instance_id is None:
+            return
+        assert self.http is not None
+        timeout = self.limits.heartbeat_s
+        try:
+            async with self.http.get(
+                f"{up.url}/disagg/seed",
+                params={"cache_salt": salt or ""},
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as r:
+                if r.status == 200:
+                    up.seeds[salt] = bytes.fromhex((await r.json())["namespace_seed"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+            pass
+
+    async def seeds_for(self, salt: str | None) -> None:
+        """The seeds of ``salt`` from every producer that is up, waiting at most
+        ``SEED_WAIT_S``: a stopped producer never adds seconds to a request; the fetches
+        go on in the background and later requests route with what they learn."""
+        tasks = []
+        for up in self.producers:
+            if salt in up.seeds or up.instance_id is None or up.known_down():
+                continue
+            key = (up.url, salt)
+            task = self._seed_tasks.get(key)
+            if task is None:
+                task = asyncio.create_task(self.seed_for(up, salt))
+                self._seed_tasks[key] = task
+                task.add_done_callback(partial(self._seed_done, key))
+            tasks.append(task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=SEED_WAIT_S)
+
+    def _seed_done(self, key: tuple[str, str | None], _task: asyncio.Task[None]) -> None:
+        self._seed_tasks.pop(key, None)
+
+    # -- health: heartbeats ------------------------------------------------------------
+    def _down(self, up: Upstream, role: str, cause: str, reason: str, hold_s: float = 0.0) -> None:
+        """Mark ``up`` down for ``reason`` (kept at least ``hold_s``)."""
+        if up.down_reason is None:
+            self.m_down.labels(role, cause).inc()
+            log.warning("upstream down", extra={"upstream": up.url, "reason": reason})
+        up.down_reason = reason
+        up.down_until = max(up.down_until, time.monotonic() + hold_s)
+
+    # -- one request ---------------------------------------------------------------------
+    async def prefill(
+        self,
+        body: dict[str, Any],
+        tokens: list[int],
+        salt: str | None,
+        rid: str,
+        path: str = "/v1/completions",
+        stream: bool = False,
+    ) -> web.Response | Prefilled:
+        """Run the prefill (one token, streamed if the client streams) on a producer: its
+        answer, or the error response."""
+        assert self.http is not None
+        if salt is not None:
+            await self.seeds_for(salt)
+        order, matched = choose(
+            self.producers, self.index, tokens, salt, self.limits.prefix_load_skew
+        )
+        self.m_route.labels("prefix" if matched else "least_loaded").inc()
+        self.m_matched.inc(matched)
+        pbody = {**body, "max_tokens": 1, "stream": stream}
+        deadline = self.limits.prefill_s(len(tokens))
+        last: UpstreamError | None = None
+        for up in order:
+            t0 = time.monotonic()
+            up.in_flight += 1
+            try:
+                async with self.http.post(
+                    f"{up.url}{path}",
+                    json=pbody,
+                    headers={"X-Request-Id": rid},
+                    timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
+                ) as r:
+                    status = r.status
+                    pre: Prefilled | None = None
+                    if status == 200 and r.content_type == "text/event-stream":
+                        pre, data = await first_token.from_stream(r.content), b""
+                    else:
+                        data = await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                up.failures += 1
+                if isinstance(e, asyncio.TimeoutError):
+                    kind, why = "deadline", f"prefill deadline of {deadline:.3g} s expired"
+                    self._down(up, "producer", kind, why, self.limits.down_after_s)
+                else:
+                    kind, why = "unreachable", f"unreachable: {_why(e)}"
+                    self._down(up, "producer", kind, why)
+                self.m_upstream_errors.labels("producer", kind).inc()
+                last = UpstreamError(up.url, None, why, True)
+                log.warning(
+                    "producer failed; trying the next",
+                    extra={"request_id": rid, "upstream": up.url, "error": why},
+                )
+                continue
+            finally:
+                up.in_flight -= 1
+            self.m_prefill.observe(time.monotonic() - t0)
+            if status == 200:
+                log.info(
+                    "prefilled",
+                    extra={"request_id": rid, "upstream": up.url, "matched_blocks": matched},
+                )
+                if up.instance_id is not None:
+                    self.index.note_routed(up.instance_id, prompt_keys(up, tokens, salt))
+                return pre if pre is not None else first_token.from_json(data)
+            msg = _upstream_message(data)
+            if 400 <= status < 500:
+                self.m_upstream_errors.labels("producer", "client_error").inc()
+                return _err_json(
+                    f"producer {up.url}: {msg}",
+                    status,
+                    "invalid_request_error",
+                    upstream=up.url,
+                    upstream_status=status,
+                )
+            self.m_upstream_errors.labels("producer", "server_error").inc()
+            last = UpstreamError(up.url, status, msg, True)
+            log.warning(
+                "producer failed",
+                extra={"request_id": rid, "upstream": up.url, "status": status, "error": msg},
+            )
+        assert last is not None
+        return _all_failed("producer", last)
+
+    async def decode(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        rid: str,
+        deadline: float,
+        path: str = "/v1/completions",
+        resp: web.StreamResponse | None = None,
+        order: list[Upstream] | None = None,
+    ) -> web.StreamResponse:
+        """Run the request on a consumer, retrying others until the consumer's bytes reach
+        the client; each attempt bounded by ``deadline`` seconds. ``resp``: a stream
+        already begun (the producer's first token sent): the consumer's events follow,
+        and a failure of every consumer ends it with an error event. ``order``: the
+        consumers to try (default: every one, best first)."""
+        assert self.http is not None
+        order = self.consumer_order() if order is None else order
+        last: UpstreamError | None = None
+        for attempt, up in enumerate(order):
+            if attempt:
+                self.m_retries.inc()
+            up.in_flight += 1
+            try:
+                return await self._decode_on(request, up, body, rid, deadline, path, resp)
+            except UpstreamError as e:
+                up.failures += 1
+                last = e
+                log.warning(
+                    "consumer failed before the first byte; trying the next",
+                    extra={
+                        "request_id": rid,
+                        "upstream": up.url,
+                        "status": e.status,
+                        "error": e.message,
+                    },
+                )
+                if not e.retryable:
+                    break
+            finally:
+                up.in_flight -= 1
+        assert last is not None
+        if resp is not None:  # the client has its first token: end the stream by name
+            who = f"every consumer failed; last: consumer {last.url}: {last.message}"
+            err = {"error": {"message": who, "type": "upstream_error", "code": 502}}
+            await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+        if last.status is not None and 400 <= last.status < 500:
+            return _err_json(
+                f"consumer {last.url}: {last.message}",
+                last.status,
+                "invalid_request_error",
+                upstream=last.url,
+                upstream_status=last.status,
+            )
+        return _all_failed("consumer", last)
+
+    async def _decode_on(
+        self,
+        request: web.Request,
+        up: Upstream,
+        body: dict[str, Any],
+        rid: str,
+        deadline: float,
+        path: str,
+        begun: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        assert self.http is not None
+        try:
+            ctx = self.http.post(
+                f"{up.url}{path}",
+                json=body,
+                headers={"X-Request-Id": rid},
+                timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
+            )
+            r = await ctx.__aenter__()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise self._decode_failed(up, e, deadline, "") from e
+        try:
+            if r.status != 200:
+                try:
+                    data = await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    raise self._decode_failed(up, e, deadline, "") from e
+                kind = "client_error" if r.status < 500 else "server_error"
+                self.m_upstream_errors.labels("consumer", kind).inc()
+                raise UpstreamError(up.url, r.status, _upstream_message(data), r.status >= 500)
+            ctype = r.headers.get("Content-Type", "")
+            if not ctype.startswith("text/event-stream"):
+                try:
+                    data = await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    raise self._decode_failed(up, e, deadline, "") from e
+                if begun is not None:
+                    raise UpstreamError(up.url, 200, "answered JSON to a streamed request", True)
+                return web.Response(
+                    body=data,
+                    status=200,
+                    content_type="application/json",
+                    headers={"X-Request-Id": rid},
+                )
+            # Wait for the first bytes before answering: a failure until then can retry.
+            try:
+                first = await r.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise self._decode_failed(up, e, deadline, "stream broke before any data: ") from e
+            if not first:
+                raise UpstreamError(up.url, 200, "stream ended before any data", True)
+            resp = begun if begun is not None else await self.begin_stream(request, rid)
+            await resp.write(first)
+            try:
+                async for data in r.content.iter_any():
+                    await resp.write(data)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.m_upstream_errors.labels("consumer", "stream_broken").inc()
+                why = _why(e, deadline)
+                if isinstance(e, asyncio.TimeoutError):
+                    why = f"decode deadline of {deadline:.3g} s expired"
+                    self._down(up, "consumer", "deadline", why, self.limits.down_after_s)
+                log.warning(
+                    "consumer stream broke",
+                    extra={"request_id": rid, "upstream": up.url, "error": why},
+                )
+                err = {
+                    "error": {
+                        "message": f"consumer {up.url}: stream broke: {why}",
+                        "type": "upstream_error",
+                        "code": 502,
+                    }
+                }
+                await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+    async def answer(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        pre: Prefilled,
+        max_tokens: int,
+        stream: bool,
+        rid: str,
+        deadline: float,
+        path: str,
+    ) -> web.StreamResponse:
+        """The client's answer after the producer's prefill (``first_token``): the
+        producer's own when it is the whole answer; else its first token at once and the
+        consumer's continuation after it; else (a plain path, counted) the consumer's."""
+        if pre.tokens and (max_tokens == 1 or pre.whole):
+            self.m_first_token.labels("producer").inc()
+            if not stream:
+                return web.Response(
+                    body=pre.body, content_type="application/json", headers={"X-Request-Id": rid}
+                )
+            resp = await self.begin_stream(request, rid)
+            for event in pre.events:
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
+        # only consumers known to take the continuation get it: another would generate
+        # from the prompt alone and repeat the first token
+        able = [up for up in self.consumer_order() if await self.continues(up)]
+        why = None
+        if not pre.tokens or (stream and pre.first_event is None):
+            why = first_token.NO_TOKEN_IDS
+        elif not able:
+            why = first_token.NO_CONTINUATION
+        if why is not None:
+            self.m_first_token.labels(why).inc()
+            return await self.decode(request, body, rid, deadline, path)
+        self.m_first_token.labels("producer").inc()
+        cbody = first_token.continuation(body, pre.tokens)
+        if not stream:
+            return await self.decode(request, cbody, rid, deadline, path, order=able)
+        resp = await self.begin_stream(request, rid)
+        assert pre.first_event is not None
+        await resp.write(pre.first_event)
+        return await self.decode(request, cbody, rid, deadline, path, resp, able)
+
+    async def begin_stream(self, request: web.Request, rid: str) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": rid,
+            }
+        )
+        await resp.prepare(request)
+        return resp
+
+    def consumer_order(self) -> list[Upstream]:
+        """Consumers to try, best first: those not known down, then fewest in flight."""
+        return sorted(self.consumers, key=lambda u: (u.known_down(), u.in_flight))
+
+    async def continues(self, up: Upstream) -> bool:
+        """Whether consumer ``up`` takes ``disagg.first_tokens`` (its ``/disagg/info`` says
+        ``continuation: true``), asked once; one that cannot be asked now counts as not
+        taking them this time (asked again next time)."""
+        if up.continuation is None:
+            try:
+                up.continuation = bool((await self._info(up)).get("continuation"))
+            except ValueError:  # it answered, without that route: it never will
+                up.continuation = False
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+        return up.continuation
+
+    def _decode_failed(
+        self, up: Upstream, e: BaseException, deadline: float, prefix: str
+    ) -> UpstreamError:
+        """A decode attempt failed before any byte reached the client: mark the consumer
+        down (an expired deadline holds it down a while) and say how, to retry elsewhere."""
+        if isinstance(e, asyncio.TimeoutError):
+            kind, why = "deadline", f"{prefix}decode deadline of {deadline:.3g} s expired"
+            self._down(up, "consumer", kind, why, self.limits.down_after_s)
+        elif prefix:  # it answered, then broke: not known to be down
+            kind, why = "stream_broken", f"{prefix}{_why(e)}"
+        else:
+            kind, why = "unreachable", f"unreachable: {_why(e)}"
+            self._down(up, "consumer", kind, why)
+        self.m_upstream_errors.labels("consumer", kind).inc()
+        return UpstreamError(up.url, None, why, True)
