@@ -61,7 +61,7 @@ KvCacheBufferRef: Any = _L.KvCacheBufferRef
 valid_page_slots: Any = getattr(_L, "valid_page_slots", layout.valid_page_slots)
 BAD_PAGE_INDEX: int = getattr(_L, "BAD_PAGE_INDEX", -1)
 USING_TRTLLM: bool = _conn is not None
-FEATURES: runtime.RuntimeFeatures = runtime.features_of(_conn)
+FEATURES: runtime.RuntimeFeatures = runtime.bind(_conn)  # at import; runtime.current() later
 
 __all__ = [
     "BAD_PAGE_INDEX",

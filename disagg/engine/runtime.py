@@ -60,26 +60,31 @@ def features_of(conn: Any) -> RuntimeFeatures:
 
 
 _fallback = RuntimeFeatures(line="disagg.engine._contract")
+_current = _fallback
+_using_trtllm = False
+
+
+def bind(conn: Any) -> RuntimeFeatures:
+    """``disagg.engine`` at import: the connector module it took (None: our fallback
+    copies). Returns its features, ``current()`` from now on."""
+    global _current, _using_trtllm
+    _using_trtllm = conn is not None
+    _current = features_of(conn)
+    return _current
 
 
 def use_features(**changes: Any) -> RuntimeFeatures:
-    """The reference engine declares how it behaves (fallback copies only)."""
-    global _fallback
-    _fallback = replace(_fallback, **changes)
-    from . import FEATURES, USING_TRTLLM
-
-    if USING_TRTLLM:
-        return FEATURES
-    import disagg.engine as eng
-
-    eng.FEATURES = _fallback
-    return _fallback
+    """The reference engine declares how it behaves (fallback copies only; with
+    TensorRT-LLM's classes their line's features stand)."""
+    global _fallback, _current
+    if _using_trtllm:
+        return _current
+    _fallback = _current = replace(_fallback, **changes)
+    return _current
 
 
 def current() -> RuntimeFeatures:
-    import disagg.engine as eng
-
-    return eng.FEATURES
+    return _current
 
 
 _local = threading.local()
@@ -94,9 +99,7 @@ def set_rank(rank: int) -> None:
 
 
 def runtime_rank() -> int:
-    import disagg.engine as eng
-
-    if eng.USING_TRTLLM:
+    if _using_trtllm:
         try:
             from tensorrt_llm._utils import mpi_rank  # type: ignore[import-not-found]
 
