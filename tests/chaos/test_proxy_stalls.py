@@ -38,7 +38,7 @@ import serve_procs as sp  # noqa: E402
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 LIMITS = ProxyLimits(
-    prefill_floor_s=3.0,
+    prefill_floor_s=8.0,  # a prefill on this shared 2-core box, loaded by other jobs
     prefill_per_token_s=0.002,
     decode_floor_s=20.0,
     heartbeat_s=0.5,
