@@ -3,7 +3,8 @@ leases granted over the authenticated channel.
 
 Guarantees proved here:
 - a peer without a key, with a wrong server key, or with a key that is not allowed is
-  refused within its deadline (TIMEOUT) and learns nothing: no reply byte, no event;
+  refused within its deadline and learns nothing but that (``HandshakeRefused`` with its
+  reason, from its own socket monitor): no reply byte, no event;
 - a peer with the key works end to end (tokens equal to the monolithic run);
 - an authenticated peer cannot act as another consumer (owner name bound to its key);
 - ``cache_salt`` isolation holds for authenticated peers;
@@ -34,6 +35,7 @@ from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient, ControlServer, EventPublisher, EventSubscriber
+from disagg.transport.refusals import HandshakeRefused
 from disagg.transport.tcp import StreamPush, TcpDataPlane
 
 DEADLINE = 0.5
@@ -57,12 +59,13 @@ def _echo(ident, msg):
 # --------------------------------------------------------------------- control socket
 
 
-def _refused(endpoint: str, **kw) -> float:
-    """Call with ``kw`` and return the time it took to be refused (TIMEOUT)."""
+def _refused(endpoint: str, reason: str, **kw) -> float:
+    """Call with ``kw``; it must be refused at the handshake for ``reason`` (told by the
+    client's own socket monitor: no reply). Returns the time the refusal took."""
     t0 = time.monotonic()
-    with ControlClient(endpoint, **kw) as c, pytest.raises(ProtocolError) as ei:
+    with ControlClient(endpoint, **kw) as c, pytest.raises(HandshakeRefused) as ei:
         c.call(m.Heartbeat(owner="x"), timeout_s=DEADLINE)
-    assert ei.value.code is ErrorCode.TIMEOUT
+    assert ei.value.code is ErrorCode.UNAUTHENTICATED and ei.value.reason == reason, ei.value
     return time.monotonic() - t0
 
 
@@ -76,13 +79,14 @@ def test_control_refuses_strangers_within_the_deadline_and_serves_the_key_holder
 
     srv = ControlServer("tcp://127.0.0.1:0", handler, curve=(s.secret, s.public, [c.public]))
     with srv:
-        for kw in (
-            {},  # no key at all (NULL mechanism)
-            {"curve": (c.secret, c.public, o.public)},  # trusts the wrong server key
-            {"curve": (o.secret, o.public, s.public)},  # a valid key that is not allowed
-            {"curve": (o.secret, c.public, s.public)},  # claims c's public key, lacks its secret
+        for reason, kw in (
+            ("curve_mismatch", {}),  # no key at all (NULL mechanism)
+            ("server_key_mismatch", {"curve": (c.secret, c.public, o.public)}),  # wrong server
+            ("key_not_allowed", {"curve": (o.secret, o.public, s.public)}),  # not on the list
+            # claims c's public key, lacks its secret: the server cannot open its handshake
+            ("server_key_mismatch", {"curve": (o.secret, c.public, s.public)}),
         ):
-            assert _refused(srv.endpoint, **kw) < DEADLINE + 0.3, kw
+            assert _refused(srv.endpoint, reason, **kw) < DEADLINE + 0.3, kw
         assert calls == []  # the handler never saw a stranger's request
         with ControlClient(srv.endpoint, curve=(c.secret, c.public, s.public)) as good:
             assert good.call(m.Heartbeat(owner="x")) == m.LookupOk(num_blocks=7)
@@ -112,7 +116,7 @@ def test_allow_any_accepts_any_key_holder_of_the_server_key(keys):
     with ControlServer("tcp://127.0.0.1:0", _echo, curve=(s.secret, s.public, None)) as srv:
         with ControlClient(srv.endpoint, curve=(o.secret, o.public, s.public)) as c:
             assert c.call(m.Heartbeat(owner="x")).num_blocks == 7
-        _refused(srv.endpoint)  # still no entry without CURVE
+        _refused(srv.endpoint, "curve_mismatch")  # still no entry without CURVE
 
 
 # --------------------------------------------------------------------- event socket
@@ -310,7 +314,7 @@ def test_no_page_can_be_read_without_the_authenticated_channel(keys):
         num_blocks=0,
         dst_slots=[[] for _ in psvc.pool.groups],
     )
-    _refused(psvc.endpoint)  # without CURVE: no connection at all
+    _refused(psvc.endpoint, "curve_mismatch")  # without CURVE: no connection at all
     with ControlClient(psvc.endpoint, curve=(c.secret, c.public, s.public)) as cl:
         with pytest.raises(ProtocolError) as ei:  # authenticated, but no Hello yet
             cl.call(push)
