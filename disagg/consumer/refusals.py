@@ -133,7 +133,9 @@ class Refusals:
                     target=self._run, name="disagg-refusals", daemon=True
                 )
                 self._thread.start()
-        link.fg.ready = link.bg.ready = False  # greet again when it is tried again
+        for ch in (link.fg, link.bg):
+            ch.ready = False  # greet again when it is tried again
+            ch.client.disconnect()  # a refused socket would only retry its handshake
         if news:
             log.warning(
                 "producer %s%s refuses this consumer (%s): %s. Fix: %s. Its blocks are not "

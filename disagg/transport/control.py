@@ -393,6 +393,18 @@ class ControlClient:
             f"{type(msg).__name__} to {self.endpoint} timed out after {timeout:.3g}s ({why})",
         )
 
+    def disconnect(self) -> bool:
+        """Close the socket now unless a call is using it (False then); the next call
+        makes a new one. For a peer known to refuse us: its socket would retry the
+        handshake every ~0.2 s until then."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._reset()
+            return True
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -33,6 +33,7 @@ only our own endpoint, and the peer's key sits in the part of the handshake that
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -62,6 +63,7 @@ HANDSHAKE_FAILED_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 HANDSHAKE_EVENTS = HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_watches = itertools.count(1)  # each watch's own inproc endpoint
 
 
 class HandshakeRefused(ProtocolError):
@@ -87,7 +89,15 @@ class HandshakeWatch:
     """A client socket's handshake outcomes, read from its monitor (``refusal()``)."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, curve: bool) -> None:
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        # libzmq's I/O thread sends each event with a blocking send: a full queue would
+        # stall every socket of the context. Unbounded instead (events are read on each
+        # call that finds no connection; a socket retrying a refused handshake while
+        # nobody calls queues ~60 B per retry).
+        addr = f"inproc://disagg-handshakes-{next(_watches)}"
+        sock.monitor(addr, HANDSHAKE_EVENTS)
+        self.monitor = sock.context.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.RCVHWM, 0)
+        self.monitor.connect(addr)
         self._sock = sock
         self._endpoint = endpoint
         self._curve = curve

@@ -41,8 +41,11 @@ def speak_next_version() -> None:
     sys.modules["disagg.protocol.version"] = version
 
 
-def run(argv: list[str], log: str, ahead: bool = False) -> None:
-    """Child: ``disagg ARGV`` with stdout and stderr appended to ``log``."""
+def run(argv: list[str], log: str, env: dict[str, str], ahead: bool = False) -> None:
+    """Child: ``disagg ARGV`` with stdout and stderr appended to ``log``, in the parent's
+    environment ``env`` (the fork server's is the one it started with)."""
+    os.environ.clear()
+    os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from security_harness import (
     SHAPE,
     KeyPair,
     close_all_services,
+    free_port,
     make_consumer,
     make_producer,
     prompts,
@@ -31,11 +33,12 @@ from security_harness import (
     wait_for,
 )
 
+from disagg.consumer import refusals as consumer_refusals
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient, ControlServer, EventPublisher, EventSubscriber
-from disagg.transport.refusals import HandshakeRefused
+from disagg.transport.refusals import HandshakeRefused, RefusalLog
 from disagg.transport.tcp import StreamPush, TcpDataPlane
 
 DEADLINE = 0.5
@@ -198,6 +201,59 @@ def test_key_holder_works_end_to_end_and_strangers_get_misses(keys):
     assert psvc.metrics["claims_hit"] == len(ps)  # only the key holder ever claimed
     assert wait_for(lambda: psvc.server.stats["auth_refused"] >= 1)
     assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_a_refusing_producer_is_skipped_then_used_once_it_accepts_us(keys, monkeypatch, caplog):
+    """A producer that refuses our key is said once and skipped without a call; once the
+    operator lists the key (a producer restarted on the same endpoint), the background
+    retry finds it accepting us and requests load from it again."""
+    monkeypatch.setattr(consumer_refusals, "REFUSED_RETRY_S", 0.2)
+    cfg = EngineConfig(**SHAPE)
+    ps = prompts(n=1)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    s, c, o = keys["server"], keys["client"], keys["other"]
+    control = f"tcp://127.0.0.1:{free_port()}"
+    _, old = make_producer(
+        cfg, security=s.section(allowed_client_keys=[str(o.public_file)]), control=control
+    )
+    cons, csvc = make_consumer(
+        cfg, [control], security=c.section(server_public_key=str(s.public_file))
+    )
+    (link,) = csvc.links
+    with caplog.at_level("WARNING", logger="disagg.consumer"):
+        for salt in ("a", "b"):  # salted: not in this engine's device cache either
+            (res,) = run(cons, ps, 4, salt=salt)
+            assert res.tokens == mono[0] and res.connector_matched_tokens == 0
+        assert link.refusal is not None and link.refusal.reason == "key_not_allowed"
+        assert csvc.metrics["claims_no_producer"] == 1  # the second request made no call
+        assert csvc.refusals.report()["degraded"].startswith("every producer refuses")
+        old.close()
+        prod, _ = make_producer(
+            cfg, security=s.section(allowed_client_keys=[str(c.public_file)]), control=control
+        )
+        run(prod, ps, 1, salt="c")
+        assert wait_for(lambda: link.refusal is None, 5)
+        (res,) = run(cons, ps, 4, salt="c")
+    assert res.tokens == mono[0] and res.connector_matched_tokens > 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("refuses this consumer (key_not_allowed)" in w for w in said) == 1, said
+    assert sum("accepts this consumer again" in w for w in said) == 1, said
+    assert csvc.refusals.report() == {"refused_by": []}
+
+
+def test_refusals_are_counted_each_and_said_once_per_peer_and_interval(caplog):
+    counts: Counter[str] = Counter()
+    log_ = RefusalLog("test server", counts, every_s=60)
+    with caplog.at_level("WARNING", logger="disagg.security"):
+        for _ in range(3):
+            log_.refused("key_not_allowed", "not listed", address="10.0.0.1", key=b"k" * 40)
+        log_.refused("key_not_allowed", "not listed", address="10.0.0.2", key=b"j" * 40)
+        log_.refused("curve_mismatch", "no CURVE")
+    assert counts == {"refused_key_not_allowed": 4, "refused_curve_mismatch": 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "refused peer 10.0.0.1 with CURVE key " + "k" * 40 in said[0]
+    assert "ZMQ names neither address nor key" in said[2]
 
 
 def test_cache_salt_isolation_holds_for_authenticated_peers(keys):

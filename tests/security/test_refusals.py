@@ -28,6 +28,7 @@ milliseconds of compute.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -127,7 +128,9 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     procs: dict[str, Any] = {}
 
     def start(name: str, argv: list[str], ahead: bool = False) -> None:
-        procs[name] = ctx.Process(target=serve_child.run, args=(argv, str(logs[name]), ahead))
+        procs[name] = ctx.Process(
+            target=serve_child.run, args=(argv, str(logs[name]), dict(os.environ), ahead)
+        )
         procs[name].start()
 
     def port(name: str) -> str:
