@@ -5,7 +5,8 @@ Contract: ``Claims.claim`` runs on the engine's thread and answers within its de
 producer restart: ``links``); with several producers a parallel ``Lookup`` ranks them first
 (bounded by one ``claim_timeout_s``), best first. Anything failing before the answer is a
 miss (None): the engine recomputes, and a grant that answers after its deadline expires by
-its TTL. A producer that is down or refuses us (``refusals``) is skipped without a call. A grant's TTL may be shorter than asked: the keepalive then renews more often
+its TTL. A producer that is down or refuses us (``refusals``) is skipped without a call. A
+grant's TTL may be shorter than asked: the keepalive then renews more often
 (``Keepalive.granted``).
 
 TP > 1 (the leader: rank 0's service, which links to every rank of every producer): the

@@ -108,7 +108,6 @@ class Refusals:
     def __init__(self, svc: ConsumerService):
         self.svc = svc
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
