@@ -20,7 +20,11 @@ consumer (``disagg_consumer_*``)
     ``pages_loaded_total``, ``loads_started_total``, ``loads_done_total``,
     ``loads_failed_total``, ``claims_hit_total``, ``claims_miss_total``,
     ``claims_failed_total``, ``claims_no_producer_total``, ``leases_released_total``,
-    ``release_failed_total``, ``declined_unaligned_total``.
+    ``release_failed_total``, ``declined_unaligned_total``, ``handshake_refused_total``,
+    ``claim_seconds_total``, ``producers_refusing{reason}`` (links refused now).
+both
+    ``refusals_total{reason}``: handshake refusals by reason (transport/refusals.py), the
+    producer's of peers it refused, the consumer's of producers refusing it.
 engine (``disagg_engine_*``, only when an engine-stats function is given)
     ``iterations_total``, ``forward_passes_total``, ``computed_tokens_total``,
     ``device_matched_tokens_total``, ``connector_matched_tokens_total``,
@@ -41,6 +45,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .transport.refusals import REASONS
+
 __all__ = [
     "DisaggCollector",
     "serve_metrics",
@@ -57,7 +63,7 @@ PRODUCER_COUNTERS: dict[str, str] = {
     "pushes_failed": "Pushes that failed",
     "claims_hit": "Claims granted a lease",
     "claims_miss": "Claims that found no stored prefix",
-    "handshake_refused": "Hellos refused (incompatible fingerprint, version or key)",
+    "handshake_refused": "Hellos refused (incompatible fingerprint or transport)",
     "leases_expired": "Leases freed by the sweeper after their TTL",
     "saves_timed_out": "Saves still in flight after save_timeout_s",
     "blocks_stored": "Blocks that became STORED",
@@ -75,6 +81,8 @@ CONSUMER_COUNTERS: dict[str, str] = {
     "leases_released": "Leases released",
     "release_failed": "Lease releases that failed",
     "declined_unaligned": "Matches declined because they were not block aligned",
+    "handshake_refused": "Producers newly refusing us (keys, version or fingerprint)",
+    "claim_seconds": "Seconds the engine's thread spent in claims (lookups included)",
 }
 ENGINE_COUNTERS: dict[str, str] = {
     "iterations": "Engine iterations",
@@ -118,6 +126,7 @@ class DisaggCollector(Collector):
         yield from self._counters("producer", PRODUCER_COUNTERS, _services("producer"))
         yield from self._producer_state(_services("producer"))
         yield from self._counters("consumer", CONSUMER_COUNTERS, _services("consumer"))
+        yield from self._consumer_state(_services("consumer"))
         if self._engine_stats is not None:
             yield from self._engine()
 
@@ -128,6 +137,12 @@ class DisaggCollector(Collector):
             f"disagg_{role}_control_requests",
             "Control requests served, by message kind",
             labels=["instance", "kind"],
+        )
+        refusals = CounterMetricFamily(
+            f"disagg_{role}_refusals",
+            "Peers refused at the handshake (producer: refused by us; consumer: refusing us), "
+            "by reason",
+            labels=["instance", "reason"],
         )
 
         def family(key: str) -> CounterMetricFamily:
@@ -143,17 +158,25 @@ class DisaggCollector(Collector):
             family(key)
         for svc in services:
             inst = str(svc.config.instance_id)
-            counts = dict(svc.metrics)  # copy: the service's threads keep counting
+            counts: dict[str, float] = dict(svc.metrics)  # copy: its threads keep counting
+            if role == "consumer":
+                counts["claim_seconds"] = svc.claim_seconds
             for key in known:
                 family(key).add_metric([inst], float(counts.get(key, 0)))
+            for reason in REASONS:
+                refusals.add_metric([inst, reason], float(counts.get(f"refused_{reason}", 0)))
             for key, value in counts.items():
                 if key in known:
                     continue
                 if key.startswith("control_"):
                     control.add_metric([inst, key[len("control_") :]], float(value))
+                elif key.startswith("refused_"):
+                    if key[len("refused_") :] not in REASONS:
+                        refusals.add_metric([inst, key[len("refused_") :]], float(value))
                 elif key.isidentifier():
                     family(key).add_metric([inst], float(value))
         yield from families.values()
+        yield refusals
         if role == "producer":
             yield control
 
@@ -218,6 +241,25 @@ class DisaggCollector(Collector):
         yield evictions
         yield saves
         yield leases
+
+    @staticmethod
+    def _consumer_state(services: list[Any]) -> Iterable[Metric]:
+        refusing = GaugeMetricFamily(
+            "disagg_consumer_producers_refusing",
+            "Producer links refusing this consumer now, by reason (skipped until they accept)",
+            labels=["instance", "reason"],
+        )
+        for svc in services:
+            inst = str(svc.config.instance_id)
+            now: dict[str, int] = dict.fromkeys(REASONS, 0)
+            for rl in svc.rank_links:
+                for link in rl.values():
+                    got = link.refusal
+                    if got is not None:
+                        now[got.reason] = now.get(got.reason, 0) + 1
+            for reason, n in now.items():
+                refusing.add_metric([inst, reason], float(n))
+        yield refusing
 
     def _engine(self) -> Iterable[Metric]:
         assert self._engine_stats is not None

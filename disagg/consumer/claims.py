@@ -5,7 +5,8 @@ Contract: ``Claims.claim`` runs on the engine's thread and answers within its de
 producer restart: ``links``); with several producers a parallel ``Lookup`` ranks them first
 (bounded by one ``claim_timeout_s``), best first. Anything failing before the answer is a
 miss (None): the engine recomputes, and a grant that answers after its deadline expires by
-its TTL. A grant's TTL may be shorter than asked: the keepalive then renews more often
+its TTL. A producer that is down or refuses us (``refusals``) is skipped without a call. A
+grant's TTL may be shorter than asked: the keepalive then renews more often
 (``Keepalive.granted``).
 
 TP > 1 (the leader: rank 0's service, which links to every rank of every producer): the
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from ..protocol import messages as m
-from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.errors import ProtocolError
 from ..protocol.keys import KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
 from .links import ProducerLink
@@ -94,11 +95,7 @@ class Claims:
                 )
             except ProtocolError as exc:
                 svc.metrics["claims_failed"] += 1
-                if exc.code is ErrorCode.INCOMPATIBLE_PEER:
-                    # an operator error, not weather: say loudly which field differs
-                    svc.metrics["handshake_refused"] += 1
-                    log.warning("producer %s refused us: %s", link.endpoint, exc.message)
-                else:
+                if link.refusal is None:  # a refusal is said once, by ``refusals``
                     log.info("claim on %s failed (a miss): %s", link.endpoint, exc)
                 continue
             if ok.num_blocks > 0:
@@ -179,10 +176,7 @@ class Claims:
                 continue
             failed = True
             svc.metrics["claims_failed"] += 1
-            if isinstance(exc, ProtocolError) and exc.code is ErrorCode.INCOMPATIBLE_PEER:
-                svc.metrics["handshake_refused"] += 1
-                log.warning("producer %s refused us: %s", lk.endpoint, exc.message)
-            else:
+            if lk.refusal is None:  # a refusal is said once, by ``refusals``
                 log.info("claim on %s failed (a miss): %s", lk.endpoint, exc)
         if failed:
             for g in grants:

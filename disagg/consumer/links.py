@@ -101,6 +101,9 @@ class ProducerLink:
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
+        # why the producer refuses us (``refusals.Refusal``; None while it does not): a
+        # refused link is skipped until a background retry finds it accepting us again
+        self.refusal: Any = None
         self.consumer_incarnation = 0  # ours, named in Hello (set by the service)
         # the producer's incarnation, from its last HelloOk (0: not greeted yet, or an
         # older producer that names none); ``restarts``: how often it changed
@@ -111,7 +114,7 @@ class ProducerLink:
         self.features: frozenset[str] | None = None
 
     def usable(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return self.refusal is None and time.monotonic() >= self.down_until
 
     def call(
         self,

@@ -17,6 +17,8 @@ No call on the engine's thread waits without a deadline (config ``consumer.*``):
     async load (parked until get_finished)   load_timeout_s (the data plane's deadline)
     sync load (wait, wait_layer)             load_timeout_s
     a producer that failed a call            skipped for DOWN_BACKOFF_S, then retried
+    a producer that refused us (keys,        skipped without a call; retried in the
+      version, fingerprint)                  background every REFUSED_RETRY_S (``refusals``)
 
 Tensor parallelism (TP=N on both sides, see ``service_base``): one service per rank. Each
 configured producer has N control endpoints (``consumer.producers``: rank 0's endpoint with
@@ -64,6 +66,7 @@ from .keepalive import Keepalive
 from .links import _PEER_FAULTS, DOWN_BACKOFF_S, ProducerLink
 from .loads import Claimed, Load, LoadState, Reservation
 from .rank_bus import PEER_GRACE_S, RankBus
+from .refusals import Refusals
 
 __all__ = [
     "DOWN_BACKOFF_S",
@@ -140,6 +143,8 @@ class ConsumerService(ConnectorService):
         self.prefix_loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
         self.claims = Claims(self, len(self.links) * len(ranks))
+        self.claim_seconds = 0.0  # time spent in ``claim`` (the engine's thread waits on it)
+        self.refusals = Refusals(self)  # producers refusing us: skipped, retried, reported
         self.keepalive = Keepalive(self)
         self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
         # A failed load stops the engine instead of failing its request (set by the worker
@@ -204,9 +209,15 @@ class ConsumerService(ConnectorService):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
             fp = self.fingerprint_for(link.tp_rank)
-            return link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)
+            reply = link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)
+        except ProtocolError as exc:
+            self.refusals.note(link, exc)  # a refusal: skipped on the request path from now
+            raise
         finally:
             ch.lock.release()
+        if link.refusal is not None:
+            self.refusals.accepted(link)
+        return reply
 
     # -- claims and releases (``claims``, ``keepalive``) ---------------------------------
     def claim(
@@ -216,7 +227,11 @@ class ConsumerService(ConnectorService):
         rank_keys: Sequence[KeyBlob | Sequence[bytes]] | None = None,
     ) -> Claimed | None:
         """``Claims.claim``: a lease of the longest run a producer holds, or None (a miss)."""
-        return self.claims.claim(request_id, keys, rank_keys)
+        t0 = time.perf_counter()
+        try:
+            return self.claims.claim(request_id, keys, rank_keys)
+        finally:
+            self.claim_seconds += time.perf_counter() - t0
 
     def release(self, claimed: Claimed) -> None:
         """Queue the release of every rank's lease, once (``Keepalive.release``)."""
@@ -558,6 +573,7 @@ class ConsumerService(ConnectorService):
 
     def close(self) -> None:
         self.keepalive.stop()
+        self.refusals.stop()
         if self.bus is not None:
             self.bus.close()
         self.keepalive.send_releases()

@@ -3,7 +3,8 @@
 Order of checks for a request other than ``Hello`` (any failure refuses it by name and
 touches nothing): the incarnation it names (STALE_INCARNATION: meant for a process that is
 gone), the connection's Hello (UNAUTHENTICATED), with CURVE the key that said it, and the
-owner it names. ``Hello`` checks the fingerprint and transport (INCOMPATIBLE_PEER), binds
+owner it names. ``Hello`` checks the fingerprint and transport (INCOMPATIBLE_PEER: said at
+warning level, rate-limited, naming the consumer, its address and key), binds
 the connection to the owner and, for a TP=1 consumer naming a new incarnation of an owner
 already known, frees the previous process's leases (it restarted).
 
@@ -134,8 +135,15 @@ class ControlPlane:
                     f"the consumer pushes over transport {msg.transport!r}, this producer over "
                     f"{self.config.transport!r}: set the same `transport:` on both sides",
                 )
-        except ProtocolError:
+        except ProtocolError as exc:
             self.metrics["handshake_refused"] += 1
+            if self.server is not None:  # said (rate-limited) with who it was, and counted
+                self.server.refusals.refused(
+                    "incompatible",
+                    f"Hello of consumer {msg.instance_id!r}: {exc.message}",
+                    address=self.server.peer_address,
+                    key=self.server.peer_key,
+                )
             raise
         if self._curve is not None:
             key = self._caller_key()

@@ -206,7 +206,13 @@ class ProducerService(ControlPlane, ConnectorService):
         if register is not None:  # a plane that reads the store where it lies (ipc)
             self.store.slab = register(self.store.slab)
         control = rank_endpoint(self.pcfg.control, self.tp_rank)
-        self.server = ControlServer(control, self._handle, curve=self._curve)
+        self.server = ControlServer(
+            control,
+            self._handle,
+            curve=self._curve,
+            name=f"producer {self.name} control",
+            refusal_counts=self.metrics,  # refused_<reason>, exported per reason
+        )
         self.server.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
         self._sweeper.start()

@@ -28,7 +28,9 @@ upstream of a role is down or failing.
 
 ``GET /health``: 200 when at least one producer and one consumer are up, 503 otherwise;
 answered from the heartbeats' state without probing (each upstream: 200, or why it is down,
-never an empty reason). ``GET /metrics``: Prometheus text. ``GET /v1/models``: the first
+never an empty reason; a consumer whose producers all refuse it, as its own /health says,
+is ``"degraded: <reason>"``: still up, tried after the others, and ``"status":
+"degraded"`` when every consumer up is). ``GET /metrics``: Prometheus text. ``GET /v1/models``: the first
 consumer's answer.
 """
 
@@ -271,9 +273,21 @@ class ProxyState(Forwarding):
             return
         if producer:
             await self._check_incarnation(up, info.get("incarnation"), info.get("events_seq"))
+        else:
+            self._degraded(up, info.get("degraded"))
         if up.down_reason is not None and time.monotonic() >= up.down_until:
             log.info("upstream up", extra={"upstream": up.url, "was": up.down_reason})
             up.down_reason = None
+
+    def _degraded(self, up: Upstream, why: Any) -> None:
+        """A consumer's /health says whether every producer refuses it (it still serves)."""
+        why = why if isinstance(why, str) and why else None
+        if why != up.degraded:
+            if why is not None:
+                log.warning("consumer degraded", extra={"upstream": up.url, "reason": why})
+            else:
+                log.info("consumer no longer degraded", extra={"upstream": up.url})
+        up.degraded = why
 
     async def _check_incarnation(self, up: Upstream, inc: Any, seq: Any = None) -> None:
         """A producer answering with a new incarnation restarted: reload its keys. So does
@@ -333,16 +347,28 @@ class ProxyState(Forwarding):
         def state(up: Upstream) -> int | str:
             if not up.beaten:
                 return "no heartbeat answered yet"
+            if up.down_reason is None and up.degraded is not None:
+                return f"degraded: {up.degraded}"
             return 200 if up.down_reason is None else up.down_reason or "down"
+
+        def up_(u: Upstream) -> bool:
+            return u.beaten and u.down_reason is None
 
         prod = {u.url: state(u) for u in self.producers}
         cons = {u.url: state(u) for u in self.consumers}
-        ok = any(s == 200 for s in prod.values()) and any(s == 200 for s in cons.values())
+        ok = any(map(up_, self.producers)) and any(map(up_, self.consumers))
         plain = {
             why: int(self.m_first_token.labels(why)._value.get())
             for why in (first_token.NO_TOKEN_IDS, first_token.NO_CONTINUATION)
         }
-        return ok, {"producers": prod, "consumers": cons, "first_token_plain_path": plain}
+        details: dict[str, Any] = {
+            "producers": prod,
+            "consumers": cons,
+            "first_token_plain_path": plain,
+        }
+        if ok and all(u.degraded is not None for u in self.consumers if up_(u)):
+            details["degraded"] = "every consumer that is up computes every prompt itself"
+        return ok, details
 
 
 def build_app(state: ProxyState) -> web.Application:
@@ -395,9 +421,8 @@ def build_app(state: ProxyState) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         ok, details = await state.health()
-        return web.json_response(
-            {"status": "ok" if ok else "unhealthy", **details}, status=200 if ok else 503
-        )
+        status = "unhealthy" if not ok else "degraded" if "degraded" in details else "ok"
+        return web.json_response({"status": status, **details}, status=200 if ok else 503)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(

@@ -378,8 +378,12 @@ class Forwarding:
         return resp
 
     def consumer_order(self) -> list[Upstream]:
-        """Consumers to try, best first: those not known down, then fewest in flight."""
-        return sorted(self.consumers, key=lambda u: (u.known_down(), u.in_flight))
+        """Consumers to try, best first: those not known down, then those not degraded
+        (every producer refuses it: it computes every prompt itself), then fewest in
+        flight."""
+        return sorted(
+            self.consumers, key=lambda u: (u.known_down(), u.degraded is not None, u.in_flight)
+        )
 
     async def continues(self, up: Upstream) -> bool:
         """Whether consumer ``up`` takes ``disagg.first_tokens`` (its ``/disagg/info`` says

@@ -68,6 +68,9 @@ class Upstream:
     continuation: bool | None = None  # consumer: takes disagg.first_tokens (None: unknown)
     # producer: the index's seq of its stream when a heartbeat last found it behind
     behind_at: int | None = None
+    # consumer: why it serves without producers (every one refuses it), from its /health;
+    # it still answers (computing every prompt), so it is up, and tried after the others
+    degraded: str | None = None
 
     def known_down(self) -> bool:
         """Down by a heartbeat or an expired deadline (unknown before the first beat)."""

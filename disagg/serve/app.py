@@ -21,7 +21,10 @@ Routes
         :mod:`disagg.serve.chat`); ``chat.completion`` / ``chat.completion.chunk`` shapes.
     ``GET /v1/models``  the one model served.
     ``GET /health``  200 ``{"status": "ok"}`` when the engine thread runs and the
-        connector service is healthy, else 503 with the reasons.
+        connector service is healthy, else 503 with the reasons. A consumer lists the
+        producers refusing it (``refused_by``: endpoint, reason, message, fix, since) and,
+        when every producer does, answers ``"status": "degraded"`` (still 200: it serves,
+        computing every prompt) with the reason in ``degraded``.
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
         request counters and a latency histogram.
     ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
@@ -255,9 +258,11 @@ def build_app(
             details["incarnation"] = svc.incarnation  # a proxy notices a restart by it
             # and events it missed (a subscriber that joined late never sees a gap)
             details["events_seq"] = svc.events.seq if svc.events is not None else 0
+        if role == "consumer" and svc is not None:
+            details.update(svc.refusals.report())  # producers refusing us: still serving
+        status = "unhealthy" if not ok else "degraded" if "degraded" in details else "ok"
         return web.json_response(
-            {"status": "ok" if ok else "unhealthy", "role": role, **details},
-            status=200 if ok else 503,
+            {"status": status, "role": role, **details}, status=200 if ok else 503
         )
 
     async def metrics(request: web.Request) -> web.Response:

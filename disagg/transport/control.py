@@ -7,9 +7,13 @@ timed-out call can never be taken for the answer to the next one.
 
 Authentication (optional, ``curve=``): the server is a CURVE server with a ZAP allow-list
 and the client a CURVE client (see security.py). A peer without the right keys never gets
-a connection, so its calls time out; the server counts those refusals in ``stats``
-(``auth_refused``, ``handshake_failed``) and tells the handler who is calling
-(``peer_key``).
+a connection. The client reads its socket's monitor, so a call refused at the handshake
+raises ``HandshakeRefused`` (its ``reason``, refusals.py) as soon as ZMQ reports it instead
+of timing out like a call to a dead peer. The server counts refusals in ``stats``
+(``auth_refused``, ``handshake_failed``), tells its ``refusals`` log (rate-limited
+warnings naming the peer, ``refused_<reason>`` counts), and tells the handler who is
+calling (``peer_key``, ``peer_address``). A request of another protocol version is
+refused with BAD_VERSION and logged the same way.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import zmq
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.version import MAX_CONTROL_FRAME
-from .security import (
+from .refusals import (
     HANDSHAKE_FAILED_EVENTS,
-    CurveClientKeys,
-    CurveServerKeys,
-    ServerAuth,
-    secure_client,
+    HandshakeRefused,
+    HandshakeWatch,
+    RefusalLog,
+    server_refusal,
 )
+from .security import CurveClientKeys, CurveServerKeys, ServerAuth, secure_client
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +57,10 @@ class ControlServer:
     ``curve`` = (server secret key, server public key, allowed client public keys or None)
     makes the socket a CURVE server on a dedicated context (one ZAP authenticator per
     context; ``context`` must then be None). During a handler call, ``peer_key`` is the
-    caller's authenticated Z85 public key (None without CURVE); it is only meaningful on
-    the server thread, where handlers run.
+    caller's authenticated Z85 public key (None without CURVE) and ``peer_address`` its IP
+    address; both are only meaningful on the server thread, where handlers run.
+    ``refusals`` says and counts who was refused (into ``refusal_counts``, default
+    ``stats``, as ``refused_<reason>``); a handler may report its own refusals there.
     """
 
     def __init__(
@@ -64,20 +71,27 @@ class ControlServer:
         context: zmq.Context | None = None,
         max_frame: int = MAX_CONTROL_FRAME,
         curve: CurveServerKeys | tuple[bytes, bytes, Sequence[bytes] | None] | None = None,
+        name: str = "control server",
+        refusal_counts: Counter[str] | None = None,
     ) -> None:
         self._bind = bind
         self._handler = handler
         self.max_frame = max_frame
         self.stats: Counter[str] = Counter()
+        self.name = name
+        self.refusals = RefusalLog(
+            f"{name} {bind}", self.stats if refusal_counts is None else refusal_counts
+        )
         self._auth: ServerAuth | None = None
         if curve is not None:
             if context is not None:
                 raise ValueError("a CURVE ControlServer makes its own context; pass no context")
-            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats)
+            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats, self.refusals)
         self._ctx = (
             self._auth.context if self._auth is not None else (context or zmq.Context.instance())
         )
         self.peer_key: bytes | None = None
+        self._head: zmq.Frame | None = None  # the message being served: its peer's metadata
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
@@ -98,6 +112,7 @@ class ControlServer:
             self._auth.secure(sock)
         sock.bind(self._bind)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.refusals.name = f"{self.name} {self.endpoint}"
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="disagg-control", daemon=True)
         self._thread.start()
@@ -137,17 +152,22 @@ class ControlServer:
                     if not any(s is sock for s, _ in ready):
                         continue
                 if self._auth is None:
-                    # copies (even of a 32 KiB Claim): cheaper than zmq.Frame objects
-                    frames = sock.recv_multipart(copy=True)
+                    # the identity as a frame (its metadata names the peer's address); the
+                    # rest copied (even a 32 KiB Claim: cheaper than zmq.Frame objects)
+                    head = sock.recv(copy=False)
+                    frames = [head.bytes, *(sock.recv_multipart(copy=True) if head.more else ())]
                 else:
                     parts = sock.recv_multipart(copy=False)
+                    head = parts[-1]
                     # ZAP's User-Id: the key this connection proved it holds.
-                    self.peer_key = _user_id(parts[-1])
+                    self.peer_key = _user_id(head)
                     frames = [p.bytes for p in parts]
+                self._head = head
                 try:
                     reply = self._serve(frames)
                 finally:
                     self.peer_key = None
+                    self._head = None
                 if reply is not None:
                     try:
                         sock.send_multipart(reply, zmq.NOBLOCK)
@@ -159,16 +179,30 @@ class ControlServer:
                 monitor.close(linger=0)
             sock.close(linger=0)
 
+    @property
+    def peer_address(self) -> str | None:
+        """The IP address of the peer whose message is being served (server thread)."""
+        if self._head is None:
+            return None
+        try:
+            address = self._head.get("Peer-Address")
+        except zmq.ZMQError:
+            return None
+        return address if isinstance(address, str) and address else None
+
     def _count_monitor_events(self, monitor: zmq.Socket) -> None:
         while True:
             try:
                 frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) == 2 and len(frames[0]) >= 2:
+            if len(frames) == 2 and len(frames[0]) >= 6:
                 event = int.from_bytes(frames[0][:2], "little")
                 if event & HANDSHAKE_FAILED_EVENTS:
                     self.stats["handshake_failed"] += 1
+                    refusal = server_refusal(event, int.from_bytes(frames[0][2:6], "little"))
+                    if refusal is not None:
+                        self.refusals.refused(*refusal)
 
     def _serve(self, frames: list[bytes]) -> list[bytes] | None:
         """Answer one ROUTER message; returns the frames to send back (or None)."""
@@ -187,6 +221,13 @@ class ControlServer:
         try:
             msg = m.decode(body, self.max_frame)
         except ProtocolError as e:
+            if e.code is ErrorCode.BAD_VERSION:  # a peer of another release: say so
+                self.refusals.refused(
+                    "bad_version",
+                    f"{e.message} (run the same disagg version on both roles)",
+                    address=self.peer_address,
+                    key=self.peer_key,
+                )
             return self._error(ident, corr, e)
         except Exception as e:  # a decoder bug must not end the server: the frame is bad
             log.exception("decoding a control frame failed")
@@ -221,13 +262,15 @@ def _user_id(frame: zmq.Frame) -> bytes | None:
 class ControlClient:
     """Blocking request/reply client. Thread-safe: calls are serialised by a lock.
 
-    ``call`` returns the reply message, or raises ProtocolError: TIMEOUT when no reply
-    came before the deadline (also what a CURVE client whose keys the server refuses
-    sees: ``curve`` = (client secret, client public, server public)), the reply's code when
-    the server answered Error, or a decode error code when the reply itself was malformed.
-    After a timeout with the request sent, the socket is recreated (dropping a queued
-    request and any late reply); after one with no connection to send it on ("not
-    connected"), the socket and its handshake under way are kept for the next call.
+    ``call`` returns the reply message, or raises ProtocolError: ``HandshakeRefused`` (code
+    UNAUTHENTICATED, with a ``reason``) as soon as the socket's monitor shows the server
+    refusing our handshake (CURVE keys or mechanism: ``curve`` = (client secret, client
+    public, server public)); TIMEOUT when no reply came before the deadline; the reply's
+    code when the server answered Error; or a decode error code when the reply itself was
+    malformed. After a refusal, or a timeout with the request sent, the socket is
+    recreated (a refused socket would only retry its handshake; a sent one may hold a
+    queued request and a late reply); after a timeout with no connection to send it on
+    ("not connected"), the socket and its handshake under way are kept for the next call.
     """
 
     def __init__(
@@ -248,6 +291,8 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._replies: zmq.Poller | None = None  # POLLIN on _sock, built once per socket
+        self._watch: HandshakeWatch | None = None  # _sock's handshake outcomes
+        self._connecting: zmq.Poller | None = None  # POLLOUT on _sock, POLLIN on its monitor
         self._closed = False
 
     def _socket(self) -> zmq.Socket:
@@ -260,19 +305,45 @@ class ControlClient:
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame + 1024)
             if self.curve is not None:
                 secure_client(sock, self.curve)
+            watch = HandshakeWatch(sock, self.endpoint, curve=self.curve is not None)
             sock.connect(self.endpoint)
             # Socket.poll() builds and registers a new Poller on every call; one per socket
             # takes that off every call's path (the wait itself is the same zmq_poll).
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
+            connecting = zmq.Poller()
+            connecting.register(sock, zmq.POLLOUT)
+            connecting.register(watch.monitor, zmq.POLLIN)
             self._sock, self._replies = sock, poller
+            self._watch, self._connecting = watch, connecting
         return self._sock
 
     def _reset(self) -> None:
         if self._sock is not None:
+            if self._watch is not None:
+                self._watch.close()
             self._sock.close(linger=0)
             self._sock = None
             self._replies = None
+            self._watch = self._connecting = None
+
+    def _wait_connected(self, sock: zmq.Socket, deadline: float) -> bool:
+        """Wait until ``sock`` can send (True) or the deadline passed (False); raise
+        HandshakeRefused once its monitor shows the server refusing us."""
+        watch, connecting = self._watch, self._connecting
+        assert watch is not None and connecting is not None
+        while True:
+            refused = watch.refusal()
+            if refused is not None:
+                raise refused
+            ready = dict(connecting.poll(self._ms_left(deadline)))
+            if ready.get(sock, 0) & zmq.POLLOUT:
+                return True
+            if not ready:
+                refused = watch.refusal()
+                if refused is not None:
+                    raise refused
+                return False
 
     def call(self, msg: m.Message, timeout_s: float | None = None) -> m.Message:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
@@ -292,7 +363,7 @@ class ControlClient:
                     # only live connections queue anything); wait for one only if not.
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 except zmq.Again:
-                    if not sock.poll(self._ms_left(deadline), zmq.POLLOUT):
+                    if not self._wait_connected(sock, deadline):
                         raise self._timeout(msg, timeout, "not connected") from None
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 sent = True
@@ -305,7 +376,8 @@ class ControlClient:
             except (ProtocolError, zmq.ZMQError) as exc:
                 # Not sent ("not connected"): nothing is queued, so the socket is kept; a
                 # new one would restart a handshake that may take longer than one call.
-                if sent or isinstance(exc, zmq.ZMQError):
+                # A refused one is closed: it would only retry a handshake bound to fail.
+                if sent or not isinstance(exc, ProtocolError) or isinstance(exc, HandshakeRefused):
                     self._reset()
                 raise
         reply = m.decode(frames[1], self.max_frame)
@@ -320,6 +392,18 @@ class ControlClient:
             ErrorCode.TIMEOUT,
             f"{type(msg).__name__} to {self.endpoint} timed out after {timeout:.3g}s ({why})",
         )
+
+    def disconnect(self) -> bool:
+        """Close the socket now unless a call is using it (False then); the next call
+        makes a new one. For a peer known to refuse us: its socket would retry the
+        handshake every ~0.2 s until then."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._reset()
+            return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ import zmq
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
+from .refusals import RefusalLog
 from .security import CurveClientKeys, CurveServerKeys, ServerAuth, secure_client
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ class EventPublisher:
     number of the last published event (0 before any); a producer's snapshot handler
     reads it under the same lock it uses to change its key set, so a SnapshotOk's ``seq``
     matches its keys. ``curve`` = (secret, public, allowed subscriber keys or None) makes
-    it a CURVE server on its own context (``stats`` counts ``auth_ok``/``auth_refused``)."""
+    it a CURVE server on its own context (``stats`` counts ``auth_ok``/``auth_refused``;
+    a refused subscriber is said, rate-limited, with its address and key)."""
 
     def __init__(
         self,
@@ -49,7 +51,8 @@ class EventPublisher:
         if curve is not None:
             if context is not None:
                 raise ValueError("a CURVE EventPublisher makes its own context; pass no context")
-            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats)
+            refusals = RefusalLog(f"producer {producer} events {bind}", self.stats)
+            self._auth = ServerAuth(CurveServerKeys(*curve), self.stats, refusals)
             context = self._auth.context
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)

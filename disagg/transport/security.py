@@ -6,10 +6,12 @@ Contracts:
   a client that knows the server's public key and, when an allow-list is given, whose own
   public key is on it. Anyone else never gets a connection: ZMQ drops the handshake, so
   the client's call times out (``ProtocolError(TIMEOUT)`` within its deadline) and learns
-  nothing, not even an error code. Refusals are counted where ZMQ lets us see them:
-  ``auth_refused`` (ZAP said no: a valid key that is not on the list) and
+  nothing, not even an error code (ControlClient tells the refusal apart from a dead
+  peer by its socket monitor: refusals.py). Refusals are counted where ZMQ lets us see
+  them: ``auth_refused`` (ZAP said no: a valid key that is not on the list) and
   ``handshake_failed`` (no key, a wrong server key, a broken handshake; reported by a
-  socket monitor, see ControlServer).
+  socket monitor, see ControlServer), and said, rate-limited, by a ``RefusalLog`` (a ZAP
+  denial with the peer's address and Z85 key).
 - Every message that reaches a secured server carries its sender's Z85 public key as the
   ZAP ``User-Id`` property (``frame.get("User-Id")``), so a handler can bind what a peer
   claims to be (an owner name) to the key it proved it holds.
@@ -32,17 +34,13 @@ from typing import Any, NamedTuple
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from .refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "disagg"
-
-# Socket-monitor events that mean "a peer tried and failed to authenticate".
-HANDSHAKE_FAILED_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 
 class CurveServerKeys(NamedTuple):
@@ -81,12 +79,34 @@ class _AllowList:
 
 
 class _CountingAuthenticator(ThreadAuthenticator):
-    """The pyzmq ZAP authenticator, counting every verdict into ``stats``."""
+    """The pyzmq ZAP authenticator, counting every verdict into ``stats`` and telling
+    ``refusals`` who it refused (the ZAP request names the peer's address and key)."""
 
-    def __init__(self, context: zmq.Context, stats: Counter[str], lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        stats: Counter[str],
+        lock: threading.Lock,
+        refusals: RefusalLog,
+    ) -> None:
         super().__init__(context, log=log)
         self._stats = stats
         self._stats_lock = lock
+        self._refusals = refusals
+        # ZAP request id -> (peer address, Z85 key) until its verdict is sent
+        self._asking: dict[bytes, tuple[str, bytes | None]] = {}
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # ZAP 1.0 request: version, request id, domain, address, identity, mechanism,
+        # credentials (CURVE: the client's 32-byte long-term public key)
+        if len(msg) >= 6:
+            key = z85.encode(msg[6]) if len(msg) > 6 and len(msg[6]) == 32 else None
+            self._asking[msg[1]] = (msg[3].decode("ascii", "replace"), key)
+        try:
+            await super().handle_zap_message(msg)
+        finally:
+            if len(msg) >= 2:
+                self._asking.pop(msg[1], None)
 
     def _send_zap_reply(  # type: ignore[override]
         self, request_id: bytes, status_code: bytes, status_text: bytes, user_id: str = ""
@@ -94,7 +114,20 @@ class _CountingAuthenticator(ThreadAuthenticator):
         with self._stats_lock:
             self._stats["auth_ok" if status_code == b"200" else "auth_refused"] += 1
         if status_code != b"200":
-            log.info("CURVE peer refused: %s", status_text.decode("ascii", "replace"))
+            address, key = self._asking.get(request_id, (None, None))
+            why = status_text.decode("ascii", "replace")
+            if why == "Unknown key":
+                self._refusals.refused(
+                    "key_not_allowed",
+                    "its CURVE key is not in security.allowed_client_keys: add its "
+                    "NAME.key.pub there if it is one of ours",
+                    address=address,
+                    key=key,
+                )
+            else:
+                self._refusals.refused(
+                    "handshake", f"the authenticator refused it: {why}", address=address, key=key
+                )
         super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
@@ -102,16 +135,25 @@ class ServerAuth:
     """A dedicated Context with a running ZAP authenticator for CURVE server sockets.
 
     ``stats`` (shared with the owner's counters when passed) gains ``auth_ok`` and
-    ``auth_refused``. ``close()`` stops the authenticator and destroys the context: close
-    the sockets first.
+    ``auth_refused``; ``refusals`` (default: one counting into ``stats``) is told each
+    denial with the peer's address and key. ``close()`` stops the authenticator and
+    destroys the context: close the sockets first.
     """
 
-    def __init__(self, keys: CurveServerKeys, stats: Counter[str] | None = None) -> None:
+    def __init__(
+        self,
+        keys: CurveServerKeys,
+        stats: Counter[str] | None = None,
+        refusals: RefusalLog | None = None,
+    ) -> None:
         self.secret_key = _check_key(keys.secret_key, "the server secret key")
         self.public_key = _check_key(keys.public_key, "the server public key")
         self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.refusals = refusals if refusals is not None else RefusalLog("CURVE server", self.stats)
         self.context = zmq.Context()
-        self._auth = _CountingAuthenticator(self.context, self.stats, threading.Lock())
+        self._auth = _CountingAuthenticator(
+            self.context, self.stats, threading.Lock(), self.refusals
+        )
         self._auth.start()
         if keys.allowed_clients is None:
             self._auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)

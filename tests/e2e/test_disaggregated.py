@@ -86,6 +86,13 @@ def test_incompatible_peer_is_a_miss_and_is_counted():
     assert res.error is None and res.connector_matched_tokens == 0
     assert res.tokens == Engine(cfg).generate(ps, 4)[0]
     assert psvc.metrics["handshake_refused"] >= 1 and csvc.metrics["handshake_refused"] >= 1
+    # refused for a field of the configuration: skipped from then on, without a call
+    refusal = csvc.links[0].refusal
+    assert refusal.reason == "incompatible" and "model" in refusal.message
+    hellos = psvc.metrics["control_Hello"]
+    (again,) = run(cons, ps, 4, salt="not in the device cache")
+    assert again.tokens == res.tokens and csvc.metrics["claims_no_producer"] == 1
+    assert psvc.metrics["control_Hello"] == hellos
 
 
 def test_another_transport_is_refused_at_hello_and_is_a_miss(caplog):

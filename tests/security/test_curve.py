@@ -3,7 +3,8 @@ leases granted over the authenticated channel.
 
 Guarantees proved here:
 - a peer without a key, with a wrong server key, or with a key that is not allowed is
-  refused within its deadline (TIMEOUT) and learns nothing: no reply byte, no event;
+  refused within its deadline and learns nothing but that (``HandshakeRefused`` with its
+  reason, from its own socket monitor): no reply byte, no event;
 - a peer with the key works end to end (tokens equal to the monolithic run);
 - an authenticated peer cannot act as another consumer (owner name bound to its key);
 - ``cache_salt`` isolation holds for authenticated peers;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from security_harness import (
     SHAPE,
     KeyPair,
     close_all_services,
+    free_port,
     make_consumer,
     make_producer,
     prompts,
@@ -30,10 +33,12 @@ from security_harness import (
     wait_for,
 )
 
+from disagg.consumer import refusals as consumer_refusals
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient, ControlServer, EventPublisher, EventSubscriber
+from disagg.transport.refusals import HandshakeRefused, RefusalLog
 from disagg.transport.tcp import StreamPush, TcpDataPlane
 
 DEADLINE = 0.5
@@ -57,12 +62,13 @@ def _echo(ident, msg):
 # --------------------------------------------------------------------- control socket
 
 
-def _refused(endpoint: str, **kw) -> float:
-    """Call with ``kw`` and return the time it took to be refused (TIMEOUT)."""
+def _refused(endpoint: str, reason: str, **kw) -> float:
+    """Call with ``kw``; it must be refused at the handshake for ``reason`` (told by the
+    client's own socket monitor: no reply). Returns the time the refusal took."""
     t0 = time.monotonic()
-    with ControlClient(endpoint, **kw) as c, pytest.raises(ProtocolError) as ei:
+    with ControlClient(endpoint, **kw) as c, pytest.raises(HandshakeRefused) as ei:
         c.call(m.Heartbeat(owner="x"), timeout_s=DEADLINE)
-    assert ei.value.code is ErrorCode.TIMEOUT
+    assert ei.value.code is ErrorCode.UNAUTHENTICATED and ei.value.reason == reason, ei.value
     return time.monotonic() - t0
 
 
@@ -76,13 +82,14 @@ def test_control_refuses_strangers_within_the_deadline_and_serves_the_key_holder
 
     srv = ControlServer("tcp://127.0.0.1:0", handler, curve=(s.secret, s.public, [c.public]))
     with srv:
-        for kw in (
-            {},  # no key at all (NULL mechanism)
-            {"curve": (c.secret, c.public, o.public)},  # trusts the wrong server key
-            {"curve": (o.secret, o.public, s.public)},  # a valid key that is not allowed
-            {"curve": (o.secret, c.public, s.public)},  # claims c's public key, lacks its secret
+        for reason, kw in (
+            ("curve_mismatch", {}),  # no key at all (NULL mechanism)
+            ("server_key_mismatch", {"curve": (c.secret, c.public, o.public)}),  # wrong server
+            ("key_not_allowed", {"curve": (o.secret, o.public, s.public)}),  # not on the list
+            # claims c's public key, lacks its secret: the server cannot open its handshake
+            ("server_key_mismatch", {"curve": (o.secret, c.public, s.public)}),
         ):
-            assert _refused(srv.endpoint, **kw) < DEADLINE + 0.3, kw
+            assert _refused(srv.endpoint, reason, **kw) < DEADLINE + 0.3, kw
         assert calls == []  # the handler never saw a stranger's request
         with ControlClient(srv.endpoint, curve=(c.secret, c.public, s.public)) as good:
             assert good.call(m.Heartbeat(owner="x")) == m.LookupOk(num_blocks=7)
@@ -112,7 +119,7 @@ def test_allow_any_accepts_any_key_holder_of_the_server_key(keys):
     with ControlServer("tcp://127.0.0.1:0", _echo, curve=(s.secret, s.public, None)) as srv:
         with ControlClient(srv.endpoint, curve=(o.secret, o.public, s.public)) as c:
             assert c.call(m.Heartbeat(owner="x")).num_blocks == 7
-        _refused(srv.endpoint)  # still no entry without CURVE
+        _refused(srv.endpoint, "curve_mismatch")  # still no entry without CURVE
 
 
 # --------------------------------------------------------------------- event socket
@@ -194,6 +201,59 @@ def test_key_holder_works_end_to_end_and_strangers_get_misses(keys):
     assert psvc.metrics["claims_hit"] == len(ps)  # only the key holder ever claimed
     assert wait_for(lambda: psvc.server.stats["auth_refused"] >= 1)
     assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_a_refusing_producer_is_skipped_then_used_once_it_accepts_us(keys, monkeypatch, caplog):
+    """A producer that refuses our key is said once and skipped without a call; once the
+    operator lists the key (a producer restarted on the same endpoint), the background
+    retry finds it accepting us and requests load from it again."""
+    monkeypatch.setattr(consumer_refusals, "REFUSED_RETRY_S", 0.2)
+    cfg = EngineConfig(**SHAPE)
+    ps = prompts(n=1)
+    mono = Engine(cfg).generate(ps, max_tokens=4)
+    s, c, o = keys["server"], keys["client"], keys["other"]
+    control = f"tcp://127.0.0.1:{free_port()}"
+    _, old = make_producer(
+        cfg, security=s.section(allowed_client_keys=[str(o.public_file)]), control=control
+    )
+    cons, csvc = make_consumer(
+        cfg, [control], security=c.section(server_public_key=str(s.public_file))
+    )
+    (link,) = csvc.links
+    with caplog.at_level("WARNING", logger="disagg.consumer"):
+        for salt in ("a", "b"):  # salted: not in this engine's device cache either
+            (res,) = run(cons, ps, 4, salt=salt)
+            assert res.tokens == mono[0] and res.connector_matched_tokens == 0
+        assert link.refusal is not None and link.refusal.reason == "key_not_allowed"
+        assert csvc.metrics["claims_no_producer"] == 1  # the second request made no call
+        assert csvc.refusals.report()["degraded"].startswith("every producer refuses")
+        old.close()
+        prod, _ = make_producer(
+            cfg, security=s.section(allowed_client_keys=[str(c.public_file)]), control=control
+        )
+        run(prod, ps, 1, salt="c")
+        assert wait_for(lambda: link.refusal is None, 5)
+        (res,) = run(cons, ps, 4, salt="c")
+    assert res.tokens == mono[0] and res.connector_matched_tokens > 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("refuses this consumer (key_not_allowed)" in w for w in said) == 1, said
+    assert sum("accepts this consumer again" in w for w in said) == 1, said
+    assert csvc.refusals.report() == {"refused_by": []}
+
+
+def test_refusals_are_counted_each_and_said_once_per_peer_and_interval(caplog):
+    counts: Counter[str] = Counter()
+    log_ = RefusalLog("test server", counts, every_s=60)
+    with caplog.at_level("WARNING", logger="disagg.security"):
+        for _ in range(3):
+            log_.refused("key_not_allowed", "not listed", address="10.0.0.1", key=b"k" * 40)
+        log_.refused("key_not_allowed", "not listed", address="10.0.0.2", key=b"j" * 40)
+        log_.refused("curve_mismatch", "no CURVE")
+    assert counts == {"refused_key_not_allowed": 4, "refused_curve_mismatch": 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "refused peer 10.0.0.1 with CURVE key " + "k" * 40 in said[0]
+    assert "ZMQ names neither address nor key" in said[2]
 
 
 def test_cache_salt_isolation_holds_for_authenticated_peers(keys):
@@ -310,7 +370,7 @@ def test_no_page_can_be_read_without_the_authenticated_channel(keys):
         num_blocks=0,
         dst_slots=[[] for _ in psvc.pool.groups],
     )
-    _refused(psvc.endpoint)  # without CURVE: no connection at all
+    _refused(psvc.endpoint, "curve_mismatch")  # without CURVE: no connection at all
     with ControlClient(psvc.endpoint, curve=(c.secret, c.public, s.public)) as cl:
         with pytest.raises(ProtocolError) as ei:  # authenticated, but no Hello yet
             cl.call(push)
