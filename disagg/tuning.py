@@ -190,6 +190,18 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    save_stream: (
+        Annotated[
+            bool,
+            Meta(
+                description="producer on CUDA: a pass's save copies run on a stream of their "
+                "own, each layer's after that layer's compute, so sampling and the next "
+                "layers do not wait behind them; false enqueues them on the forward stream; "
+                "default on"
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

@@ -16,13 +16,16 @@ intersects the ranks' answers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from .. import tuning
 from ..connector_common import resolve_config
 from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from ..identity import RequestIdentity, request_identity
@@ -188,6 +191,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         self.service: ProducerService = service_for(self.config, llm_args)
         self._pass: _PassPlan | None = None
         self._finished_saving: list[int] = []
+        self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -213,7 +217,8 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Right after layer ``layer_idx`` is enqueued: copy its bytes of this pass's
-        completed blocks into their store rows (same stream, so ordered after the layer)."""
+        completed blocks into their store rows, ordered after the layer (on CUDA on the
+        save stream, which waits for the forward stream here: ``tuning.save_stream``)."""
         plan = self._pass
         if plan is None or plan.rows.numel() == 0:
             return
@@ -222,16 +227,36 @@ class ProducerWorker(KvCacheConnectorWorker):
             plan.staging = True
         pool = self.service.pool
         assert pool is not None
-        copy_layer_to_store(pool, layer_idx, plan.slots, plan.copy, self.service.store.slab)
+        with self._on_save_stream(stream):
+            copy_layer_to_store(pool, layer_idx, plan.slots, plan.copy, self.service.store.slab)
 
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; commit (CPU) or commit once
-        the stream's event fires (CUDA), never blocking the engine."""
+        the copies' event fires (CUDA), never blocking the engine."""
         plan, self._pass = self._pass, None
         if plan is None:
             return
-        flush_pass(plan.copy, self.service.store.slab)
-        self.service.finish_pass(plan.keys, plan.request_counts, stream, plan.copy)
+        with self._on_save_stream(stream) as save:
+            flush_pass(plan.copy, self.service.store.slab)
+        self.service.finish_pass(plan.keys, plan.request_counts, save, plan.copy)
+
+    @contextlib.contextmanager
+    def _on_save_stream(self, stream: Any) -> Iterator[Any]:
+        """On CUDA with ``tuning.save_stream`` (default on): the save stream, made to wait
+        for everything enqueued on the forward stream so far, as the current stream (its
+        tensors are allocated for it, so the allocator never hands them to the forward
+        while a copy still reads them). Else the forward stream itself."""
+        pool = self.service.pool
+        if pool is None or pool.device.type != "cuda" or tuning.current().save_stream is False:
+            yield stream
+            return
+        forward = stream if isinstance(stream, torch.cuda.Stream) else None
+        forward = forward or torch.cuda.current_stream(pool.device)
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(pool.device)
+        self._save_stream.wait_stream(forward)
+        with torch.cuda.stream(self._save_stream):
+            yield self._save_stream
 
     def _abandon_pass(self) -> None:
         """The forward failed (the executor's error path skips ``wait_for_save``): this
