@@ -9,8 +9,9 @@ once per span, metadata, and the calls whose failures NIXL reports as exceptions
   poll timeout of 0, which spins a core even when idle (3.0 CPU-s per 3 s measured here);
   ``open_agent`` gives it ``PROGRESS_DELAY_US``: the thread then sleeps on the UCX
   worker's event fd, waking at least that often (NIXL's guard against a missed wake-up).
-  Measured on the 2-core box: idle 0.02 CPU-s per 2 s, and a 256 MiB read 5.3 GB/s
-  against 2.9 with the spinning thread.
+  Measured on the 2-core box: a 256 MiB read 5.3 GB/s against 2.9 with the spinning
+  thread; two idle planes 0.09 CPU-s per 3 s at 0.5 ms (a 2 ms delay left some read
+  plans 85-110 ms late).
 - ``Registry``: registers each distinct span of memory once (overlapping views such as a
   layer's column slice of its group's region share their region's registration).
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-PROGRESS_DELAY_US = 2000
+PROGRESS_DELAY_US = 500
 _make_lock = threading.Lock()
 
 
