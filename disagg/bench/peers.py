@@ -63,23 +63,34 @@ def nixl_source(store: np.ndarray, transports: str | None = None) -> Any:
 
 class RawNixl:
     """Reads pages of a remote store (``nixl_source``'s metadata and base address; rows
-    of ``pool``'s row size) into ``pool`` with NIXL alone: both descriptor lists
-    prepared once, one ``make_prepped_xfer`` READ per call, polled to completion (the
-    nixl plane's descriptors and agent configuration)."""
+    of ``pool``'s row size; ``remote_mem`` ``VRAM`` for a device store on device 0) into
+    ``pool`` (a host numpy array or a torch tensor, host or device) with NIXL alone: both
+    descriptor lists prepared once, one ``make_prepped_xfer`` READ per call, polled to
+    completion (the nixl plane's descriptors and agent configuration)."""
 
     def __init__(
-        self, pool: np.ndarray, meta: bytes, base: int, rows: int, transports: str | None = None
+        self,
+        pool: Any,
+        meta: bytes,
+        base: int,
+        rows: int,
+        transports: str | None = None,
+        remote_mem: str = "DRAM",
     ) -> None:
         from ..transport.nixl import agent as nx
 
         self.agent = nx.open_agent(f"bench-raw-reader-{os.getpid()}", transports=transports)
-        pb = pool.shape[1]
-        self.agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+        if isinstance(pool, np.ndarray):
+            ptr, mem, dev = pool.ctypes.data, "DRAM", 0
+        else:
+            ptr, (mem, dev) = int(pool.data_ptr()), nx.mem_of(pool)
+        pb, slots = int(pool.shape[1]), int(pool.shape[0])
+        self.agent.register_memory([(ptr, pb * slots, dev, "")], mem)
         name = self.agent.add_remote_agent(meta)
-        local = np.array([[pool.ctypes.data, pb, 0, pb, pool.shape[0]]], dtype=np.uint64)
+        local = np.array([[ptr, pb, dev, pb, slots]], dtype=np.uint64)
         remote = np.array([[base, pb, 0, pb, rows]], dtype=np.uint64)
-        self.local = self.agent.prep_xfer_dlist("", local, "DRAM")
-        self.remote = self.agent.prep_xfer_dlist(name, remote, "DRAM")
+        self.local = self.agent.prep_xfer_dlist("", local, mem)
+        self.remote = self.agent.prep_xfer_dlist(name, remote, remote_mem)
 
     def read(self, rows: np.ndarray, slots: np.ndarray) -> float:
         """Seconds to read ``rows`` into ``slots``; RuntimeError when NIXL fails it."""

@@ -116,7 +116,7 @@ def unavailable(name: str, cuda: bool) -> tuple[str, str] | None:
         return "no CUDA device", "a machine with an NVIDIA GPU and a CUDA build of torch"
     if name.startswith("ucx-") and missing("ucxx"):
         return "the Python package ucxx is not installed", 'pip install -e ".[ucx]"'
-    if name.startswith("nixl") and missing("nixl_cu12") and missing("nixl"):
+    if name.startswith("nixl") and all(map(missing, ("nixl_cu12", "nixl_cu13", "nixl"))):
         return "the Python package nixl is not installed", 'pip install -e ".[nixl]"'
     if name == "mooncake":
         if missing("mooncake"):

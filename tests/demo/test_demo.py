@@ -22,9 +22,7 @@ SHAPES = {
     ],
     "nixl-tp-sync": ["--transport", "nixl", "--tp", "2", "--sync"],
 }  # fmt: skip
-_NO_NIXL = (
-    importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None
-)
+_NO_NIXL = all(importlib.util.find_spec(m) is None for m in ("nixl_cu12", "nixl_cu13", "nixl"))
 MARKS = {  # the nixl shape: a minute more; CI's nixl coverage is the plane's own tests
     "nixl-tp-sync": [
         pytest.mark.slow,

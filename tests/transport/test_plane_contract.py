@@ -40,7 +40,7 @@ _no_ucx = pytest.mark.skipif(
     importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (disagg[ucx])"
 )
 _no_nixl = pytest.mark.skipif(
-    importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None,
+    all(importlib.util.find_spec(m) is None for m in ("nixl_cu12", "nixl_cu13", "nixl")),
     reason="NIXL is not installed (disagg[nixl])",
 )
 PLANES = [

@@ -31,18 +31,19 @@ _make_lock = threading.Lock()
 
 
 def nixl_api() -> Any:
-    """NIXL's ``_api`` module (``nixl_agent``, ``nixl_agent_config``)."""
-    try:
-        from nixl_cu12 import _api
-    except ImportError:
+    """NIXL's ``_api`` module (``nixl_agent``, ``nixl_agent_config``): from the
+    ``nixl-cu12`` wheel, the ``nixl-cu13`` one, or a ``nixl`` install."""
+    import importlib
+
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:
-            from nixl import _api  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ImportError(
-                f"transport: 'nixl' needs NIXL ({exc}); install it with "
-                '`pip install -e ".[nixl]"` (the nixl-cu12 wheel) or choose another transport'
-            ) from None
-    return _api
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "transport: 'nixl' needs NIXL; install it with `pip install -e \".[nixl]\"` (the "
+        "nixl-cu12 wheel; nixl-cu13 for CUDA 13) or choose another transport"
+    )
 
 
 def available() -> bool:
