@@ -10,10 +10,13 @@ in the same run (CUDA only; CI has no GPU, so this runs on a lent H200).
 - **ipc** (same GPU, another process): a producer process's device store opened through
   CUDA IPC, pages gathered from it and scattered into this process's device slots with
   torch's index kernels (ceiling device->device): the medium alone.
-- **ipc plane** (same GPU, another process): the shipped same-host data plane
-  (``transport: ipc``) end to end: post_push in the producer process, the consumer's
-  checks, one Triton copy from the producer's store into random slots, the ack. With
+- **ipc / ucx / nixl plane** (same GPU, another process): a shipped data plane end to end
+  (``transport: ipc``: one Triton copy from the producer's store; ``ucx`` on worker-address
+  endpoints: cuda_ipc; ``nixl``: the consumer's NIXL reads, VRAM both sides): post_push in
+  the producer process, the consumer's checks, the copy into random slots, the ack. With
   ``--ipc-depths 1,4,8``, that many pushes of ``--total`` bytes each are in flight at once.
+- **raw NIXL** (same GPU, another process): the nixl plane's descriptors read with NIXL
+  alone (``peers.RawNixl``), the nixl plane's ceiling.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up (the ipc plane
 rows: after ``IPC_WARMUP_PUSHES`` pushes), in GB/s (1e9 B/s).
@@ -53,22 +56,45 @@ def _ipc_owner(q: Any, done: Any, rows: int, page_bytes: int) -> None:
     done.wait()
 
 
-def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -> None:
-    """Child: a producer process whose device store the ipc data plane exports. For each
-    round the parent names, it posts ``depth`` pushes of the same pages and times the
-    round until the receiver acked them all."""
+def _make_plane(kind: str, bind: str = "tcp://127.0.0.1:0") -> Any:
+    if kind == "ucx":  # worker-address endpoints: UCX picks cuda_ipc on one node
+        from ..transport.ucx.plane import UcxDataPlane
+
+        return UcxDataPlane(channel="shm", cuda=True)
+    if kind == "nixl":
+        from ..transport.nixl.plane import NixlDataPlane
+
+        return NixlDataPlane()
+    from ..transport.ipc import IpcDataPlane
+
+    return IpcDataPlane(bind)
+
+
+def _plane_producer(kind: str, q: Any, go: Any, out: Any, rows: int, page_bytes: int) -> None:
+    """Child: a producer process whose device store a data plane serves. For each round
+    the parent names, it posts ``depth`` pushes of the same pages and times the round
+    until the receiver acked them all."""
     import time
 
     import torch
 
     from ..transport.dataplane import StoreRows
-    from ..transport.ipc import IpcDataPlane
 
-    plane = IpcDataPlane()
+    plane = _make_plane(kind)
     store = plane.register_source(
         torch.randint(0, 255, (rows, page_bytes), dtype=torch.uint8, device="cuda")
     )
-    q.put(store)  # for the parent's byte check (CUDA IPC through torch)
+    raw_meta, raw_base = None, 0
+    if kind == "nixl":  # the raw NIXL row reads the store through an agent of its own
+        from ..transport.nixl import agent as nx
+
+        raw = nx.open_agent(f"bench-raw-source-{time.monotonic_ns()}")
+        dev = int(store.device.index or 0)
+        raw.register_memory([(store.data_ptr(), store.numel(), dev, "")], "VRAM")
+        raw_meta, raw_base = raw.get_agent_metadata(), store.data_ptr()
+    # the store for the parent's byte check (CUDA IPC through torch: mapped at another
+    # address there; the raw reads name this process's), the handshake
+    q.put((store, plane.source_caps, raw_meta, raw_base))
     endpoint, caps, src_rows, dst_slots, rounds = go.get()
     pages = [(0, StoreRows(store, src_rows, ((0, page_bytes),)), dst_slots)]
     tid, times = 0, []
@@ -80,11 +106,17 @@ def _ipc_plane_producer(q: Any, go: Any, out: Any, rows: int, page_bytes: int) -
                 tid += 1
                 handles.append(plane.post_push(endpoint, tid, 1, b"bench", pages, caps=caps))
             for h in handles:
-                st = plane.wait_push(h, 60)
+                if kind == "ipc":
+                    st = plane.wait_push(h, 60)
+                else:  # DataPlane.wait backs off to 10 ms: a 1 GiB device push is ~1 ms
+                    end = time.monotonic() + 60
+                    while not (st := plane.poll_push(h)).final and time.monotonic() < end:
+                        time.sleep(0.0001)
                 if not st.done:
                     raise RuntimeError(f"push {h.transfer_id} failed: {st.error}")
             times.append((depth, time.perf_counter() - t0))
         out.put(("ok", times))
+        go.get(timeout=600)  # the parent's checks and raw reads use the store
     except Exception as exc:  # report, never hang the parent
         out.put(("error", repr(exc)))
     finally:
@@ -99,7 +131,19 @@ def bench_ipc_plane(
     depths: tuple[int, ...],
     bind: str = "tcp://127.0.0.1:0",
 ) -> list[dict[str, Any]]:
-    """The ipc data plane between two processes on one GPU: ``total`` bytes of pages
+    return bench_plane("ipc", page_bytes, total, repeats, ceil, depths, bind)
+
+
+def bench_plane(
+    kind: str,
+    page_bytes: int,
+    total: int,
+    repeats: int,
+    ceil: dict[str, float],
+    depths: tuple[int, ...],
+    bind: str = "tcp://127.0.0.1:0",
+) -> list[dict[str, Any]]:
+    """A data plane (``kind``) between two processes on one GPU: ``total`` bytes of pages
     drawn at random from a store twice that size into random slots of a pool twice that
     size, timed from the first post_push to the last ack. With depth d, d such pushes
     are in flight at once (throughput; the receiver checks one push while the GPU copies
@@ -110,14 +154,12 @@ def bench_ipc_plane(
     import torch
     import torch.multiprocessing as mp
 
-    from ..transport.ipc import IpcDataPlane
-
     n = max(1, total // page_bytes)
     gen = np.random.default_rng(page_bytes)
     src_rows = gen.permutation(2 * n)[:n]
     dst_slots = gen.permutation(2 * n)[:n]
     pool = torch.zeros((2 * n, page_bytes), dtype=torch.uint8, device="cuda")
-    plane = IpcDataPlane(bind)
+    plane = _make_plane(kind, bind)
     plane.register_regions([[pool]])
     # Warm-up: the first pushes of a fresh plane run 20-50% slower, easing over 5-10
     # pushes back to back (cold CPU, threads asleep past the spin window); after one
@@ -129,20 +171,35 @@ def bench_ipc_plane(
         plane.expect(tid, 1, b"bench", [n], 300.0, promised)
     ctx = mp.get_context("spawn")
     q, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_ipc_plane_producer, args=(q, go, out, 2 * n, page_bytes))
+    child = ctx.Process(
+        target=_plane_producer, args=(kind, q, go, out, 2 * n, page_bytes), daemon=True
+    )
     child.start()
+    raw_s = None
     try:
-        store = q.get(timeout=120)
+        store, source_caps, raw_meta, raw_base = q.get(timeout=120)
+        plane.add_source(source_caps)
         go.put((plane.endpoint, plane.capabilities, src_rows, dst_slots, rounds))
         status, times = out.get(timeout=600)
         if status != "ok":
-            raise RuntimeError(f"ipc plane producer: {times}")
+            raise RuntimeError(f"{kind} plane producer: {times}")
         want = store[torch.from_numpy(src_rows).cuda()]
         got = pool[torch.from_numpy(dst_slots).cuda()]
-        assert torch.equal(got, want), "ipc plane corrupted pages"
+        assert torch.equal(got, want), f"{kind} plane corrupted pages"
+        if raw_meta is not None:  # the same descriptors with NIXL alone
+            from .peers import RawNixl
+
+            pool.zero_()
+            raw = RawNixl(pool, raw_meta, raw_base, 2 * n, remote_mem="VRAM")
+            raw_s = statistics.median(
+                [raw.read(src_rows, dst_slots) for _ in range(repeats + 1)][1:]
+            )
+            got = pool[torch.from_numpy(dst_slots).cuda()]
+            assert torch.equal(got, want), "raw NIXL corrupted pages"
         del store, want, got
     finally:
         plane.close()
+        go.put(None)
         child.join(60)
     rows = []
     for depth in depths:
@@ -150,8 +207,21 @@ def bench_ipc_plane(
         gbps = depth * n * page_bytes / seconds / 1e9
         rows.append(
             {
-                "path": f"ipc plane, {depth} push{'es' if depth > 1 else ''} in flight"
+                "path": f"{kind} plane, {depth} push{'es' if depth > 1 else ''} in flight"
                 + (" (unix)" if bind.startswith("ipc://") else ""),
+                "page_bytes": page_bytes,
+                "pages": n,
+                "gbps": round(gbps, 2),
+                "ceiling": "d2d",
+                "ceiling_gbps": round(ceil["d2d"], 2),
+                "ratio": round(gbps / ceil["d2d"], 3),
+            }
+        )
+    if raw_s is not None:
+        gbps = n * page_bytes / raw_s / 1e9
+        rows.append(
+            {
+                "path": "raw NIXL, the nixl plane's descriptors",
                 "page_bytes": page_bytes,
                 "pages": n,
                 "gbps": round(gbps, 2),
@@ -264,6 +334,16 @@ def _bind(control: str) -> str:
     raise SystemExit(f"--ipc-control: {control!r} is not tcp, unix or both")
 
 
+def _planes(text: str) -> list[str]:
+    import argparse
+
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("ipc", "ucx", "nixl")]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"{','.join(bad) or '(none)'}: choose from ipc, ucx, nixl")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="disagg bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--page-sizes", type=size_list, default="64KiB,256KiB,1MiB,4MiB")
@@ -272,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--layers", type=positive_int, default=8, help="layers per page (save is layer-wise)"
     )
-    p.add_argument("--ipc-only", action="store_true", help="only the ipc data plane rows")
+    p.add_argument("--ipc-only", action="store_true", help="only the data plane rows")
+    p.add_argument(
+        "--planes",
+        type=_planes,
+        default="ipc",
+        help="data plane rows, comma-separated: ipc, ucx, nixl (ucx needs ucxx, nixl NIXL)",
+    )
     p.add_argument(
         "--ipc-depths",
         type=int_list,
@@ -305,8 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             [] if args.ipc_only else bench_page_size(size, total, args.repeats, args.layers, ceil)
         )
         depths = tuple(args.ipc_depths)
-        for control in ("tcp", "unix") if args.ipc_control == "both" else (args.ipc_control,):
-            found += bench_ipc_plane(size, total, args.repeats, ceil, depths, _bind(control))
+        for kind in args.planes:
+            if kind != "ipc":
+                found += bench_plane(kind, size, total, args.repeats, ceil, depths)
+                continue
+            for control in ("tcp", "unix") if args.ipc_control == "both" else (args.ipc_control,):
+                found += bench_ipc_plane(size, total, args.repeats, ceil, depths, _bind(control))
         for r in found:
             rows.append(r)
             print(

@@ -1,12 +1,16 @@
-"""Peers moving the same pages process to process with their own APIs: NIXL (UCX
-backend, one-sided WRITE of every page from its source row into its destination slot, completion by
-notification) and the Mooncake transfer engine (TCP, batch write). Optional: they are
-imported here only, and a failure becomes the row's error string. Their pushes are paired
-with the row's ceiling like the planes' (the consumer times one ceiling run before each
-push; Mooncake's raw TCP stream is served by ``transfer._producer`` before it gets here)."""
+"""Peers moving the same pages process to process with their own APIs: raw NIXL (the
+consumer READs every page from its source row into its destination slot through
+descriptor lists prepared once, ``RawNixl``: the descriptors the nixl plane posts, with
+none of the plane around them) and the Mooncake transfer engine (TCP, batch write).
+Optional: they are imported here only, and a failure becomes the row's error string.
+Their pushes are paired with the row's ceiling like the planes' (the consumer times one
+ceiling run before each push; Mooncake's raw TCP stream is served by
+``transfer._producer`` before it gets here). ``RawNixl`` is also the nixl plane rows'
+paired ceiling (``transfer._ceiling_timer``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +21,11 @@ MOONCAKE_BATCH = 1024  # requests per batch_transfer_sync_write (see _mooncake_p
 
 
 def producer(name: str, store: np.ndarray, conn: Any) -> None:
-    if name == "nixl":
-        _nixl_producer(store, conn)
+    if name == "nixl-raw":
+        agent = nixl_source(store)
+        conn.send(("ready", (agent.get_agent_metadata(), store.ctypes.data)))
+        while conn.recv()[0] != "stop":  # the consumer reads by itself
+            pass
     else:
         _mooncake_producer(store, conn)
 
@@ -39,47 +46,66 @@ def consumer(
     """(push seconds, ceiling seconds) of ``repeats`` pushes after one warm-up, each push
     timed right after one run of ``ceiling`` (the row's paired ceiling, transfer.py).
     ``ready``: the producer's ("ready", info) message, already read from ``conn``."""
-    if name == "nixl":
+    if name == "nixl-raw":
         return _nixl_consumer(pool, n, repeats, conn, rng, ready, ceiling)
     return _mooncake_consumer(pool, n, repeats, conn, rng, ceiling)
 
 
-def _nixl_api() -> Any:
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-    return nixl_agent, nixl_agent_config
+def nixl_source(store: np.ndarray, transports: str | None = None) -> Any:
+    """A NIXL agent (the nixl plane's configuration) with ``store`` registered: what a raw
+    reader reads from. Keep it alive while it is read."""
+    from ..transport.nixl import agent as nx
 
-
-def _nixl_producer(store: np.ndarray, conn: Any) -> None:
-    nixl_agent, cfg = _nixl_api()
-    agent = nixl_agent("bench-producer", cfg(backends=["UCX"]))
+    agent = nx.open_agent(f"bench-raw-source-{os.getpid()}", transports=transports)
     agent.register_memory([(store.ctypes.data, store.nbytes, 0, "")], "DRAM")
-    conn.send(("ready", agent.get_agent_metadata()))
-    pb = store.shape[1]
-    src = np.empty((store.shape[0], 3), dtype=np.int64)
-    src[:, 0] = store.ctypes.data + np.arange(store.shape[0]) * pb
-    src[:, 1], src[:, 2] = pb, 0
-    remote_name = None
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            break
-        _, meta, base, tid, rows, dst = msg
-        if remote_name is None:
-            remote_name = agent.add_remote_agent(meta)
-        local = agent.get_xfer_descs(src[rows], "DRAM")
-        d = np.empty((len(dst), 3), dtype=np.int64)
-        d[:, 0] = base + np.asarray(dst, dtype=np.int64) * pb
-        d[:, 1], d[:, 2] = pb, 0
-        remote = agent.get_xfer_descs(d, "DRAM")
-        h = agent.initialize_xfer("WRITE", local, remote, remote_name, str(tid).encode())
-        state = agent.transfer(h)
-        while state not in ("DONE", "ERR"):
-            state = agent.check_xfer_state(h)
-        agent.release_xfer_handle(h)
-        conn.send(("pushed", None if state == "DONE" else "nixl transfer error"))
+    return agent
+
+
+class RawNixl:
+    """Reads pages of a remote store (``nixl_source``'s metadata and base address; rows
+    of ``pool``'s row size; ``remote_mem`` ``VRAM`` for a device store on device 0) into
+    ``pool`` (a host numpy array or a torch tensor, host or device) with NIXL alone: both
+    descriptor lists prepared once, one ``make_prepped_xfer`` READ per call, polled to
+    completion (the nixl plane's descriptors and agent configuration)."""
+
+    def __init__(
+        self,
+        pool: Any,
+        meta: bytes,
+        base: int,
+        rows: int,
+        transports: str | None = None,
+        remote_mem: str = "DRAM",
+    ) -> None:
+        from ..transport.nixl import agent as nx
+
+        self.agent = nx.open_agent(f"bench-raw-reader-{os.getpid()}", transports=transports)
+        if isinstance(pool, np.ndarray):
+            ptr, mem, dev = pool.ctypes.data, "DRAM", 0
+        else:
+            ptr, (mem, dev) = int(pool.data_ptr()), nx.mem_of(pool)
+        pb, slots = int(pool.shape[1]), int(pool.shape[0])
+        self.agent.register_memory([(ptr, pb * slots, dev, "")], mem)
+        name = self.agent.add_remote_agent(meta)
+        local = np.array([[ptr, pb, dev, pb, slots]], dtype=np.uint64)
+        remote = np.array([[base, pb, 0, pb, rows]], dtype=np.uint64)
+        self.local = self.agent.prep_xfer_dlist("", local, mem)
+        self.remote = self.agent.prep_xfer_dlist(name, remote, remote_mem)
+
+    def read(self, rows: np.ndarray, slots: np.ndarray) -> float:
+        """Seconds to read ``rows`` into ``slots``; RuntimeError when NIXL fails it."""
+        t = time.perf_counter()
+        x = self.agent.make_prepped_xfer(
+            "READ", self.local, slots.astype(np.int32), self.remote, rows.astype(np.int32)
+        )
+        state = self.agent.transfer(x)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(x)
+        dt = time.perf_counter() - t
+        x.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended {state}")
+        return dt
 
 
 def _nixl_consumer(
@@ -91,28 +117,15 @@ def _nixl_consumer(
     ready: Any,
     ceiling: Callable[[], float],
 ) -> Times:
-    nixl_agent, cfg = _nixl_api()
-    agent = nixl_agent("bench-consumer", cfg(backends=["UCX"]))
-    agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
-    meta = agent.get_agent_metadata()
-    agent.add_remote_agent(ready[1])
+    meta, base = ready[1]
+    raw = RawNixl(pool, meta, base, pool.shape[0])
     times, ctimes = [], []
     from .transfer import draw
 
     for rep in range(repeats + 1):
         rows, dst = draw(rng, pool.shape[0], n)
-        tid = str(rep + 1).encode()
         c = ceiling()
-        t = time.perf_counter()
-        conn.send(("push", meta, pool.ctypes.data, rep + 1, rows, dst))
-        got = False
-        while not got:
-            for msgs in agent.get_new_notifs().values():
-                got = got or tid in msgs
-        dt = time.perf_counter() - t
-        reply = conn.recv()
-        if reply[1]:
-            raise RuntimeError(reply[1])
+        dt = raw.read(rows, dst)
         if not np.array_equal(pool[dst, :8].copy().view(np.int64).reshape(-1), rows):
             raise RuntimeError("nixl pages landed wrong")
         if rep:

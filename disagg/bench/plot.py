@@ -8,7 +8,7 @@ from typing import Any
 
 from .units import fmt_size
 
-_PEERS = ("nixl", "mooncake")
+_PEERS = ("nixl-raw-", "mooncake-")  # rows of peers, not planes: dotted
 HINT = 'pip install matplotlib (in a checkout: pip install -e ".[bench]")'
 
 
@@ -52,7 +52,7 @@ def plot_transfer(report: dict[str, Any], path: str) -> str | None:
     ys: list[float] = []
     for name, pts in lines.items():
         pts.sort()
-        style = ":" if name.split("-", 1)[0] in _PEERS else "-"
+        style = ":" if name.startswith(_PEERS) else "-"
         (line,) = ax.plot(
             [p for p, _, _ in pts], [g for _, g, _ in pts], style, marker="o", label=name
         )

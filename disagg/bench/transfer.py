@@ -67,6 +67,8 @@ ALL_TRANSPORTS = (
     "ipc-shm",
     "ipc-cuda",
     "nixl",
+    "nixl-tcp",
+    "nixl-raw",
     "mooncake",
 )
 # transport -> (reported transport, channel, medium whose ceiling applies)
@@ -78,9 +80,23 @@ SPEC = {
     "ucx-cuda": ("ucx", "cuda", "d2d"),  # device memory both sides: UCX cuda_ipc
     "ipc-shm": ("ipc", "shm", "shm"),  # the consumer copies out of the store's /dev/shm
     "ipc-cuda": ("ipc", "cuda", "d2d"),  # ... out of the store's CUDA IPC mapping
-    "nixl": ("nixl", "ucx", "shm"),  # nixl picks its UCX transports itself (shm locally)
+    # the nixl plane, UCX picking its transports (cma locally) or TCP only; its ceiling is
+    # raw NIXL reading the same number of pages through the same descriptors (peers.py)
+    "nixl": ("nixl", "auto", "nixl"),
+    "nixl-tcp": ("nixl", "tcp", "nixl-tcp"),
+    "nixl-raw": ("nixl-raw", "auto", "shm"),  # raw NIXL itself, against memcpy
     "mooncake": ("mooncake", "tcp", "tcp"),
 }
+# the medium's paired ceiling, by name in the report
+CEILING_NAMES = {
+    "shm": "memcpy",
+    "tcp": "raw_tcp",
+    "ipc": "raw_unix",
+    "d2d": "d2d",
+    "nixl": "raw_nixl",
+    "nixl-tcp": "raw_nixl_tcp",
+}
+NIXL_TRANSPORTS = {"nixl": None, "nixl-tcp": "tcp,self"}  # UCX's transport list per medium
 
 
 def unavailable(name: str, cuda: bool) -> tuple[str, str] | None:
@@ -100,8 +116,8 @@ def unavailable(name: str, cuda: bool) -> tuple[str, str] | None:
         return "no CUDA device", "a machine with an NVIDIA GPU and a CUDA build of torch"
     if name.startswith("ucx-") and missing("ucxx"):
         return "the Python package ucxx is not installed", 'pip install -e ".[ucx]"'
-    if name == "nixl" and missing("nixl_cu12") and missing("nixl"):
-        return "the Python package nixl is not installed", "pip install nixl-cu12"
+    if name.startswith("nixl") and all(map(missing, ("nixl_cu12", "nixl_cu13", "nixl"))):
+        return "the Python package nixl is not installed", 'pip install -e ".[nixl]"'
     if name == "mooncake":
         if missing("mooncake"):
             return (
@@ -130,6 +146,10 @@ def _make_plane(name: str) -> Any:
         from ..transport.ipc import IpcDataPlane
 
         return IpcDataPlane()
+    if name.startswith("nixl"):
+        from ..transport.nixl.plane import NixlDataPlane
+
+        return NixlDataPlane(transports=NIXL_TRANSPORTS[SPEC[name][2]])
     from ..transport.ucx.plane import UcxDataPlane
 
     if name == "ucx-cuda":  # worker-address endpoints: UCX picks cuda_ipc on one node
@@ -164,7 +184,12 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
         medium = SPEC[name][2]
         if medium in ("tcp", "ipc"):  # the store's first N rows: the bytes of one push
             stop_raw = _serve_raw(medium, store.reshape(-1)[: n * page_bytes], conn)
-        if name in ("nixl", "mooncake"):
+        if medium in NIXL_TRANSPORTS:  # the ceiling reads the store through its own agent
+            from . import peers
+
+            raw_source = peers.nixl_source(store, NIXL_TRANSPORTS[medium])
+            conn.send(("raw", (raw_source.get_agent_metadata(), store.ctypes.data)))
+        if name in ("nixl-raw", "mooncake"):
             from . import peers
 
             peers.producer(name, store, conn)
@@ -176,7 +201,7 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
         if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
             rows = register(rows)
         cols = ((0, page_bytes),)
-        conn.send(("ready", None))
+        conn.send(("ready", plane.source_caps))  # what the HelloOk carries
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
@@ -241,13 +266,14 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         pool.fill_(0)  # prefault
         ceiling, close_ceiling = _ceiling_timer(SPEC[name][2], n * page_bytes, pool, raw_addr)
         rng = np.random.default_rng(1234)
-        if name in ("nixl", "mooncake"):
+        if name in ("nixl-raw", "mooncake"):
             from . import peers
 
             times, ctimes = peers.consumer(name, pool.numpy(), n, repeats, conn, rng, msg, ceiling)
         else:
             plane = _make_plane(name)
             plane.register_regions([[pool]])
+            plane.add_source(msg[1])  # the producer's handshake
             times, ctimes = [], []
             for rep in range(repeats + 1):
                 src, dst = draw(rng, slots, n)
@@ -297,7 +323,17 @@ def _ceiling_timer(
     """(one timed run of the medium's ceiling on ``nbytes``, its cleanup), in the consumer:
     a memcpy between two ``hostmem`` buffers (shm); the producer's raw stream received
     into a ``hostmem`` buffer, like the pool (tcp / ipc); a device-to-device copy of the
-    pool's first ``nbytes`` (d2d)."""
+    pool's first ``nbytes`` (d2d); raw NIXL reading as many random rows of the producer's
+    store into random slots of the pool, the descriptors the plane posts (nixl)."""
+    if medium in NIXL_TRANSPORTS:
+        from . import peers
+
+        meta, base = raw_addr
+        rows = pool.shape[0]
+        raw = peers.RawNixl(pool.numpy(), meta, base, rows, NIXL_TRANSPORTS[medium])
+        rng = np.random.default_rng(99)
+        n = nbytes // pool.shape[1]
+        return (lambda: raw.read(*draw(rng, rows, n))), lambda: None
     if medium == "shm":
         return ceilings.memcpy_timer(nbytes), lambda: None
     if medium == "d2d":
@@ -459,9 +495,7 @@ def run(
                 "pages": n,
                 "gbps": gbps,
                 "ceiling_gbps": ceiling,
-                "ceiling": {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix", "d2d": "d2d"}[
-                    medium
-                ],
+                "ceiling": CEILING_NAMES[medium],
                 "ceiling_paired": True,  # timed between the row's pushes (module docstring)
                 "ratio": (gbps / ceiling) if gbps is not None and ceiling else None,
                 "ratio_paired_median": r.ratio_paired_median,

@@ -37,7 +37,7 @@ from .values import (
 )
 
 # The data planes `transport:` names, and the one used when it is not given.
-Transport = Literal["tcp", "ucx", "ipc"]
+Transport = Literal["tcp", "ucx", "ipc", "nixl"]
 TRANSPORTS: tuple[str, ...] = typing.get_args(Transport)
 DEFAULT_TRANSPORT: Transport = "tcp"
 # Former `transport:` names, refused with what to write instead.
@@ -60,6 +60,10 @@ DEFAULT_HEARTBEAT_S = 5.0
 
 Seconds = Annotated[float, Meta(gt=0, le=FLOAT_MAX, extra={"unit": "seconds"})]
 Name = Annotated[str, Meta(pattern=r"\S")]  # not empty, not only blanks
+# NIXL backends that move memory between hosts (the plane checks the build has it)
+NixlBackend = Literal["UCX", "LIBFABRIC"]
+NIXL_BACKENDS: tuple[str, ...] = typing.get_args(NixlBackend)
+NixlDevices = Annotated[str, Meta(pattern=r"^[\w.:-]+(,[\w.:-]+)*$")]
 
 
 @functools.cache
@@ -362,7 +366,9 @@ class DisaggConfig(Section, frozen=True, dict=True):
         Meta(
             description="data plane for page pushes, the same on both sides. ipc: producer "
             "and consumer on one host; the consumer copies pages straight out of the "
-            "producer's store (CUDA IPC for store_device: cuda, a /dev/shm file otherwise)"
+            "producer's store (CUDA IPC for store_device: cuda, a /dev/shm file otherwise). "
+            "nixl (pip install disagg[nixl]): the consumer reads the producer's store with "
+            "NIXL: InfiniBand/RoCE RDMA (GPUDirect for device memory) across nodes"
         ),
     ] = DEFAULT_TRANSPORT
     transport_checksum: Annotated[
@@ -402,6 +408,29 @@ class DisaggConfig(Section, frozen=True, dict=True):
                 description="transport: ipc only: microseconds the plane's threads spin (GIL "
                 "released) for the next message before they sleep; 0 turns it off; wins over "
                 "tuning.spin_us; null: that switch, else 2000 on 8+ CPUs, 0 below",
+            ),
+        ]
+        | None
+    ) = None
+    nixl_backend: (
+        Annotated[
+            NixlBackend,
+            Meta(
+                description="transport: nixl only: the NIXL backend that moves pages; null: "
+                "UCX (InfiniBand, RoCE, TCP, shared memory, cuda_ipc; the one tested here)",
+                examples=["UCX"],
+            ),
+        ]
+        | None
+    ) = None
+    nixl_devices: (
+        Annotated[
+            NixlDevices,
+            Meta(
+                description="transport: nixl only: the devices the backend may use, "
+                "comma-separated (UCX: as UCX_NET_DEVICES, e.g. mlx5_0:1,mlx5_1:1; `ucx_info "
+                "-d` lists them); null: every device it finds",
+                examples=["mlx5_0:1"],
             ),
         ]
         | None
@@ -447,6 +476,8 @@ class DisaggConfig(Section, frozen=True, dict=True):
             ("ucx_channel", "ucx", "a UCX"),
             ("ucx_rma_readers", "ucx", "a UCX"),
             ("ipc_spin_us", "ipc", "an ipc"),
+            ("nixl_backend", "nixl", "a nixl"),
+            ("nixl_devices", "nixl", "a nixl"),
         ):
             if getattr(self, name) is not None and self.transport != plane:
                 raise err(
@@ -529,6 +560,8 @@ class DisaggConfig(Section, frozen=True, dict=True):
             names += ["ucx_channel", "ucx_rma_readers"]
         if self.transport == "ipc":
             names.append("ipc_spin_us")
+        if self.transport == "nixl":
+            names += ["nixl_backend", "nixl_devices"]
         names += [n for n in ("producer", "consumer", "security", "metrics") if data[n]]
         names += ["tuning"] if data["tuning"] else []  # only the switches set
         return {name: data[name] for name in names}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -112,6 +113,9 @@ class ProducerLink:
         # the optional requests the producer announced (HelloOk.features); None until the
         # first Hello answered
         self.features: frozenset[str] | None = None
+        # our data plane's ``add_source``: takes the producer's HelloOk.data_caps (set by
+        # the service once its plane exists)
+        self.data_source: Callable[[m.DataCaps], None] | None = None
 
     def usable(self) -> bool:
         return self.refusal is None and time.monotonic() >= self.down_until
@@ -173,6 +177,13 @@ class ProducerLink:
             incarnation=self.consumer_incarnation,
         )
         ok = ch.client.call(hello, timeout_s=_left(deadline, hello, self.endpoint))
+        if self.data_source is not None:
+            try:
+                self.data_source(getattr(ok, "data_caps", None) or m.DataCaps())
+            except ValueError as exc:
+                raise ProtocolError(
+                    ErrorCode.INCOMPATIBLE_PEER, f"{self.endpoint}: {exc}"
+                ) from None
         self.features = frozenset(getattr(ok, "features", ()) or ())
         inc = int(getattr(ok, "incarnation", 0) or 0)
         if self.incarnation and inc != self.incarnation:

@@ -143,7 +143,7 @@ def loads_async(config: DisaggConfig) -> bool:
     if load_mode == "async" and gap is not None:
         raise ConfigError(
             f"consumer.load_mode: async loads need a data plane whose abort proves that no "
-            f"byte lands afterwards, and {gap}: set load_mode: sync (or auto), or "
-            "ucx_channel: tcp"
+            f"byte lands afterwards, and {gap}: set load_mode: sync (or auto), or use a "
+            "plane whose abort is complete (tcp, ipc, ucx with ucx_channel: tcp)"
         )
     return load_mode == "async"

@@ -178,9 +178,14 @@ class ConsumerService(ConnectorService):
             ucx_channel=self.config.ucx_channel,
             ucx_rma_readers=self.config.ucx_rma_readers,
             ipc_spin_us=self.config.ipc_spin_us,
+            nixl_backend=self.config.nixl_backend,
+            nixl_devices=self.config.nixl_devices,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())
+        for rl in self.rank_links:  # each producer's HelloOk tells the plane how to read it
+            for link in rl.values():
+                link.data_source = self.data.add_source
         self.keepalive.start()
         if self.tp_size > 1:
             data = self.ccfg.data

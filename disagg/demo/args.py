@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp", type=positive_int, default=1, help="tensor parallel ranks of every instance"
     )
     shape.add_argument(
-        "--transport", type=transport, default="tcp", help="data plane: tcp, ucx or ipc"
+        "--transport", type=transport, default="tcp", help="data plane: tcp, ucx, ipc or nixl"
     )
     shape.add_argument(
         "--sync",
@@ -178,6 +178,13 @@ def check(a: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(
             "--transport", "ucx", 'needs the ucxx package: pip install -e ".[ucx]"; or use tcp'
         )
+    if a.transport == "nixl":
+        from ..transport.nixl import agent
+
+        if not agent.available():
+            raise UsageError(
+                "--transport", "nixl", 'needs NIXL: pip install -e ".[nixl]"; or use tcp'
+            )
     from ..engine.reference import EngineConfig
 
     heads = EngineConfig.num_kv_heads

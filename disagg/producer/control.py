@@ -24,6 +24,7 @@ from ..protocol.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from ..transport.control import ControlServer
+    from ..transport.dataplane import DataPlane
     from ..transport.events import EventPublisher
     from .leases import LeaseTable
     from .store import BlockStore
@@ -45,6 +46,7 @@ class ControlPlane:
         features: tuple[str, ...]
         incarnation: int
         store: BlockStore
+        data: DataPlane | None
         leases: LeaseTable
         events: EventPublisher | None
         server: ControlServer | None
@@ -164,6 +166,7 @@ class ControlPlane:
             transport=self.config.transport,
             features=list(self.features),
             incarnation=self.incarnation,
+            data_caps=self.data.source_caps if self.data is not None else m.DataCaps(),
         )
 
     def _note_owner_incarnation(self, msg: Any) -> None:

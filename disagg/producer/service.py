@@ -201,6 +201,8 @@ class ProducerService(ControlPlane, ConnectorService):
             ucx_channel=self.config.ucx_channel,
             ucx_rma_readers=self.config.ucx_rma_readers,
             ipc_spin_us=self.config.ipc_spin_us,
+            nixl_backend=self.config.nixl_backend,
+            nixl_devices=self.config.nixl_devices,
         )
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)

@@ -34,7 +34,14 @@ import msgspec
 from .errors import ErrorCode, ProtocolError
 from .fingerprint import Fingerprint
 from .keys import KEY_BYTES, KeyBlob
-from .version import MAX_CONTROL_FRAME, MAX_GROUPS, MAX_KEYS, MAX_STR, PROTOCOL_VERSION
+from .version import (
+    MAX_CONTROL_FRAME,
+    MAX_DATA_META,
+    MAX_GROUPS,
+    MAX_KEYS,
+    MAX_STR,
+    PROTOCOL_VERSION,
+)
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -66,7 +73,8 @@ class DataCaps(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a receiver's data plane takes, beyond the plane's base behaviour. The consumer
     sends its plane's ``capabilities`` in ``Hello`` and in every ``Push``; the producer's
     plane reads them from the Push (``post_push(caps=...)``), never from the address.
-    A field a plane does not use stays at its default."""
+    The producer sends its plane's ``source_caps`` in ``HelloOk`` (what a consumer needs
+    to read from it). A field a plane does not use stays at its default."""
 
     parts: bool = False  # ipc: takes a push in several parts (the first lands early)
     tcp_segment_bytes: NonNeg = 0  # ucx tcp: packed host batches may come cut this big
@@ -74,6 +82,9 @@ class DataCaps(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     iov_recv: bool = False  # ucx tcp: receives packed segments straight into host slots
     direct: bool = False  # ucx shm: runs may land in the rows as they are read
     rma: NonNeg = 0  # ucx: reads store rows itself from RMA headers of this version
+    # nixl: this side's NIXL agent metadata (a consumer's: connection information only; a
+    # producer's: with its store's memory keys)
+    nixl: Annotated[bytes, msgspec.Meta(max_length=MAX_DATA_META)] = b""
 
 
 class Hello(Message, frozen=True, tag="hello"):
@@ -99,6 +110,7 @@ class HelloOk(Message, frozen=True, tag="hello_ok"):
     transport: Str = "tcp"
     features: Annotated[list[Str], msgspec.Meta(max_length=64)] = []
     incarnation: Incarnation = 0  # the producer process's
+    data_caps: DataCaps = DataCaps()  # what a consumer needs to read from this producer
 
 
 # --- generic replies -------------------------------------------------------------------

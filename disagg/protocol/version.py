@@ -22,3 +22,6 @@ MAX_CONTROL_FRAME = 4 * 1024 * 1024
 MAX_KEYS = 1 << 20
 MAX_GROUPS = 1024
 MAX_STR = 4096
+# A data plane's connection metadata in DataCaps (a NIXL agent's: its worker address and
+# memory keys, ~0.5 KiB on one host, a few KiB with InfiniBand devices).
+MAX_DATA_META = 1 << 20

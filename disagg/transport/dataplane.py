@@ -206,7 +206,15 @@ def push_source(
 
 class DataPlane(abc.ABC):
     """Both sides of page transfer. Implementations: TcpDataPlane (``tcp/``),
-    UcxDataPlane (``ucx/``), IpcDataPlane (``ipc/``, one host only)."""
+    UcxDataPlane (``ucx/``), IpcDataPlane (``ipc/``, one host only), NixlDataPlane
+    (``nixl/``)."""
+
+    # True: ``abort`` returns 0 within its bounded wait whatever the peer does (alive,
+    # dead or stalled), so once it returns the transfer's slots may be reused: async
+    # loads, whose pages the engine reuses right after a cancel, are safe on this plane.
+    # False: a stalled peer can hold writes past the wait (``abort`` then returns them,
+    # and the caller must not reuse the slots): the plane cannot promise it.
+    abort_complete: bool = True
 
     # --- receiver ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -226,6 +234,17 @@ class DataPlane(abc.ABC):
         """What this receiver takes beyond the plane's base behaviour (pass it in the
         control Push message with ``endpoint``; the sender's ``post_push(caps=...)``)."""
         return DataCaps()
+
+    @property
+    def source_caps(self) -> DataCaps:
+        """What a sender tells the receivers it serves at the handshake (the producer's
+        ``HelloOk``): what they need to reach its pages. Nothing for most planes."""
+        return DataCaps()
+
+    def add_source(self, caps: DataCaps) -> None:
+        """Receiver: a sender's ``source_caps``, from its ``HelloOk`` (each handshake;
+        the same caps again are a no-op). Raises ValueError when this plane cannot read
+        from that sender."""
 
     @abc.abstractmethod
     def expect(

@@ -14,17 +14,22 @@ def make_data_plane(
     ucx_channel: str | None = None,
     ucx_rma_readers: int | None = None,
     ipc_spin_us: int | None = None,
+    nixl_backend: str | None = None,
+    nixl_devices: str | None = None,
 ) -> DataPlane:
     """``tcp`` (plain TCP / Unix stream sockets, always available), ``ucx`` (needs ``pip
-    install disagg[ucx]``) or ``ipc`` (producer and consumer on one host: the consumer
-    copies from the producer's store).
+    install disagg[ucx]``), ``ipc`` (producer and consumer on one host: the consumer
+    copies from the producer's store) or ``nixl`` (needs ``pip install disagg[nixl]``:
+    the consumer reads the producer's store with NIXL, RDMA where the fabric has it).
 
     ``advertise_host`` replaces a wildcard bind's host in the endpoint peers are told.
     ``checksum`` (config ``transport_checksum``): xxh3-64 over every tcp payload, checked
     by the receiver; only the tcp plane has it (ValueError for the others).
     ``ucx_channel`` (``tcp`` when None) and ``ucx_rma_readers`` (None: the plane's
     default) go to the UCX plane; ``ipc_spin_us`` (None: ``spin.default_spin_us()``) to
-    the ipc plane; ValueError for the others."""
+    the ipc plane; ``nixl_backend`` (None: UCX) and ``nixl_devices`` (None: every
+    device the backend finds) to the nixl plane, which has no address to bind (NIXL
+    picks its own); ValueError for the others."""
     if checksum and transport != "tcp":
         raise ValueError(
             f"transport_checksum: only the tcp data plane checksums, not {transport!r}"
@@ -35,6 +40,10 @@ def make_data_plane(
         )
     if ipc_spin_us is not None and transport != "ipc":
         raise ValueError(f"ipc_spin_us: an ipc data plane setting, not for {transport!r}")
+    if (nixl_backend is not None or nixl_devices is not None) and transport != "nixl":
+        raise ValueError(
+            f"nixl_backend / nixl_devices: nixl data plane settings, not for {transport!r}"
+        )
     advertise = None
     if advertise_host and bind.startswith("tcp://"):
         port = bind.rsplit(":", 1)[1]
@@ -62,22 +71,38 @@ def make_data_plane(
         from .ipc import IpcDataPlane
 
         return IpcDataPlane(bind, advertise=advertise, spin_us=ipc_spin_us)
+    if transport == "nixl":
+        from .nixl import agent
+
+        try:
+            agent.nixl_api()
+        except ImportError as exc:  # names the extra to install
+            raise RuntimeError(str(exc)) from None
+        from .nixl.plane import NixlDataPlane
+
+        return NixlDataPlane(backend=nixl_backend or "UCX", devices=nixl_devices)
     from ..config import RENAMED_TRANSPORTS
 
     if transport in RENAMED_TRANSPORTS:
         raise ValueError(f"transport: {RENAMED_TRANSPORTS[transport]}")
-    raise ValueError(f"transport: unknown data plane {transport!r}; use 'tcp', 'ucx' or 'ipc'")
+    raise ValueError(
+        f"transport: unknown data plane {transport!r}; use 'tcp', 'ucx', 'ipc' or 'nixl'"
+    )
 
 
 def abort_gap(transport: str, ucx_channel: str | None = None) -> str | None:
     """Why an ``abort`` of this plane may return with writes of the transfer still under
     way (None: it never does; the contract's "no byte lands after abort" holds whatever
-    the peer does). The consumer fences a load whose pages the engine handed to another
-    request by aborting it, so asynchronous loads need a plane without a gap."""
+    the peer does), read from the config before any plane exists; each plane states the
+    same as ``DataPlane.abort_complete``. The consumer fences a load whose pages the
+    engine handed to another request by aborting it, so asynchronous loads need a plane
+    without a gap."""
     if transport == "ucx" and (ucx_channel or "tcp") != "tcp":
         return (
             f"ucx_channel: {ucx_channel}: UCX cannot cancel a receive it has matched, and "
             "only the tcp channel can sever a stalled producer, so an abort may leave "
             "writes landing"
         )
+    if transport == "nixl":
+        return "transport: nixl: NIXL cannot stop a read it has posted"
     return None

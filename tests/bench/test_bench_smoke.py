@@ -28,12 +28,15 @@ def test_bench_transfer_quick_json(capsys):
     assert row["ceiling_paired"] is True and row["ratio_paired_median"] > 0
 
 
-@pytest.mark.parametrize("name", ["tcp-tcp", "ucx-tcp", "ipc-shm"])
+@pytest.mark.parametrize("name", ["tcp-tcp", "ucx-tcp", "ipc-shm", "nixl"])
 def test_bench_transfer_ceiling_is_paired_per_row(name):
-    """Each repetition times one ceiling run (raw TCP from the producer process / memcpy)
-    and one push in the row's own processes: as many ceiling times as pushes."""
+    """Each repetition times one ceiling run (raw TCP from the producer process / memcpy /
+    raw NIXL reading through the producer's own agent) and one push in the row's own
+    processes: as many ceiling times as pushes."""
     if name.startswith("ucx"):
         pytest.importorskip("ucxx", reason="ucxx not installed")
+    if name.startswith("nixl"):
+        pytest.importorskip("disagg.transport.nixl.plane", reason="NIXL not installed")
     from disagg.bench.transfer import measure
 
     r = measure(name, 64 << 10, 16, 3, timeout_s=60)
@@ -66,18 +69,18 @@ def test_bench_transfer_ucx_quick_json(capsys):
 
 
 def test_bench_transfer_peers_report_a_rate_or_why_not(capsys):
-    """NIXL and Mooncake move the same pages, or are listed once, apart, with the reason
-    and what to install (a package, or the system library Mooncake loads)."""
+    """Raw NIXL and Mooncake move the same pages, or are listed once, apart, with the
+    reason and what to install (a package, or the system library Mooncake loads)."""
     from disagg.bench.transfer import unavailable
 
-    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "nixl,mooncake"]
+    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "nixl-raw,mooncake"]
     assert main([*argv, "--timeout", "60", "--json"]) == 0
     out = capsys.readouterr().out
     rep = _last_json(out)
     rows, skipped = rep["results"], rep["skipped"]
     assert sorted([r["transport"] for r in rows] + [s["transport"] for s in skipped]) == [
         "mooncake",
-        "nixl",
+        "nixl-raw",
     ]
     for s in skipped:
         assert s["reason"] and s["fix"], s

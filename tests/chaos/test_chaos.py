@@ -444,6 +444,7 @@ def netns_pair():
             "ns_p": ns_p,
             "ns_c": ns_c,
             "dev_p": dev_p,
+            "dev_c": dev_c,
             "ip_p": f"10.213.{n}.1",
             "ip_c": f"10.213.{n}.2",
         }

@@ -3,6 +3,7 @@ monolithic run token for token and page for page, with pages really moved."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,7 +20,15 @@ SHAPES = {
     "v1-small-blocks": [
         "--layers", "3", "--tokens-per-block", "16", "--kv-manager", "v1", "--num-prompts", "3",
     ],
+    "nixl-tp-sync": ["--transport", "nixl", "--tp", "2", "--sync"],
 }  # fmt: skip
+_NO_NIXL = all(importlib.util.find_spec(m) is None for m in ("nixl_cu12", "nixl_cu13", "nixl"))
+MARKS = {  # the nixl shape: a minute more; CI's nixl coverage is the plane's own tests
+    "nixl-tp-sync": [
+        pytest.mark.slow,
+        pytest.mark.skipif(_NO_NIXL, reason="NIXL is not installed (disagg[nixl])"),
+    ],
+}
 
 
 def run_demo(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -33,7 +42,7 @@ def run_demo(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     return r, time.monotonic() - t
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=MARKS.get(s, ())) for s in SHAPES])
 def test_demo_shape_matches_monolithic(shape: str) -> None:
     r, _ = run_demo(SHAPES[shape])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -50,7 +59,7 @@ def test_demo_shape_matches_monolithic(shape: str) -> None:
     if shape == "mxn":  # every consumer loaded from every producer
         assert {(q["consumer"], q["served_by"]) for q in reqs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
         assert rep["pairs_missing"] == []
-    if shape == "tp-sync":
+    if shape in ("tp-sync", "nixl-tp-sync"):
         assert rep["layer_slices_pushed"] > rep["pages_moved"]
     assert rep["leases_left"] == 0 and rep["pinned_blocks_left"] == 0
     assert "match" in r.stderr  # the table went to stderr, the JSON alone to stdout

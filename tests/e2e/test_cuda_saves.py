@@ -39,4 +39,3 @@ def test_cuda_saves_match_monolithic(monkeypatch, store_device, save_stream):
     produced = run(prod, ps, 1)
     cons, _ = make_consumer(cfg, [psvc.endpoint])
     check_against_monolithic(produced, run(cons, ps, 4), mono)
-

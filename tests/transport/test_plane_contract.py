@@ -3,8 +3,10 @@ every plane through its public API alone: ``make_data_plane``, ``register_region
 ``endpoint``, ``capabilities``, ``expect`` / ``poll`` / ``wait`` / ``abort`` on the
 receiver, ``post_push(..., caps=rx.capabilities)`` / ``poll_push`` on the sender,
 ``close``; and, where a plane has it, ``register_source`` (what the producer calls on
-its store). Planes: tcp over TCP and over a Unix socket, ipc, UCX over tcp and over
-shm (skipped without ucxx).
+its store) and ``add_source`` (what the consumer calls with the producer's
+``source_caps`` at the handshake). Planes: tcp over TCP and over a Unix socket, ipc, UCX
+over tcp and over shm (skipped without ucxx), NIXL's UCX over tcp and over whatever it
+picks on one host (shared memory; skipped without NIXL).
 
 Receivers' pools start zeroed and sources are random bytes, so ``check_landed`` (every
 promised slot holds its page, every other slot still zero) shows exactly where bytes
@@ -37,12 +39,18 @@ COLS = ((0, WIDTH),)
 _no_ucx = pytest.mark.skipif(
     importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (disagg[ucx])"
 )
+_no_nixl = pytest.mark.skipif(
+    all(importlib.util.find_spec(m) is None for m in ("nixl_cu12", "nixl_cu13", "nixl")),
+    reason="NIXL is not installed (disagg[nixl])",
+)
 PLANES = [
     pytest.param(("tcp", "tcp"), id="tcp-tcp"),
     pytest.param(("tcp", "unix"), id="tcp-unix"),
     pytest.param(("ipc", None), id="ipc"),
     pytest.param(("ucx", "tcp"), id="ucx-tcp", marks=_no_ucx),
     pytest.param(("ucx", "shm"), id="ucx-shm", marks=_no_ucx),
+    pytest.param(("nixl", "tcp"), id="nixl-tcp", marks=_no_nixl),
+    pytest.param(("nixl", "shm"), id="nixl-shm", marks=_no_nixl),
 ]
 
 Make = Callable[[], DataPlane]
@@ -53,6 +61,10 @@ def _plane(kind: str, channel: str | None, sock_dir: str, n: int) -> DataPlane:
         return make_data_plane("tcp", bind=f"ipc://{sock_dir}/plane{n}.sock")
     if kind == "ucx":
         return make_data_plane("ucx", ucx_channel=channel)
+    if kind == "nixl":  # UCX's transports for this plane alone; shm: UCX picks (cma here)
+        from disagg.transport.nixl.plane import NixlDataPlane
+
+        return NixlDataPlane(transports="tcp,self" if channel == "tcp" else None)
     return make_data_plane(kind)
 
 
@@ -98,6 +110,7 @@ def _push(
     lease: int = 7,
     deadline_s: float = 20.0,
 ) -> Any:
+    rx.add_source(tx.source_caps)  # the handshake (the producer's HelloOk)
     pages, dst = push_source(tx, slab, rows, COLS, slots)
     return tx.post_push(
         rx.endpoint, tid, lease, token, [(0, pages, dst)], deadline_s, caps=rx.capabilities
@@ -215,7 +228,7 @@ def _doomed_sender(
     wait there for the test to kill it."""
     tx = _plane(kind, channel, sock_dir, 99)
     slab = _store(tx, DEATH_PAGES, seed=5)
-    q_out.put("ready")
+    q_out.put(("ready", tx.source_caps))
     endpoint, caps = q_in.get(timeout=60)
     rows = list(range(DEATH_PAGES))
     pages, dst = push_source(tx, slab, rows, COLS, rows)
@@ -238,14 +251,16 @@ def test_a_sender_killed_mid_push_ends_the_transfer_by_its_deadline(
     make, plane_kind, children, tmp_path
 ):
     """The sender process is killed in the middle of its push: on the planes that stream
-    pages from the sender, once the receiver has landed some of them; on the ipc plane
-    (one message, then the receiver copies) right after ``post_push``. The transfer is
+    pages from the sender (and NIXL over tcp, where the receiver's reads need the
+    sender's progress), once the receiver has landed some of them; on the ipc plane (one
+    message, then the receiver copies) and NIXL on one host (the receiver's reads copy
+    from the sender's memory themselves) right after ``post_push``. The transfer is
     final by its deadline, and FAILED unless every page had been handed over before the
     kill (bytes in the kernel's socket buffers, or, on the ipc plane, a push that reached
     its receiver: it copies from the sender's /dev/shm export, which outlives the
     sender): DONE only with every page exact. After ``abort`` no byte of it is
     written."""
-    streams = plane_kind[0] != "ipc"
+    streams = plane_kind[0] != "ipc" and plane_kind != ("nixl", "shm")
     rx = make()
     pool = _pool(rx, DEATH_PAGES)
     q_in, q_out = children.Queue(), children.Queue()
@@ -253,7 +268,9 @@ def test_a_sender_killed_mid_push_ends_the_transfer_by_its_deadline(
     child = children.Process(target=_doomed_sender, args=args)
     child.start()
     try:
-        assert q_out.get(timeout=50) == "ready"
+        ready, source_caps = q_out.get(timeout=50)
+        assert ready == "ready"
+        rx.add_source(source_caps)
         deadline_s = 3.0
         rx.expect(20, 7, b"tok", [DEATH_PAGES], deadline_s, [list(range(DEATH_PAGES))])
         t0 = time.monotonic()

@@ -104,6 +104,8 @@ class UcxDataPlane(BookedReceiver, DataPlane):
         if cuda and not torch.cuda.is_available():
             raise RuntimeError("UcxDataPlane(cuda=True) but no CUDA device is available")
         self.channel = channel
+        # abort severs a stalled producer's connections on the tcp channel only (``abort``)
+        self.abort_complete = channel == "tcp"
         self.cuda = bool(cuda)
         self._cuda_device = torch.cuda.current_device() if self.cuda else -1
         self._bind = urlsplit(bind)

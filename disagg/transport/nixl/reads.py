@@ -1,0 +1,400 @@
+"""The consumer's reads: a producer's ``ReadPlan`` checked, cut into chunks, read with
+NIXL, and landed in order.
+
+Contract (``Reader``, the plane's thread unless said otherwise):
+
+- ``on_plan``: authenticate (expected transfer, lease, token, a producer agent whose
+  metadata came over the control channel, ``add_source``), then check every batch before
+  a single read is posted: the source description (rows inside the slab, columns inside
+  a row adding up to the page size) and the book's slot checks (bounds, promised slots,
+  each once). A refused batch fails its transfer. The plan's deadline (what the producer
+  had left, less ``DEADLINE_MARGIN_S``) becomes the transfer's deadline if earlier: the
+  producer reuses the rows after its own, so a read that ends later is never counted.
+- Descriptor lists are prepared once per layout (``prep_xfer_dlist``, strided): locally
+  one per (group, pieces), remotely one per (producer, slab, pieces), where a *piece* is a
+  stretch of a page that is contiguous on both sides (a page is one piece when the group
+  has one region and the producer sends whole rows). A read is posted as index lists into
+  them (``make_prepped_xfer``); NIXL merges descriptors that are adjacent on both sides,
+  so a run of consecutive rows into consecutive slots goes as one descriptor.
+- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once;
+  a chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
+  stop there), and its pages land only when every earlier chunk of the transfer landed
+  (a layer-wise load sees its layers complete in order). A failed chunk fails the
+  transfer; chunks of a transfer that ended are never posted.
+- Once a transfer is final and nothing of it is read any more, the producer is told
+  (``ReadDone``: ok, or the reason) so it can reuse its rows.
+
+What abort can and cannot do: NIXL 1.5.1 cannot stop a posted read (releasing its handle,
+or invalidating the producer's metadata, returns while its bytes keep landing: measured in
+docs/design/nixl-plane.md). ``abort`` therefore stops posting and waits for the chunks in
+flight; against a live or dead producer they end within a chunk's time, against a stalled
+one they may not (then ``abort`` returns them as still under way).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...protocol import messages as m
+from ..receiver import Group, ReceiverBook, Rx
+from . import agent as nx
+from . import wire
+
+log = logging.getLogger(__name__)
+
+WINDOW = 4  # chunks in flight at once
+HOST_CHUNK = 8 << 20  # bytes per chunk read into host memory
+DEVICE_CHUNK = 512 << 20  # ... into device memory (a chunk costs ~0.1 ms to post)
+DEADLINE_MARGIN_S = 0.25
+_INT32 = (1 << 31) - 1
+
+
+@dataclass
+class NixlRx(Rx):
+    """An expected transfer, with the plane's reading state."""
+
+    source: str | None = None  # the producer agent whose plan it took
+    queued: int = 0  # chunks not posted yet
+    chunks: deque[Chunk] = field(default_factory=deque)  # posted, in plan order
+    told: bool = False  # ReadDone sent
+
+
+@dataclass(eq=False)
+class Chunk:
+    rx: NixlRx
+    group: int
+    pages: int
+    nbytes: int
+    local: Any  # prepared list handles
+    remote: Any
+    lidx: np.ndarray  # int32 indices into them, piece-major
+    ridx: np.ndarray
+    xfer: Any = None
+    state: str = ""  # "" queued, PROC, DONE, or an error text
+    final: bool = False
+
+
+def pieces(region_sizes: list[int], cols: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """(region, offset in its slot, offset in the source row, length) for each stretch of
+    a page that is contiguous on both sides, in page order."""
+    lcuts = np.cumsum([0, *region_sizes])
+    ccuts = np.cumsum([0, *(c for _, c in cols)])
+    cuts = np.union1d(lcuts, ccuts)
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if a >= min(lcuts[-1], ccuts[-1]):
+            break
+        r = int(np.searchsorted(lcuts, a, side="right") - 1)
+        k = int(np.searchsorted(ccuts, a, side="right") - 1)
+        out.append((r, int(a - lcuts[r]), int(cols[k][0] + a - ccuts[k]), int(b - a)))
+    return out
+
+
+class Reader:
+    """The consumer's reads (module docstring)."""
+
+    def __init__(
+        self,
+        agent: Any,
+        book: ReceiverBook,
+        stats: Counter[str],
+        send: Callable[[str, bytes], None],
+        telemetry: bool = False,
+    ) -> None:
+        self.agent, self.book, self.stats, self.send = agent, book, stats, send
+        self.telemetry = telemetry
+        self.sources: dict[str, bytes] = {}  # producer agent -> the metadata loaded
+        self.queue: deque[Chunk] = deque()
+        self.reading: dict[int, NixlRx] = {}  # transfers with a plan, until told
+        self._local: dict[tuple[Any, ...], Any] = {}
+        self._remote: dict[tuple[Any, ...], Any] = {}
+        self.posted = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.posted or self.reading)
+
+    def forget_lists(self) -> None:
+        """Regions re-registered: local lists are prepared again on next use."""
+        self._local.clear()
+
+    # ---------------------------------------------------------------- plans
+    def on_plan(self, sender: str, plan: wire.ReadPlan) -> None:
+        book = self.book
+        with book.cond:
+            rx = book.rx.get(plan.transfer_id)
+            if (
+                not isinstance(rx, NixlRx)
+                or not hmac.compare_digest(rx.token, plan.token)
+                or plan.lease_id != rx.lease_id
+            ):
+                self.stats["rejected_unknown"] += 1
+                return
+            if rx.source is not None and rx.source != sender:
+                self.stats["rejected_unknown"] += 1  # another agent naming this transfer
+                return
+            if rx.state.final:
+                self.stats["rejected_late"] += 1
+                if rx.source is None:
+                    rx.source = sender  # told below, that its rows are free again
+                    self.reading[rx.transfer_id] = rx
+                return
+            rx.source = sender
+            self.reading[rx.transfer_id] = rx
+            why = self._take(sender, rx, plan)
+            if why is not None:
+                if not rx.state.final:
+                    self.stats["rejected_batch"] += 1
+                    book.fail(rx, why)
+            elif plan.last:
+                rx.done_msg = m.TransferDone(transfer_id=rx.transfer_id, ok=True)
+                book.maybe_finish(rx, rx.queued + len(rx.chunks))
+            book.cond.notify_all()
+
+    def _take(self, sender: str, rx: NixlRx, plan: wire.ReadPlan) -> str | None:
+        """Check a plan and queue its chunks (book lock held); the reason it is refused."""
+        if sender not in self.sources:
+            return (
+                f"producer agent {sender!r} sent no NIXL metadata over the control channel "
+                "(an older producer, or another transport): set transport: nixl on both sides"
+            )
+        if plan.part != rx.next_part:
+            return f"read plan part {plan.part} arrived, part {rx.next_part} expected"
+        rx.next_part += 1
+        if plan.deadline_ms:
+            left = plan.deadline_ms / 1000.0 - DEADLINE_MARGIN_S
+            rx.deadline = min(rx.deadline, time.monotonic() + left)
+        slab = plan.slab
+        if slab.width < 1 or slab.stride < slab.width or slab.nrows < 1:
+            return (
+                f"read plan describes {slab.nrows} rows of {slab.width} bytes {slab.stride} apart"
+            )
+        todo = []
+        for b in plan.batches:
+            arrays = b.arrays()
+            if arrays is None or arrays[0].size == 0:
+                return f"read plan batch for group {b.group} has no pages or unpaired arrays"
+            rows, slots = arrays
+            why = self._check(slab, b, rows)
+            if why is None:
+                end = int(slots.max()) + 1
+                why = self.book.accept_slots(rx, b.group, b.page_bytes, slots, end)
+            if why is not None:
+                return why
+            todo.append((b, rows, slots))
+        for b, rows, slots in todo:
+            try:
+                self._queue(sender, rx, slab, b, rows, slots)
+            except Exception as exc:
+                return f"NIXL could not prepare reads from {sender}: {type(exc).__name__}: {exc}"
+        return None
+
+    def _check(self, slab: wire.Slab, b: wire.Batch, rows: np.ndarray) -> str | None:
+        if int(rows.min()) < 0 or int(rows.max()) >= slab.nrows:
+            return f"read plan names source rows outside the producer's {slab.nrows}"
+        if any(o + c > slab.width or c < 1 for o, c in b.cols):
+            return f"read plan columns {b.cols} outside rows of {slab.width} bytes"
+        if sum(c for _, c in b.cols) != b.page_bytes:
+            return f"read plan columns make {sum(c for _, c in b.cols)}-byte pages"
+        return None
+
+    def _queue(
+        self,
+        sender: str,
+        rx: NixlRx,
+        slab: wire.Slab,
+        b: wire.Batch,
+        rows: np.ndarray,
+        slots: np.ndarray,
+    ) -> None:
+        grp = self.book.groups[b.group]
+        ps = pieces([r.size for r in grp.regions], [(int(o), int(c)) for o, c in b.cols])
+        local, nslots = self._local_list(b.group, grp, ps)
+        remote = self._remote_list(sender, slab, ps)
+        P = len(ps)
+        if P * max(nslots, slab.nrows) > _INT32:
+            raise ValueError(f"{P} pieces x {max(nslots, slab.nrows)} rows exceed NIXL's indices")
+        mem = nx.mem_of(grp.regions[0].tensor)[0]
+        per = max(1, (DEVICE_CHUNK if mem == "VRAM" else HOST_CHUNK) // b.page_bytes)
+        lbase = (np.arange(P, dtype=np.int64) * nslots)[:, None]
+        rbase = (np.arange(P, dtype=np.int64) * slab.nrows)[:, None]
+        for i in range(0, rows.size, per):
+            r, s = rows[i : i + per], slots[i : i + per]
+            self.queue.append(
+                Chunk(
+                    rx, b.group, int(r.size), int(r.size) * b.page_bytes, local, remote,
+                    (lbase + s[None, :]).astype(np.int32).reshape(-1),
+                    (rbase + r[None, :]).astype(np.int32).reshape(-1),
+                )
+            )  # fmt: skip
+            rx.queued += 1
+
+    def _local_list(self, g: int, grp: Group, ps: list[tuple[int, int, int, int]]) -> Any:
+        key = (g, tuple(ps))
+        got = self._local.get(key)
+        if got is None:
+            n = grp.num_slots
+            rows = [
+                (int(grp.regions[r].tensor.data_ptr()) + lo, ln,
+                 nx.mem_of(grp.regions[r].tensor)[1], int(grp.regions[r].tensor.stride(0)), n)
+                for r, lo, _, ln in ps
+            ]  # fmt: skip
+            mem = nx.mem_of(grp.regions[0].tensor)[0]
+            got = self._local[key] = (self._prep("", rows, mem), n)
+            self.stats["nixl_local_lists"] += 1
+        return got
+
+    def _remote_list(
+        self, sender: str, slab: wire.Slab, ps: list[tuple[int, int, int, int]]
+    ) -> Any:
+        key = (sender, slab, tuple((ro, ln) for _, _, ro, ln in ps))
+        got = self._remote.get(key)
+        if got is None:
+            rows = [(slab.base + ro, ln, slab.dev, slab.stride, slab.nrows) for _, _, ro, ln in ps]
+            got = self._remote[key] = self._prep(sender, rows, slab.mem)
+            self.stats["nixl_remote_lists"] += 1
+        return got
+
+    def _prep(self, agent_name: str, rows: Sequence[tuple[int, ...]], mem: str) -> Any:
+        arr = np.asarray(rows, dtype=np.uint64).reshape(-1, 5)
+        return self.agent.prep_xfer_dlist(agent_name, arr, mem)
+
+    def forget_source(self, name: str) -> None:
+        for key in [k for k in self._remote if k[0] == name]:
+            del self._remote[key]
+
+    # ---------------------------------------------------------------- reading
+    def pump(self) -> bool:
+        """Post queued chunks (up to ``WINDOW`` in flight), reap those NIXL finished, land
+        them in order; tell producers about transfers that are over. True when anything
+        moved."""
+        moved = False
+        book = self.book
+        while self.queue and self.posted < WINDOW:
+            ch = self.queue.popleft()
+            moved = True
+            rx = ch.rx
+            with book.cond:
+                rx.queued -= 1
+                if rx.state.final:
+                    book.cond.notify_all()
+                    continue
+                rx.inflight += 1
+                rx.chunks.append(ch)
+            self.posted += 1
+            self._post(ch)
+        if self.posted:
+            moved = self._reap() or moved
+        if self.reading:
+            moved = self._tell() or moved
+        return moved
+
+    def _post(self, ch: Chunk) -> None:
+        try:
+            ch.xfer = self.agent.make_prepped_xfer("READ", ch.local, ch.lidx, ch.remote, ch.ridx)
+            ch.state = self.agent.transfer(ch.xfer)  # cma: the copy happens in this call
+        except Exception as exc:
+            ch.state = f"{type(exc).__name__}: {exc}"
+        self.stats["nixl_reads"] += 1
+
+    def _state(self, ch: Chunk) -> str:
+        if ch.state != "PROC":
+            return ch.state
+        try:
+            ch.state = self.agent.check_xfer_state(ch.xfer)
+        except Exception as exc:  # NIXL raises for a peer gone (REMOTE_DISCONNECT)
+            ch.state = f"{type(exc).__name__}: {exc}"
+        return ch.state
+
+    def _reap(self) -> bool:
+        moved = False
+        book = self.book
+        for rx in list(self.reading.values()):
+            for ch in rx.chunks:
+                if ch.final or self._state(ch) == "PROC":
+                    continue
+                ch.final = True
+                moved = True
+                self.posted -= 1
+                self._release(ch)
+                with book.cond:
+                    rx.inflight -= 1
+                    book.cond.notify_all()
+            while rx.chunks and rx.chunks[0].final:
+                self._land(rx.chunks.popleft())
+        return moved
+
+    def _release(self, ch: Chunk) -> None:
+        if ch.xfer is None:
+            return
+        if self.telemetry and ch.state == "DONE":
+            try:
+                self.stats["nixl_descs"] += int(self.agent.get_xfer_telemetry(ch.xfer).descCount)
+            except Exception:
+                pass
+        try:
+            ch.xfer.release()
+        except Exception as exc:
+            log.warning("releasing a NIXL read failed: %s", exc)
+        ch.xfer = None
+
+    def _land(self, ch: Chunk) -> None:
+        rx, book = ch.rx, self.book
+        with book.cond:
+            if ch.state != "DONE":
+                if not rx.state.final:
+                    book.fail(rx, f"NIXL read from {rx.source} failed: {ch.state}")
+            elif not rx.state.final:
+                book.landed(rx, ch.group, ch.pages, ch.nbytes)
+                self.stats["nixl_bytes"] += ch.nbytes
+            book.maybe_finish(rx, rx.queued + len(rx.chunks))
+            book.cond.notify_all()
+
+    def _tell(self) -> bool:
+        """ReadDone to the producer of each transfer that is over and quiet."""
+        moved = False
+        for tid, rx in list(self.reading.items()):
+            if not rx.state.final or rx.queued or rx.chunks or rx.inflight:
+                continue
+            del self.reading[tid]
+            moved = True
+            if rx.told or rx.source is None:
+                continue
+            rx.told = True
+            ok = rx.state.name == "DONE"
+            msg = wire.ReadDone(
+                transfer_id=tid, token=rx.token, ok=ok, error="" if ok else str(rx.error)[:4000]
+            )
+            self.send(rx.source, wire.encode(msg))
+        return moved
+
+    def on_failed(self, sender: str, msg: wire.PushFailed) -> None:
+        book = self.book
+        with book.cond:
+            rx = book.rx.get(msg.transfer_id)
+            if not isinstance(rx, NixlRx) or not hmac.compare_digest(rx.token, msg.token):
+                self.stats["rejected_unknown"] += 1
+                return
+            if rx.source not in (None, sender):
+                self.stats["rejected_unknown"] += 1
+                return
+            book.fail(rx, f"sender failed the transfer: {msg.error}")
+            book.cond.notify_all()
+
+    def close(self, wait_s: float) -> int:
+        """Drop what was not posted and wait (``wait_s``) for chunks in flight; returns
+        how many are still in flight (their memory must then stay registered)."""
+        self.queue.clear()
+        end = time.monotonic() + wait_s
+        while self.posted and time.monotonic() < end:
+            self._reap()
+            time.sleep(0.001)
+        return self.posted
