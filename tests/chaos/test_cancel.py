@@ -203,7 +203,7 @@ PLANES = [
     pytest.param("ucx", "tcp", id="ucx-tcp", marks=_no_ucx),
     pytest.param("ucx", "shm", id="ucx-shm", marks=_no_ucx),
     pytest.param("ipc", None, id="ipc"),
-    pytest.param("nixl", None, id="nixl", marks=_no_nixl),
+    pytest.param("nixl", None, id="nixl", marks=[_no_nixl, pytest.mark.nixl]),
 ]
 
 

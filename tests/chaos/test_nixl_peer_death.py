@@ -29,7 +29,7 @@ from test_chaos import (
 
 pytest.importorskip("disagg.transport.nixl.plane", reason="NIXL is not installed (disagg[nixl])")
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.nixl, pytest.mark.chaos, pytest.mark.timeout(90)]
 children, mono, netns_pair = chaos.children, chaos.mono, chaos.netns_pair  # fixtures
 
 

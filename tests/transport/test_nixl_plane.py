@@ -31,7 +31,7 @@ pytest.importorskip("disagg.transport.nixl.plane", reason="NIXL is not installed
 from disagg.transport.nixl import reads, wire  # noqa: E402
 from disagg.transport.nixl.plane import NixlDataPlane  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 W = 4096
 
 

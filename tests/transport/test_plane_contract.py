@@ -49,8 +49,8 @@ PLANES = [
     pytest.param(("ipc", None), id="ipc"),
     pytest.param(("ucx", "tcp"), id="ucx-tcp", marks=_no_ucx),
     pytest.param(("ucx", "shm"), id="ucx-shm", marks=_no_ucx),
-    pytest.param(("nixl", "tcp"), id="nixl-tcp", marks=_no_nixl),
-    pytest.param(("nixl", "shm"), id="nixl-shm", marks=_no_nixl),
+    pytest.param(("nixl", "tcp"), id="nixl-tcp", marks=[_no_nixl, pytest.mark.nixl]),
+    pytest.param(("nixl", "shm"), id="nixl-shm", marks=[_no_nixl, pytest.mark.nixl]),
 ]
 
 Make = Callable[[], DataPlane]
