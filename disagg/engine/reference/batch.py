@@ -7,11 +7,11 @@ are rows of one token's keys (or values) of the KV heads a rank holds
 (``KvCacheManager.token_rows``); position ``p`` of a request is row ``slot * stride +
 (layer_index * 2 + kv) * tokens_per_block + p % tokens_per_block``, ``slot`` its page of
 block ``p // tokens_per_block``, ``stride = 2 * tokens_per_block * layers in the group``.
-Per group the batch holds the base rows (the group's first layer, keys) of the new tokens
-(``write``) and of every key they attend to (``read``: ``[lo_i, start_i + n_i)``, ``lo_i``
-the window's first position), concatenated in batch order: one ``index_copy_`` stores a
-layer's new keys for the whole batch and one ``index_select`` gathers the keys attended,
-ragged and compact as a varlen attention kernel takes them (``k_starts`` their offsets).
+Per group and layer the batch holds the rows of the new tokens (``write``) and of every
+key they attend to (``read``: ``[lo_i, start_i + n_i)``, ``lo_i`` the window's first
+position), concatenated in batch order: one ``index_copy_`` stores a layer's new keys for
+the whole batch and one ``index_select`` gathers the keys attended, ragged and compact as a
+varlen attention kernel takes them (``k_starts`` their offsets).
 
 Built once per forward: a few host ints per request and the page slots its spans touch,
 one host-to-device copy, a few vectorised ops on the device (no per-token Python). A span
@@ -33,8 +33,8 @@ from .kv_cache import KvCacheManager
 class GroupRows:
     """One layer group's page rows for the batch (see the module docstring)."""
 
-    write: torch.Tensor  # [rows] int64
-    read: torch.Tensor  # [keys] int64
+    write: torch.Tensor  # [layers in the group, 2 (keys, values), rows] int64
+    read: torch.Tensor  # [layers in the group, 2, keys] int64
     lo: list[int]  # first key position per request
     k_starts: list[int]  # offsets of each request's keys in ``read``, and the total
     cu_k: torch.Tensor  # k_starts as int32 on the device
@@ -114,9 +114,13 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
         lo_t, span_t, off_t = take(nreq), take(nreq), take(nreq)
         table = take(table_len)
         cu_k = take(nreq + 1).to(torch.int32)
-        stride = 2 * tpb * len(kv.groups[gid].layer_ids)
+        layers = len(kv.groups[gid].layer_ids)
+        stride = 2 * tpb * layers
         pos, write = _page_rows(start_t, len_t, rows, off_t, table, stride, tpb)
         _, read = _page_rows(lo_t, span_t, k_starts[-1], off_t, table, stride, tpb)
+        # every layer's rows at once: layer l's keys are 2 * l blocks on, its values one more
+        shift = torch.arange(2 * layers, device=dev).view(layers, 2, 1) * tpb
+        write, read = write + shift, read + shift
         positions = pos
         groups.append(
             GroupRows(

@@ -426,7 +426,9 @@ class Engine:
         tpb = self.config.tokens_per_block
         nb = min(ntokens, len(req.tokens)) // tpb
         if len(req.hashes) < nb:
-            req.hashes = block_hashes(req.tokens[: nb * tpb], tpb, req.cache_salt, req.adapter)
+            req.hashes = block_hashes(
+                req.tokens[: nb * tpb], tpb, req.cache_salt, req.adapter, req.hashes
+            )
         return req.hashes
 
     def _first_allocation(self, req: Request, new_loading: list[int], budget: int) -> bool:

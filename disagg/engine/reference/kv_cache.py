@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import layout as _layout_mod
@@ -32,18 +33,26 @@ BAD = -1
 
 
 def block_hashes(
-    tokens: list[int], tpb: int, salt: str | None, adapter: str | None = None
+    tokens: list[int],
+    tpb: int,
+    salt: str | None,
+    adapter: str | None = None,
+    known: list[bytes] | None = None,
 ) -> list[bytes]:
     """Chained hashes of every full block of ``tokens`` (the salt and the request's
     adapter, LoRA task and multimodal inputs, seed the chain, as TensorRT-LLM's block
-    reuse keys do)."""
-    out: list[bytes] = []
-    prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
-    if adapter is not None:
-        prev = hashlib.sha256(prev + adapter.encode()).digest()
-    for b in range(len(tokens) // tpb):
+    reuse keys do). ``known``: the hashes of the leading blocks, already computed: only
+    the blocks after them are hashed."""
+    out = list(known or [])
+    if out:
+        prev = out[-1]
+    else:
+        prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
+        if adapter is not None:
+            prev = hashlib.sha256(prev + adapter.encode()).digest()
+    for b in range(len(out), len(tokens) // tpb):
         h = hashlib.sha256(prev)
-        h.update(torch.tensor(tokens[b * tpb : (b + 1) * tpb], dtype=torch.int64).numpy().tobytes())
+        h.update(np.asarray(tokens[b * tpb : (b + 1) * tpb], dtype="<i8").tobytes())
         prev = h.digest()
         out.append(prev)
     return out
@@ -291,29 +300,26 @@ class KvCacheManager:
         return self._rows[gid]
 
     def write_layer(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a forward's new keys/values of ``layer`` ``[n, num_kv_heads, head_dim]``
-        (every KV head: each rank's pool keeps its shard) at base rows ``rows`` (the
-        group's first layer's keys, ``batch.GroupRows.write``): one copy per rank."""
-        li, kh = self.layer_index[layer], self.cfg.kv_heads_per_rank
-        at = rows + li * 2 * self.tpb
-        n = k.shape[0]
+        """Store a forward's new keys/values of ``layer`` ``[n, num_kv_heads * head_dim]``
+        (every KV head: each rank's pool keeps its shard) at ``rows`` (``[2, n]``: the
+        keys' and the values' rows in the group's ``token_rows``, ``batch.GroupRows``):
+        one copy each per rank held here."""
+        width = self.cfg.kv_heads_per_rank * self.cfg.head_dim
         for r, view in zip(self.ranks, self._rows[self.layer_group[layer]], strict=True):
-            shard = slice(r * kh, (r + 1) * kh)
-            view.index_copy_(0, at, k[:, shard].reshape(n, -1).to(view.dtype))
-            view.index_copy_(0, at + self.tpb, v[:, shard].reshape(n, -1).to(view.dtype))
+            shard = slice(r * width, (r + 1) * width)
+            view.index_copy_(0, rows[0], k[:, shard].to(view.dtype))
+            view.index_copy_(0, rows[1], v[:, shard].to(view.dtype))
 
-    def read_layer(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of ``layer`` at base rows ``rows`` (``batch.GroupRows.read``):
-        ``[len(rows), kv heads held here, head_dim]``, the shards of the ranks held here
-        side by side in rank order (every KV head in the one-process simulation)."""
-        at = rows + self.layer_index[layer] * 2 * self.tpb
+    def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of ``layer`` at ``rows`` (``[2, m]``, ``batch.GroupRows.read``):
+        ``[m, kv heads held here, head_dim]``, the shards of the ranks held here side by
+        side in rank order (every KV head in the one-process simulation)."""
         views = self._rows[self.layer_group[layer]]
-        shape = (rows.shape[0], -1, self.cfg.head_dim)
+        shape = (rows.shape[1], -1, self.cfg.head_dim)
         if len(views) == 1:
-            view = views[0]
-            return view[at].view(shape), view[at + self.tpb].view(shape)
-        k = torch.cat([view[at] for view in views], dim=1)
-        v = torch.cat([view[at + self.tpb] for view in views], dim=1)
+            return views[0][rows[0]].view(shape), views[0][rows[1]].view(shape)
+        k = torch.cat([view[rows[0]] for view in views], dim=1)
+        v = torch.cat([view[rows[1]] for view in views], dim=1)
         return k.view(shape), v.view(shape)
 
     # ----- byte access ----------------------------------------------------------------

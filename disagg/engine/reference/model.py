@@ -31,9 +31,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from .attention import Attention
 from .batch import Batch
@@ -54,9 +55,8 @@ class TpGroup(Protocol):
         order along dim 1: ``[n, size * w]``. Blocks until every rank has called it."""
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
 
 
 class TinyLlama:
@@ -96,20 +96,20 @@ class TinyLlama:
         self.final_norm = torch.ones(h, device=dev, dtype=dt)
         self.lm_head = w(h, cfg.vocab_size).float()
         self._offsets: dict[str, torch.Tensor] = {}
-        # RoPE of every position, from float64 angles: identical per position however the
-        # prompt is split
+        # RoPE of every position as unit complex numbers, from float64 angles: identical per
+        # position however the prompt is split
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
         ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.cos = ang.cos().to(torch.float32).to(dev)
-        self.sin = ang.sin().to(torch.float32).to(dev)
+        self.rope = torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(dev)
         self.exact = cfg.exact_batching
         self.attention = Attention(
             cfg.device, dt, self.exact, any(w is not None for w in cfg.layer_windows)
         )
 
-    def _rows(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-        """``fn`` over the rows of ``xs`` (same row count): one call, or on the
-        batch-invariant path one call per tile of ``ROW_TILE`` rows (module docstring)."""
+    def _rows(self, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+        """``fn`` over the rows of ``xs`` (same row count), returning a tensor or a tuple of
+        them: one call, or on the batch-invariant path one call per tile of ``ROW_TILE``
+        rows (module docstring)."""
         n = xs[0].shape[0]
         if not self.exact:
             return fn(*xs)
@@ -117,6 +117,8 @@ class TinyLlama:
         if pad:
             xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
         outs = [fn(*(x[i : i + ROW_TILE] for x in xs)) for i in range(0, n + pad, ROW_TILE)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts)[:n] for parts in zip(*outs, strict=True))
         return torch.cat(outs)[:n]
 
     def embed_batch(self, batch: Batch) -> torch.Tensor:
@@ -137,50 +139,44 @@ class TinyLlama:
             off = self._offsets[adapter] = off.to(device=self.embed.device, dtype=self.embed.dtype)
         return off
 
-    def rope_tables(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[rows, 1, head_dim/2]`` of the batch's positions (once per forward)."""
-        return self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]
+    def rope_tables(self, batch: Batch) -> torch.Tensor:
+        """RoPE rotations ``[rows, 1, head_dim/2]`` of the batch's positions (once per
+        forward)."""
+        return self.rope[batch.positions][:, None]
 
     def layer(
-        self,
-        i: int,
-        x: torch.Tensor,
-        batch: Batch,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: KvCacheManager,
+        self, i: int, x: torch.Tensor, batch: Batch, rope: torch.Tensor, kv: KvCacheManager
     ) -> torch.Tensor:
         """Decoder layer ``i`` over the batch's rows ``x`` ``[rows, hidden]``: store the new
         keys/values, attend, return the new ``x``. With a ``tp`` group: attend with this
         rank's query heads over this rank's shard, then all-gather the heads."""
         cfg, p = self.cfg, self.layers[i]
         n, hd, heads, kvh = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        qk = (heads + kvh) * hd
 
-        def qkv(xt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        def qkv(xt: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = _rms_norm(xt, p["attn_norm"]) @ p["wqkv"]
-            qk = out[:, : (heads + kvh) * hd].view(xt.shape[0], heads + kvh, hd).float()
-            x1, x2 = qk[..., 0::2], qk[..., 1::2]
-            roped = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-            return torch.cat([roped.flatten(1).to(out.dtype), out[:, (heads + kvh) * hd :]], 1)
+            pairs = out[:, :qk].float().view(xt.shape[0], heads + kvh, hd // 2, 2)
+            roped = torch.view_as_real(torch.view_as_complex(pairs) * rot).to(out.dtype)
+            return roped.view(xt.shape[0], heads + kvh, hd), out[:, qk:]
 
-        out = self._rows(qkv, x, *rope)
-        q = out[:, : heads * hd].view(n, heads, hd)
-        k = out[:, heads * hd : (heads + kvh) * hd].view(n, kvh, hd)
-        v = out[:, (heads + kvh) * hd :].view(n, kvh, hd)
+        roped, v = self._rows(qkv, x, rope)
         group = batch.groups[kv.layer_group[i]]
-        kv.write_layer(i, group.write, k, v)
-        keys, vals = kv.read_layer(i, group.read)
+        li = kv.layer_index[i]
+        kv.write_layer(i, group.write[li], roped[:, heads:].reshape(n, kvh * hd), v)
+        keys, vals = kv.read_layer(group.read[li], i)
+        q = roped[:, :heads]
         if self.tp is not None:  # this rank's query heads: those of its KV heads
             per = heads // self.tp.size
             q = q[:, self.tp.rank * per : (self.tp.rank + 1) * per]
-        attn = self.attention(q.contiguous(), keys, vals, batch, group, cfg.layer_windows[i])
-        attn = attn.reshape(n, -1)
+        attn = self.attention(q, keys, vals, batch, group, cfg.layer_windows[i]).reshape(n, -1)
         if self.tp is not None:
             attn = self.tp.allgather_heads(attn, f"layer {i} attention heads")
 
         def rest(xt: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-            xt = xt + at.to(xt.dtype) @ p["wo"]
+            xt = torch.addmm(xt, at, p["wo"])
             gate, up = (_rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]).chunk(2, dim=-1)
-            return xt + (torch.nn.functional.silu(gate) * up) @ p["w_down"]
+            return torch.addmm(xt, F.silu(gate) * up, p["w_down"])
 
         return self._rows(rest, x, attn)
 
