@@ -6,7 +6,8 @@ against disaggregated, over the real HTTP path.
                        [--store-size 256MiB] [--store-device cpu|pinned|cuda]
                        [--layers 4 --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 32
                         --intermediate-size 256 --dtype float32 --device cpu|cuda[:N]
-                        --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192]
+                        --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192
+                        --max-num-tokens 8192 --max-batch-size 2048]
                        [--deployments aggregated,disaggregated] [--target URL ...]
                        [--slo-ttft 1s] [--slo-tbt 100ms] [--quick] [--json] [--plot PNG]
     disagg bench serve --rate R --requests N [--input-len I] [--output-len O]
@@ -432,6 +433,8 @@ def main(argv: Sequence[str]) -> int:
         head_dim=args.head_dim,
         intermediate_size=args.intermediate_size,
         max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size,
         dtype=args.dtype,
     )
     deps: list[deploy.Deployment] = []
