@@ -172,7 +172,9 @@ def _probe(device: torch.device, dtype: torch.dtype, windows: bool) -> str:
             torch.tensor(k_starts, dtype=torch.int32, device=device),
             max(kl),
         )
-        q = torch.randn(q_starts[-1], heads, hd, generator=g).to(device, dtype)
+        # q as the model hands it over: the query heads of a [rows, heads + kv_heads, hd]
+        q = torch.randn(q_starts[-1], heads + kv_heads, hd, generator=g).to(device, dtype)
+        q = q[:, :heads]
         k = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
         v = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
         got = flash_varlen(q, k, v, batch, group, window).float()
