@@ -49,6 +49,8 @@ import itertools
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from .. import SchedulerOutput
 from .batch import build as build_batch
 from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
@@ -154,7 +156,8 @@ class Engine:
             raise ValueError("prompt must not be empty")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if any(not 0 <= int(t) < cfg.vocab_size for t in prompt_tokens):
+        ids = np.asarray(prompt_tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if len(prompt_tokens) + max_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt + max_tokens exceeds max_seq_len {cfg.max_seq_len}")
@@ -167,7 +170,7 @@ class Engine:
         rid = next(self._ids)
         req = Request(
             rid,
-            [int(t) for t in prompt_tokens],
+            ids.tolist(),
             max_tokens,
             cache_salt,
             len(self.kv.groups),

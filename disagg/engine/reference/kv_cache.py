@@ -50,9 +50,12 @@ def block_hashes(
         prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
         if adapter is not None:
             prev = hashlib.sha256(prev + adapter.encode()).digest()
-    for b in range(len(out), len(tokens) // tpb):
+    first, last = len(out), len(tokens) // tpb
+    data = memoryview(np.asarray(tokens[first * tpb : last * tpb], dtype="<i8").tobytes())
+    step = tpb * 8
+    for b in range(last - first):
         h = hashlib.sha256(prev)
-        h.update(np.asarray(tokens[b * tpb : (b + 1) * tpb], dtype="<i8").tobytes())
+        h.update(data[b * step : (b + 1) * step])
         prev = h.digest()
         out.append(prev)
     return out
