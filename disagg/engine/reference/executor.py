@@ -288,13 +288,9 @@ class Engine:
         gen = [r for r in self._active if r.state == "generation"]
         while self._waiting and len(ctx) + len(gen) < cfg.max_batch_size:
             req = self._waiting[0]
-            verdict = self._admission(req)
-            if verdict is None:
+            if not self._fits(req):
                 break
             self._waiting.popleft()
-            if verdict:
-                self._fail(req, verdict)
-                continue
             req.state = "context"
             self._active.append(req)
             ctx.append(req)
@@ -412,18 +408,18 @@ class Engine:
     def _lifetime_blocks(self, req: Request) -> int:
         return -(-(req.prompt_len + req.max_new_tokens) // self.config.tokens_per_block)
 
-    def _admission(self, req: Request) -> str | None:
-        """``""``: admit; ``None``: wait (pools busy). Admits only what the pools can hold
-        for the request's whole lifetime, counting what running requests may still grow
-        into (GUARANTEED_NO_EVICT); one that can never fit was refused by ``add_request``."""
+    def _fits(self, req: Request) -> bool:
+        """Whether the pools can hold the request's whole lifetime now, counting what
+        running requests may still grow into (GUARANTEED_NO_EVICT); one that never can
+        was refused by ``add_request``."""
         need = self._lifetime_blocks(req)
         for gid, g in enumerate(self.kv.groups):
             outstanding = sum(
                 max(0, self._lifetime_blocks(r) - len(r.pages[gid])) for r in self._active
             )
             if g.available() - outstanding < need:
-                return None
-        return ""
+                return False
+        return True
 
     def _extend_hashes(self, req: Request, ntokens: int) -> list[bytes]:
         tpb = self.config.tokens_per_block
