@@ -6,7 +6,7 @@ optional dependency it needs) gives a clear message instead of breaking every co
     disagg demo ...            -> disagg.demo:main(argv)
     disagg serve ...           -> disagg.serve:main(argv)
     disagg proxy ...           -> disagg.proxy:main(argv)
-    disagg bench transfer|query|gpu|reuse|serve ... -> disagg.bench:main(argv)
+    disagg bench transfer|query|gpu|reuse|serve|overhead|engine ... -> disagg.bench:main(argv)
     disagg keys NAME [--dir DIR] [--force]   ZMQ CURVE key pair: NAME.key (secret, 0600)
                                              and NAME.key.pub
     disagg config check [FILE]               validate and print the normalised config
@@ -36,7 +36,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     ),
     "serve": ("disagg.serve", "serve one instance (producer or consumer) over HTTP"),
     "proxy": ("disagg.proxy", "OpenAI-compatible proxy in front of producers and consumers"),
-    "bench": ("disagg.bench", "benchmarks: `bench transfer|query|gpu|reuse|serve`"),
+    "bench": ("disagg.bench", "benchmarks: `bench transfer|query|gpu|reuse|serve|overhead|engine`"),
 }
 
 EXIT_USAGE = 2

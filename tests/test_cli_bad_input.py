@@ -107,6 +107,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     ([*ENGINE, "--num-prompts", "0"], ["--num-prompts", "0"]),
     ([*ENGINE, "--dtype", "int8"], ["--dtype", "float32"]),
     ([*ENGINE, "--kv-manager", "v9"], ["--kv-manager", "v9"]),
+    ([*ENGINE, "--max-num-tokens", "8"], ["--max-num-tokens", "tokens_per_block 32"]),
 ]
 
 

@@ -52,6 +52,8 @@ class Shape:
     head_dim: int = 32
     intermediate_size: int = 256
     max_seq_len: int = 8192
+    max_num_tokens: int = 8192
+    max_batch_size: int = 2048
     dtype: str = "float32"
 
     def flags(self) -> list[str]:

@@ -6,7 +6,8 @@ against disaggregated, over the real HTTP path.
                        [--store-size 256MiB] [--store-device cpu|pinned|cuda]
                        [--layers 4 --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 32
                         --intermediate-size 256 --dtype float32 --device cpu|cuda[:N]
-                        --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192]
+                        --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192
+                        --max-num-tokens 8192 --max-batch-size 2048]
                        [--deployments aggregated,disaggregated] [--target URL ...]
                        [--slo-ttft 1s] [--slo-tbt 100ms] [--quick] [--json] [--plot PNG]
     disagg bench serve --rate R --requests N [--input-len I] [--output-len O]
@@ -18,7 +19,9 @@ tokens in blocks of ``512 * length_scale``, asking for ``output_length * length_
 tokens (cut to fit the engine's ``--max-seq-len``), sent at ``timestamp *
 time_scale``. The scale is rounded so that a trace block is a whole number of engine
 blocks (``--tokens-per-block``), so shared trace prefixes are shared engine blocks. ``--rate`` makes a synthetic one (Poisson arrivals, shared prefixes from
-``--prefix-groups`` documents for a ``--shared-prefix`` share of the requests).
+``--prefix-groups`` documents for a ``--shared-prefix`` share of the requests); a list of
+rates (``--rate 1,3,10``) makes one per rate, each served in turn by every deployment
+started once, each with prompts of its own (seed + its index).
 
 Deployments (:mod:`disagg.bench.deploy`), started here one after the other with the same
 reference-engine shape (the shape flags, passed to every engine as ``disagg serve`` takes
@@ -237,9 +240,11 @@ def _warmup(urls: list[str], n: int, seed: int, timeout_s: float) -> None:
 
 def run_deployment(
     dep: deploy.Deployment,
-    reqs: list[Request],
+    loads: list[tuple[str, list[Request]]],
     args: argparse.Namespace,
-) -> tuple[dict[str, Any], list[Record]]:
+) -> list[tuple[dict[str, Any], list[Record]]]:
+    """Start ``dep``, serve each workload in turn (``(label, requests)``), stop it: a row
+    and the records per workload (one row with ``error`` if it could not start)."""
     try:
         dep.start(args.start_timeout)
         deploy.wait_routing(dep, args.producers)
@@ -248,18 +253,24 @@ def run_deployment(
     except deploy.StartError as e:
         dep.stop()
         print(f"disagg bench serve: deployment {e}", file=sys.stderr)
-        return {"deployment": dep.name, "layout": dep.layout, "error": str(e)}, []
+        return [({"deployment": dep.name, "layout": dep.layout, "error": str(e)}, [])]
+    out = []
     try:
-        before = _counters(dep.engine_urls) if dep.engine_urls else None
-        recs, wall = asyncio.run(replay(dep.client_urls, reqs, dep.name, args.request_timeout))
-        after = _counters(dep.engine_urls) if dep.engine_urls else None
+        for label, reqs in loads:
+            before = _counters(dep.engine_urls) if dep.engine_urls else None
+            desc = f"{dep.name} {label}".strip()
+            recs, wall = asyncio.run(replay(dep.client_urls, reqs, desc, args.request_timeout))
+            after = _counters(dep.engine_urls) if dep.engine_urls else None
+            row = summarize(
+                dep.name, dep.layout, recs, wall, _delta(before, after), args.slo_ttft, args.slo_tbt
+            )
+            row["engine"] = engine
+            if label:
+                row["workload"] = label
+            out.append((row, recs))
     finally:
         dep.stop()
-    row = summarize(
-        dep.name, dep.layout, recs, wall, _delta(before, after), args.slo_ttft, args.slo_tbt
-    )
-    row["engine"] = engine
-    return row, recs
+    return out
 
 
 # --------------------------------------------------------------------------- CLI
@@ -283,7 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="disagg bench serve", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
-    src.add_argument("--rate", type=float, help="synthetic workload: requests per second")
+    src.add_argument(
+        "--rate",
+        help="synthetic workload: requests per second; a comma list (1,3,10) runs one "
+        "workload per rate on each deployment, started once",
+    )
     ap.add_argument("--limit", type=int, help="trace: only the first N requests")
     ap.add_argument("--requests", type=int, default=100, help="synthetic: number of requests")
     ap.add_argument("--time-scale", type=float, help="multiply arrival times (default 1)")
@@ -313,9 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _resolve(args: argparse.Namespace) -> Trace:
-    """Fill defaults (``--quick``), check every argument, build the trace."""
+def _resolve(args: argparse.Namespace) -> list[tuple[str, Trace]]:
+    """Fill defaults (``--quick``), check every argument, build the workloads' traces
+    (one, or one per ``--rate``, each with its own seed: no prefix of one is in another)."""
     q = args.quick
+    try:
+        args.rates = None if args.rate is None else [float(x) for x in args.rate.split(",")]
+    except ValueError:
+        args.rates = [-1.0]
     if args.trace and q:
         args.limit = 40 if args.limit is None else args.limit
         args.length_scale = 0.05 if args.length_scale is None else args.length_scale
@@ -347,7 +367,7 @@ def _resolve(args: argparse.Namespace) -> Trace:
         ("--prefix-groups", args.prefix_groups, args.prefix_groups >= 1, ">= 1"),
         ("--input-len", args.input_len, args.input_len >= 1, ">= 1"),
         ("--output-len", args.output_len, args.output_len >= 1, ">= 1"),
-        ("--rate", args.rate, args.rate is None or args.rate > 0, "requests/s > 0"),
+        ("--rate", args.rate, args.rates is None or min(args.rates) > 0, "requests/s > 0"),
     ]
     for flag, value, ok, accepted in checks:
         if not ok:
@@ -373,20 +393,23 @@ def _resolve(args: argparse.Namespace) -> Trace:
         if not u.startswith(("http://", "https://")):
             raise UsageError(f"--target {u!r}: expected an http(s) URL, e.g. http://host:8000")
     if args.trace:
-        return _aligned(load_trace(args.trace, args.limit), args)
-    if args.rate is None:
+        return [("", _aligned(load_trace(args.trace, args.limit), args))]
+    if args.rates is None:
         raise UsageError("give --trace FILE (Mooncake JSONL) or --rate R (synthetic workload)")
-    t = synthetic_trace(
-        args.limit or args.requests,
-        rate=args.rate,
-        mean_input=args.input_len,
-        mean_output=args.output_len,
-        shared_ratio=args.shared_prefix,
-        groups=args.prefix_groups,
-        seed=args.seed,
-        block_tokens=args.tokens_per_block,
-    )
-    return _aligned(t, args)
+    out = []
+    for i, rate in enumerate(args.rates):
+        t = synthetic_trace(
+            args.limit or args.requests,
+            rate=rate,
+            mean_input=args.input_len,
+            mean_output=args.output_len,
+            shared_ratio=args.shared_prefix,
+            groups=args.prefix_groups,
+            seed=args.seed + i,
+            block_tokens=args.tokens_per_block,
+        )
+        out.append((f"{rate:g}/s" if len(args.rates) > 1 else "", _aligned(t, args)))
+    return out
 
 
 def _aligned(t: Trace, args: argparse.Namespace) -> Trace:
@@ -413,11 +436,15 @@ def _starts_engines(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
-        trace = _resolve(args)
+        traces = _resolve(args)
     except (UsageError, TraceError) as e:
         print(f"disagg bench serve: {e}", file=sys.stderr)
         return 2
-    reqs = workload(trace, args.time_scale, args.seed)
+    trace = traces[0][1]
+    loads = [
+        (label, workload(t, args.time_scale, args.seed + i)) for i, (label, t) in enumerate(traces)
+    ]
+    reqs = [r for _, rs in loads for r in rs]
     logdir = Path(args.log_dir or tempfile.mkdtemp(prefix="disagg-bench-serve-"))
     logdir.mkdir(parents=True, exist_ok=True)
     shape = deploy.Shape(
@@ -432,6 +459,8 @@ def main(argv: Sequence[str]) -> int:
         head_dim=args.head_dim,
         intermediate_size=args.intermediate_size,
         max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size,
         dtype=args.dtype,
     )
     deps: list[deploy.Deployment] = []
@@ -463,10 +492,10 @@ def main(argv: Sequence[str]) -> int:
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[Record]] = {}
     for dep in deps:
-        row, recs = run_deployment(dep, reqs, args)
-        rows.append(row)
-        if recs:
-            timelines[dep.name] = recs
+        for row, recs in run_deployment(dep, loads, args):
+            rows.append(row)
+            if recs:
+                timelines[f"{dep.name} {row.get('workload', '')}".strip()] = recs
     print(table(rows, args.slo_ttft, args.slo_tbt), flush=True)
     failed = any(r.get("error") for r in rows)
     if failed:
@@ -487,6 +516,7 @@ def main(argv: Sequence[str]) -> int:
                 "time_scale": args.time_scale,
                 "length_scale": args.length_scale,
                 "seed": args.seed,
+                "rates": args.rates,
             },
             "engines": args.engines,
             "producers": args.producers,

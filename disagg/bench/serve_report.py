@@ -149,8 +149,10 @@ def _f(v: Any, fmt: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], slo_ttft_s: float, slo_tbt_s: float) -> str:
+    loads = any(r.get("workload") for r in rows)
     head = (
-        f"{'deployment':<14} {'layout':>9} {'ok':>5} {'TTFT p50/p90/p99 ms':>21} "
+        ("{:<10} ".format("load") if loads else "")
+        + f"{'deployment':<14} {'layout':>9} {'ok':>5} {'TTFT p50/p90/p99 ms':>21} "
         f"{'TBT p50/p90/p99 ms':>19} {'E2E p50/p99 ms':>15} {'out tok/s':>9} "
         f"{'goodput':>7} {'remote':>6} {'prefill saved':>13} {'moved MB':>8} {'GB/s':>6}"
     )
@@ -166,7 +168,8 @@ def table(rows: list[dict[str, Any]], slo_ttft_s: float, slo_tbt_s: float) -> st
         share = saved / r["prompt_tokens"] if saved is not None and r["prompt_tokens"] else None
         moved = r.get("bytes_moved")
         lines.append(
-            f"{r['deployment'][:14]:<14} {r['layout']:>9} {r['ok']:>2}/{r['requests']:<2} "
+            ("{:<10} ".format(r.get("workload") or "") if loads else "")
+            + f"{r['deployment'][:14]:<14} {r['layout']:>9} {r['ok']:>2}/{r['requests']:<2} "
             f"{ttft:>21} {tbt:>19} {e2e:>15} {_f(r['output_tps'], '.0f'):>9} "
             f"{_f(r['slo_attainment'], '.0%'):>7} {_f(r.get('remote_share'), '.0%'):>6} "
             f"{_f(share, '.0%'):>13} {_f(None if moved is None else moved / 1e6, '.1f'):>8} "

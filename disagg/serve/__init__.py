@@ -13,7 +13,8 @@ interface, as a container needs).
 OpenAI-compatible server (:mod:`disagg.serve.app`); producer and consumer must use the same
 engine shape flags (``--layers --hidden-size --heads --kv-heads --head-dim
 --intermediate-size --tokens-per-block --num-blocks --max-seq-len --dtype``) and ``--seed``
-(the weights come from the seed), e.g. ~1B parameters in bf16 on a GPU: ``--device cuda
+(the weights come from the seed); ``--max-num-tokens`` and ``--max-batch-size`` are the
+scheduler's limits (TensorRT-LLM's names), e.g. ~1B parameters in bf16 on a GPU: ``--device cuda
 --dtype bfloat16 --layers 16 --hidden-size 2048 --heads 16 --kv-heads 8 --head-dim 128
 --intermediate-size 8192``. ``/disagg/info`` reports the shape the engine runs. ``--engine trtllm``
 writes the ``--extra_llm_api_options`` YAML and execs ``trtllm-serve``
@@ -80,6 +81,8 @@ SHAPE_FLAGS: dict[str, tuple[str, int]] = {
     "--tokens-per-block": ("tokens_per_block", 32),
     "--num-blocks": ("num_blocks", 1024),
     "--max-seq-len": ("max_seq_len", 8192),
+    "--max-num-tokens": ("max_num_tokens", 8192),
+    "--max-batch-size": ("max_batch_size", 2048),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -74,7 +74,8 @@ def test_a_deployment_that_cannot_start_is_one_line(
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--rate", "0"], "--rate 0.0"),
+        (["--rate", "0"], "--rate '0'"),
+        (["--rate", "1,x"], "--rate '1,x'"),
         (["--rate", "1", "--slo-ttft", "fast"], "--slo-ttft 'fast'"),
         (["--rate", "1", "--engines", "1"], "--engines 1"),
         (["--rate", "1", "--producers", "2"], "--producers 2"),
@@ -132,19 +133,23 @@ def test_parse_metrics_sums_labels() -> None:
 def test_target_measures_a_running_deployment(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--target URL``: nothing started or stopped; no server counters, so those are None."""
+    """``--target URL``: nothing started or stopped; no server counters, so those are None.
+    Two rates: two workloads served in turn, a row each."""
     from disagg.bench import deploy
 
     dep = deploy.aggregated(1, deploy.Shape(layers=2), tmp_path)
     dep.start(120)
     try:
         url = dep.client_urls[0]
-        argv = ["serve", "--rate", "20", "--requests", "6", "--input-len", "200"]
+        argv = ["serve", "--rate", "20,40", "--requests", "6", "--input-len", "200"]
         assert main([*argv, "--output-len", "4", "--target", url, "--json"]) == 0
-        (row,) = _last_json(capsys.readouterr().out)["results"]
-        assert row["deployment"] == f"target {url}" and row["layout"] == "external"
-        assert row["ok"] == 6 and row["ttft_p50_ms"] > 0 and row["output_tokens"] >= 6
-        assert row["remote_share"] is None and row["bytes_moved"] is None
+        rep = _last_json(capsys.readouterr().out)
+        assert [r["workload"] for r in rep["results"]] == ["20/s", "40/s"]  # one per rate
+        assert rep["workload"]["requests"] == 12 and rep["workload"]["rates"] == [20, 40]
+        for row in rep["results"]:
+            assert row["deployment"] == f"target {url}" and row["layout"] == "external"
+            assert row["ok"] == 6 and row["ttft_p50_ms"] > 0 and row["output_tokens"] >= 6
+            assert row["remote_share"] is None and row["bytes_moved"] is None
         assert dep.procs[0].proc is not None and dep.procs[0].proc.poll() is None  # still up
     finally:
         dep.stop()

@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument(
+        "--max-num-tokens", type=int, default=8192, help="tokens one forward computes at most"
+    )
+    p.add_argument("--max-batch-size", type=int, default=2048, help="requests one forward holds")
     p.add_argument("--no-block-reuse", action="store_true")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--prompt", default=None, help="comma list of token ids")

@@ -88,6 +88,15 @@ class EngineConfig:
     error_budget: int | None = None
     num_blocks: int = 512
     max_seq_len: int = 8192
+    # TensorRT-LLM's scheduler limits (same names and defaults): the tokens one iteration's
+    # forward computes (context chunk tokens + one per generation request) and the
+    # requests it holds; they bound the forward's working memory.
+    max_num_tokens: int = 8192
+    max_batch_size: int = 2048
+    # Each request's numbers independent of what else is batched with it (row tiles of a
+    # fixed shape, attention per request; docs/design/reference-engine.md). None: on the
+    # CPU (where the token-for-token tests run), not on CUDA (one fused call per layer).
+    batch_invariant: bool | None = None
     device: str = "cpu"
     seed: int = 0
     dtype: str = "float32"
@@ -127,6 +136,8 @@ class EngineConfig:
             "tp",
             "num_blocks",
             "max_seq_len",
+            "max_num_tokens",
+            "max_batch_size",
         ):
             need(int(getattr(self, name)) > 0, f"{name} must be > 0")
         need(
@@ -142,6 +153,11 @@ class EngineConfig:
             f"kv_manager must be 'v1' or 'v2', not {self.kv_manager!r}",
         )
         need(self.chunk_size is None or self.chunk_size > 0, "chunk_size must be > 0 or None")
+        need(
+            self.max_num_tokens >= self.tokens_per_block,
+            f"max_num_tokens {self.max_num_tokens} must be at least tokens_per_block "
+            f"{self.tokens_per_block} (a chunk cut to the budget is whole blocks)",
+        )
         need(
             not self.prefix_aware_scheduling or self.kv_manager == "v2",
             "prefix_aware_scheduling needs kv_manager='v2' (TensorRT-LLM enables prefix "
@@ -180,6 +196,11 @@ class EngineConfig:
             f"-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}-d{self.head_dim}"
             f"-i{self.intermediate_size}-rope{self.rope_theta:g}-seed{self.seed}"
         )
+
+    @property
+    def exact_batching(self) -> bool:
+        """``batch_invariant`` resolved: True on the CPU unless set."""
+        return self.device == "cpu" if self.batch_invariant is None else self.batch_invariant
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -265,6 +286,8 @@ def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
             connector_worker_class=spec.worker_class,
         ),
         max_seq_len=cfg.max_seq_len,
+        max_num_tokens=cfg.max_num_tokens,
+        max_batch_size=cfg.max_batch_size,
         max_beam_width=1,
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=1,

@@ -1,10 +1,18 @@
 """The executor loop: drives the model, the paged cache and a connector exactly as
-TensorRT-LLM's PyTorch executor does (``py_executor.py``'s call order and failure paths).
+TensorRT-LLM's PyTorch executor does (``py_executor.py``'s call order and failure paths),
+with in-flight batching as its scheduler does it.
 
 One ``Engine.step()`` is one executor iteration:
 
-1. schedule: running context/generation requests plus admitted waiting ones (FIFO,
-   admitted only if the pools can hold their whole lifetime: GUARANTEED_NO_EVICT);
+1. schedule (TensorRT-LLM's capacity then micro-batch scheduler, same limits and names):
+   waiting requests are admitted FIFO while fewer than ``max_batch_size`` run and the pools
+   can hold their whole lifetime (GUARANTEED_NO_EVICT); then the batch takes every
+   generation request first (one token each), then context requests in arrival order,
+   each a chunk of what is left of its prompt (at most ``chunk_size``), while the token
+   budget ``max_num_tokens`` and ``max_batch_size`` last: a chunk that does not fit is cut
+   to whole blocks of what is left (first come, first served), and one that cannot get a
+   block waits for the next iteration. So a long prompt shares each forward with the
+   decode steps running beside it, and delays them, as in TensorRT-LLM;
 2. prepare_resources: a request's first context chunk computes the device-matched prefix P,
    asks ``get_num_new_matched_tokens(req, P)`` once, allocates (V1: every prompt block; V2:
    P+N plus the first chunk) and calls ``update_state_after_alloc`` (flat, V1) or
@@ -12,8 +20,10 @@ One ``Engine.step()`` is one executor iteration:
 3. a ``SchedulerOutput`` of deltas (async-loading requests left out), then
    ``build_connector_meta`` -> pickle round trip -> ``bind_connector_meta`` on every rank ->
    ``start_load_kv`` (an exception there is fatal: it propagates and the engine is dead);
-4. the forward, if anything is left after parking: per layer ``wait_for_layer_load`` ->
-   compute -> ``save_kv_layer``; the forward-pass callable; ``wait_for_save``. An exception
+4. one forward over the whole batch, if anything is left after parking (``batch``: every
+   request's new positions as rows of one tensor): per layer ``wait_for_layer_load`` ->
+   the layer for every request at once -> ``save_kv_layer``; the forward-pass callable;
+   ``wait_for_save``. An exception
    fails every request of the batch with its message; other requests keep being served.
    Under TP every rank's hook is called and they must agree: if some ranks raise and others
    do not, a real multi-process engine hangs (the others wait in the layer's all-reduce),
@@ -23,7 +33,8 @@ One ``Engine.step()`` is one executor iteration:
    only this rank's hook runs, and each layer all-gathers the ranks' attention heads: a
    rank that left the forward leaves the others there (``RankHangError`` after the
    comm's ``hang_timeout_s``, fatal);
-5. sampling (greedy), block registration for reuse, sliding-window reclamation;
+5. sampling (greedy, every sampling request in one call), block registration for reuse,
+   sliding-window reclamation;
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
 7. ``get_finished`` every iteration, forward or not.
@@ -38,13 +49,16 @@ import itertools
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from .. import SchedulerOutput
+from .batch import build as build_batch
 from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
-from .kv_cache import KvCacheManager, RequestKv, block_hashes
+from .kv_cache import KvCacheManager, block_hashes
 from .model import TinyLlama
 from .prefix_loads import PrefixLoads
-from .requests import EngineStats, Request, RequestResult, request_data
+from .requests import EngineStats, Request, RequestResult, report
 
 
 class Engine:
@@ -98,7 +112,7 @@ class Engine:
         self._iteration = 0
         self._fatal: BaseException | None = None
         self._new_saving: list[int] = []
-        self._hidden: dict[int, Any] = {}
+        self._hidden: Any = None
         self._spans: dict[int, tuple[int, int]] = {}
         self._cancels: list[int] = []
         self._replays: list[int] = []
@@ -142,14 +156,21 @@ class Engine:
             raise ValueError("prompt must not be empty")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if any(not 0 <= int(t) < cfg.vocab_size for t in prompt_tokens):
+        ids = np.asarray(prompt_tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if len(prompt_tokens) + max_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt + max_tokens exceeds max_seq_len {cfg.max_seq_len}")
+        need = -(-(len(prompt_tokens) + max_tokens) // cfg.tokens_per_block)
+        if need > cfg.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {need} KV blocks per layer group; the pools hold "
+                f"num_blocks {cfg.num_blocks}"
+            )
         rid = next(self._ids)
         req = Request(
             rid,
-            [int(t) for t in prompt_tokens],
+            ids.tolist(),
             max_tokens,
             cache_salt,
             len(self.kv.groups),
@@ -261,32 +282,40 @@ class Engine:
         self._apply_replays()
         self.prefix.retire()
 
-        # 1. schedule
+        # 1. schedule: admission while the pools and the batch limit allow, then the
+        # micro-batch: generation first, then context chunks while the token budget lasts
         ctx = [r for r in self._active if r.state == "context"]
         gen = [r for r in self._active if r.state == "generation"]
-        while self._waiting:
+        while self._waiting and len(ctx) + len(gen) < cfg.max_batch_size:
             req = self._waiting[0]
-            verdict = self._admission(req)
-            if verdict is None:
+            if not self._fits(req):
                 break
             self._waiting.popleft()
-            if verdict:
-                self._fail(req, verdict)
-                continue
             req.state = "context"
             self._active.append(req)
             ctx.append(req)
+        gen = gen[: min(cfg.max_batch_size, cfg.max_num_tokens)]
+        budget, room = cfg.max_num_tokens - len(gen), cfg.max_batch_size - len(gen)
 
         # 2. prepare_resources
         sched_ctx: list[Request] = []
         for req in ctx:
+            if not room or not budget:
+                break
             if not req.queried:
-                if not self._first_allocation(req, new_loading):
+                if budget < min(cfg.tokens_per_block, req.prompt_len):
+                    continue  # its first chunk might not fit: not asked, not allocated yet
+                if not self._first_allocation(req, new_loading, budget):
                     continue
-            elif cfg.kv_manager == "v2":
-                upto = req.context_current_position + self._chunk(req)
-                self.kv.extend(req.pages, upto, req.context_current_position, req.hashes, 0)
-            req.context_chunk_size = self._chunk(req)
+            else:
+                req.context_chunk_size = self._chunk(req, budget)
+                if not req.context_chunk_size:
+                    continue
+                if cfg.kv_manager == "v2":
+                    upto = req.context_current_position + req.context_chunk_size
+                    self.kv.extend(req.pages, upto, req.context_current_position, req.hashes, 0)
+            budget -= req.context_chunk_size
+            room -= 1
             sched_ctx.append(req)
         for req in gen:
             self.kv.extend(req.pages, len(req.tokens), len(req.tokens) - 1, req.hashes, 0)
@@ -332,8 +361,9 @@ class Engine:
                     )
 
         # 5. sampling and bookkeeping
+        sampled = self._sample(batch) if batch else {}
         for req in batch:
-            self._after_forward(req, it)
+            self._after_forward(req, it, sampled.get(req.request_id))
 
         # 6. terminate finished requests (one iteration late under the overlap scheduler)
         for req in list(self._active):
@@ -363,39 +393,44 @@ class Engine:
                 self._drop(req)
 
     # ----- helpers --------------------------------------------------------------------
-    def _chunk(self, req: Request) -> int:
-        rem = req.context_remaining_length
-        return rem if self.config.chunk_size is None else min(rem, self.config.chunk_size)
+    def _chunk(self, req: Request, budget: int) -> int:
+        """This iteration's context chunk: what is left of the prompt, at most
+        ``chunk_size``; cut to whole blocks of what is left of the token budget if it does
+        not fit (TensorRT-LLM's first-come-first-served chunking). 0: not this time."""
+        cfg = self.config
+        chunk = req.context_remaining_length
+        if cfg.chunk_size is not None:
+            chunk = min(chunk, cfg.chunk_size)
+        if chunk > budget:
+            chunk = budget // cfg.tokens_per_block * cfg.tokens_per_block
+        return chunk
 
     def _lifetime_blocks(self, req: Request) -> int:
         return -(-(req.prompt_len + req.max_new_tokens) // self.config.tokens_per_block)
 
-    def _admission(self, req: Request) -> str | None:
-        """``""``: admit; ``None``: wait (pools busy); a message: fail the request (it can
-        never fit). Admits only what the pools can hold for the request's whole lifetime,
-        counting what running requests may still grow into (GUARANTEED_NO_EVICT)."""
+    def _fits(self, req: Request) -> bool:
+        """Whether the pools can hold the request's whole lifetime now, counting what
+        running requests may still grow into (GUARANTEED_NO_EVICT); one that never can
+        was refused by ``add_request``."""
         need = self._lifetime_blocks(req)
-        if need > self.config.num_blocks:
-            return (
-                f"request needs {need} KV blocks per layer group; the pools hold "
-                f"{self.config.num_blocks}"
-            )
         for gid, g in enumerate(self.kv.groups):
             outstanding = sum(
                 max(0, self._lifetime_blocks(r) - len(r.pages[gid])) for r in self._active
             )
             if g.available() - outstanding < need:
-                return None
-        return ""
+                return False
+        return True
 
     def _extend_hashes(self, req: Request, ntokens: int) -> list[bytes]:
         tpb = self.config.tokens_per_block
         nb = min(ntokens, len(req.tokens)) // tpb
         if len(req.hashes) < nb:
-            req.hashes = block_hashes(req.tokens[: nb * tpb], tpb, req.cache_salt, req.adapter)
+            req.hashes = block_hashes(
+                req.tokens[: nb * tpb], tpb, req.cache_salt, req.adapter, req.hashes
+            )
         return req.hashes
 
-    def _first_allocation(self, req: Request, new_loading: list[int]) -> bool:
+    def _first_allocation(self, req: Request, new_loading: list[int], budget: int) -> bool:
         cfg, drv = self.config, self.driver
         hashes = self._extend_hashes(req, req.prompt_len)
         P = self.kv.match_prefix(hashes, req.prompt_len)
@@ -428,11 +463,12 @@ class Engine:
         req.external_load = N
         req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = N
         req.context_current_position = P + N
+        req.context_chunk_size = self._chunk(req, budget)
         res = self.results[req.request_id]
         res.device_matched_tokens, res.connector_matched_tokens = P, N
         self.stats.device_matched_tokens += P
         self.stats.connector_matched_tokens += N
-        upto = req.prompt_len if cfg.kv_manager == "v1" else P + N + self._chunk(req)
+        upto = req.prompt_len if cfg.kv_manager == "v1" else P + N + req.context_chunk_size
         self.kv.extend(req.pages, upto, P + N, hashes, P // cfg.tokens_per_block)
         if drv is not None:
             drv.after_alloc(req)
@@ -446,61 +482,31 @@ class Engine:
     def _report(self, req: Request, it: int) -> Any:
         cfg = self.config
         lag = 1 if cfg.overlap and req.sampled_iter == it - 1 else 0
-        visible = req.tokens[: len(req.tokens) - lag]
-        new_tokens = visible[req.rep_tokens :]
-        req.rep_tokens = len(visible)
-        deltas = [list(p[req.rep_pages[g] :]) for g, p in enumerate(req.pages)]
-        req.rep_pages = [len(p) for p in req.pages]
-        grouped: Any
-        if cfg.kv_manager == "v1":
-            flat, grouped = deltas[0], ({} if self.features.grouped == "dict" else [])
-            hashes = [int.from_bytes(h[:8], "big") for h in self._extend_hashes(req, len(visible))]
-        else:
-            flat, grouped = (deltas[0] if len(deltas) == 1 else []), deltas
-            if self.features.grouped == "dict":
-                grouped = dict(enumerate(deltas))
-            hashes = []
-        if req.state == "generation":
-            cp, nst = len(req.tokens) - 1, 1
-        else:
-            cp, nst = req.context_current_position - (req.external_load or 0), self._chunk(req)
-        req.reported = True
-        return request_data(
-            request_id=req.request_id,
-            new_tokens=new_tokens,
-            new_block_ids=flat,
-            computed_position=cp,
-            num_scheduled_tokens=nst,
-            block_hashes=hashes,
-            priorities=None,
-            cache_salt=req.cache_salt,
-            cache_salt_id=req.cache_salt_id,
-            new_block_ids_by_layer_group=grouped,
-        )
+        v1 = cfg.kv_manager == "v1"
+        hashes = self._extend_hashes(req, len(req.tokens) - lag) if v1 else []
+        return report(req, cfg.kv_manager, self.features.grouped, lag, hashes)
 
     def _span(self, req: Request) -> tuple[int, int]:
         if req.state == "generation":
             return len(req.tokens) - 1, 1
-        return req.context_current_position, self._chunk(req)
+        return req.context_current_position, req.context_chunk_size
 
     def _forward(self, batch: list[Request]) -> bool:
+        """One forward over ``batch`` (context chunks, then generation tokens): per layer
+        ``wait_for_layer_load``, the layer over every request's rows, ``save_kv_layer``;
+        then the forward-pass callable and ``wait_for_save``. Leaves the final hidden
+        rows for sampling (``_sample``); False when the batch failed."""
         drv, model = self.driver, self.model
         stream = drv.stream if drv is not None else None
         spans = {r.request_id: self._span(r) for r in batch}
         try:
-            hidden = {
-                r.request_id: model.embed_tokens(r.tokens[s : s + n], r.adapter)
-                for r in batch
-                for s, n in [spans[r.request_id]]
-            }
+            plan = build_batch([(r, *spans[r.request_id]) for r in batch], self.kv)
+            x = model.embed_batch(plan)
+            rope = model.rope_tables(plan)
             for i in range(self.config.num_layers):
                 if drv is not None:
                     drv.each_worker("wait_for_layer_load", i, stream)
-                for r in batch:
-                    s, _ = spans[r.request_id]
-                    hidden[r.request_id] = model.layer(
-                        i, hidden[r.request_id], s, RequestKv(self.kv, r.pages)
-                    )
+                x = model.layer(i, x, plan, rope, self.kv)
                 if drv is not None:
                     drv.each_worker("save_kv_layer", i, stream)
             if drv is not None:
@@ -526,11 +532,24 @@ class Engine:
                     f"shutting down after: {msg}"
                 ) from e
             return False
-        self._hidden = hidden
+        self._hidden = (x, {r.request_id: plan.last_row(i) for i, r in enumerate(batch)})
         self._spans = spans
         return True
 
-    def _after_forward(self, req: Request, it: int) -> None:
+    def _sample(self, batch: list[Request]) -> dict[int, int]:
+        """Greedy tokens of the requests of ``batch`` that sample this iteration (generation,
+        or a prompt's last chunk), in one batched call."""
+        x, last = self._hidden
+        samplers = [
+            r.request_id
+            for r in batch
+            if r.state == "generation" or sum(self._spans[r.request_id]) >= r.prompt_len
+        ]
+        tokens = self.model.sample(x, [last[rid] for rid in samplers])
+        self._hidden = None
+        return dict(zip(samplers, tokens, strict=True))
+
+    def _after_forward(self, req: Request, it: int, tok: int | None) -> None:
         cfg, tpb = self.config, self.config.tokens_per_block
         s, n = self._spans[req.request_id]
         req.forwarded = True
@@ -547,7 +566,7 @@ class Engine:
         else:
             sample = True
         if sample:
-            tok = self.model.sample(self._hidden[req.request_id][-1])
+            assert tok is not None
             req.tokens.append(tok)
             req.generated.append(tok)
             req.sampled_iter = it
@@ -568,15 +587,7 @@ class Engine:
         into: dict[tuple[int, int], bytes],
         complete: bool = False,
     ) -> None:
-        tpb = self.config.tokens_per_block
-        first = lo // tpb
-        last = hi // tpb if complete else -(-hi // tpb)
-        for gid, pages in enumerate(req.pages):
-            for b in range(first, min(last, len(pages))):
-                if complete and not (lo < (b + 1) * tpb <= hi):
-                    continue
-                if pages[b] >= 0:
-                    into[(gid, b)] = self.kv.page_bytes(gid, pages[b])
+        into.update(self.kv.snapshot(req.pages, lo, hi, complete))
 
     def _terminate(self, req: Request) -> None:
         self.stats.requests_finished += 1

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import layout as _layout_mod
@@ -32,18 +33,29 @@ BAD = -1
 
 
 def block_hashes(
-    tokens: list[int], tpb: int, salt: str | None, adapter: str | None = None
+    tokens: list[int],
+    tpb: int,
+    salt: str | None,
+    adapter: str | None = None,
+    known: list[bytes] | None = None,
 ) -> list[bytes]:
     """Chained hashes of every full block of ``tokens`` (the salt and the request's
     adapter, LoRA task and multimodal inputs, seed the chain, as TensorRT-LLM's block
-    reuse keys do)."""
-    out: list[bytes] = []
-    prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
-    if adapter is not None:
-        prev = hashlib.sha256(prev + adapter.encode()).digest()
-    for b in range(len(tokens) // tpb):
+    reuse keys do). ``known``: the hashes of the leading blocks, already computed: only
+    the blocks after them are hashed."""
+    out = list(known or [])
+    if out:
+        prev = out[-1]
+    else:
+        prev = hashlib.sha256(b"disagg-reference" + (salt or "").encode()).digest()
+        if adapter is not None:
+            prev = hashlib.sha256(prev + adapter.encode()).digest()
+    first, last = len(out), len(tokens) // tpb
+    data = memoryview(np.asarray(tokens[first * tpb : last * tpb], dtype="<i8").tobytes())
+    step = tpb * 8
+    for b in range(last - first):
         h = hashlib.sha256(prev)
-        h.update(torch.tensor(tokens[b * tpb : (b + 1) * tpb], dtype=torch.int64).numpy().tobytes())
+        h.update(data[b * step : (b + 1) * step])
         prev = h.digest()
         out.append(prev)
     return out
@@ -106,6 +118,14 @@ class KvCacheManager:
             for li, layer in enumerate(layer_ids):
                 self.layer_group[layer] = gid
                 self.layer_index[layer] = li
+        # every pool as rows of one token's keys or values (``token_rows``)
+        self._rows = [
+            [p.view(-1, cfg.kv_heads_per_rank * cfg.head_dim) for p in g.pools] for g in self.groups
+        ]
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups[0].pools[0].device
 
     def local(self, rank: int) -> int:
         """Index of ``rank``'s pool in ``GroupState.pools`` (``KeyError``-like ValueError
@@ -275,7 +295,52 @@ class KvCacheManager:
                     self._release(g, slot)
             pages[gid] = []
 
+    # ----- the forward's page access ---------------------------------------------------
+    def token_rows(self, gid: int) -> list[torch.Tensor]:
+        """Group ``gid``'s pool of each rank held here as rows of one token's keys (or
+        values) of that rank's KV heads: ``[num_blocks * layers * 2 * tokens_per_block,
+        kv_heads_per_rank * head_dim]`` views; ``batch`` says which row is which."""
+        return self._rows[gid]
+
+    def write_layer(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a forward's new keys/values of ``layer`` ``[n, num_kv_heads * head_dim]``
+        (every KV head: each rank's pool keeps its shard) at ``rows`` (``[2, n]``: the
+        keys' and the values' rows in the group's ``token_rows``, ``batch.GroupRows``):
+        one copy each per rank held here."""
+        width = self.cfg.kv_heads_per_rank * self.cfg.head_dim
+        for r, view in zip(self.ranks, self._rows[self.layer_group[layer]], strict=True):
+            shard = slice(r * width, (r + 1) * width)
+            view.index_copy_(0, rows[0], k[:, shard].to(view.dtype))
+            view.index_copy_(0, rows[1], v[:, shard].to(view.dtype))
+
+    def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of ``layer`` at ``rows`` (``[2, m]``, ``batch.GroupRows.read``):
+        ``[m, kv heads held here, head_dim]``, the shards of the ranks held here side by
+        side in rank order (every KV head in the one-process simulation)."""
+        views = self._rows[self.layer_group[layer]]
+        shape = (rows.shape[1], -1, self.cfg.head_dim)
+        if len(views) == 1:
+            return views[0][rows[0]].view(shape), views[0][rows[1]].view(shape)
+        k = torch.cat([view[rows[0]] for view in views], dim=1)
+        v = torch.cat([view[rows[1]] for view in views], dim=1)
+        return k.view(shape), v.view(shape)
+
     # ----- byte access ----------------------------------------------------------------
+    def snapshot(
+        self, pages: list[list[int]], lo: int, hi: int, complete: bool = False
+    ) -> dict[tuple[int, int], bytes]:
+        """``{(group, block): bytes}`` of a request's pages over positions ``[lo, hi)``
+        (``complete``: only blocks whose last position is in the range)."""
+        tpb, out = self.tpb, {}
+        first, last = lo // tpb, hi // tpb if complete else -(-hi // tpb)
+        for gid, lst in enumerate(pages):
+            for b in range(first, min(last, len(lst))):
+                if complete and not (lo < (b + 1) * tpb <= hi):
+                    continue
+                if lst[b] >= 0:
+                    out[(gid, b)] = self.page_bytes(gid, lst[b])
+        return out
+
     def page_bytes(self, gid: int, slot: int) -> bytes:
         """A group page's bytes: the slot of every rank held here, concatenated in rank
         order (in the MPI mode: this rank's shard only)."""
@@ -283,50 +348,3 @@ class KvCacheManager:
             p[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes()
             for p in self.groups[gid].pools
         )
-
-
-class RequestKv:
-    """``KvIO`` over one request's pages: each rank's pool holds its kv-head shard; the
-    model writes every KV head (each rank's pool keeps its own shard's heads) and reads
-    the concatenation of the shards held here, in rank order: every KV head in the
-    one-process simulation, this rank's heads only in the MPI mode."""
-
-    def __init__(self, mgr: KvCacheManager, pages: list[list[int]]):
-        self.mgr, self.pages = mgr, pages
-        cfg = mgr.cfg
-        self.shape = (mgr.tpb, cfg.kv_heads_per_rank, cfg.head_dim)
-
-    def _index(
-        self, layer: int, lo: int, hi: int
-    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
-        gid = self.mgr.layer_group[layer]
-        tpb = self.mgr.tpb
-        lst = self.pages[gid]
-        # per block, not per position: a decode step reads the whole context every layer
-        b0, b1 = lo // tpb, (hi - 1) // tpb + 1 if hi > lo else lo // tpb
-        need = lst[b0:b1]
-        for i in range(b1 - b0):
-            if i >= len(need) or need[i] < 0:
-                raise RuntimeError(f"layer {layer}: position block {b0 + i} has no page")
-        dev = self.mgr.groups[gid].pools[0].device
-        views = [p.view(p.shape[0], p.shape[1], 2, *self.shape) for p in self.mgr.groups[gid].pools]
-        pos = torch.arange(lo, hi, device=dev)
-        return (
-            views,
-            torch.tensor(need, dtype=torch.long, device=dev)[pos // tpb - b0],
-            pos % tpb,
-            self.mgr.layer_index[layer],
-        )
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        views, slots, offs, li = self._index(layer, start, start + k.shape[0])
-        kh = self.shape[1]
-        for r, view in zip(self.mgr.ranks, views, strict=True):
-            view[slots, li, 0, offs] = k[:, r * kh : (r + 1) * kh].to(view.dtype)
-            view[slots, li, 1, offs] = v[:, r * kh : (r + 1) * kh].to(view.dtype)
-
-    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        views, slots, offs, li = self._index(layer, lo, hi)
-        k = torch.cat([view[slots, li, 0, offs] for view in views], dim=1)
-        v = torch.cat([view[slots, li, 1, offs] for view in views], dim=1)
-        return k, v

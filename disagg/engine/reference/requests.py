@@ -190,3 +190,45 @@ def request_data(**kw: Any) -> Any:
     """The line's ``RequestData`` from the fields it has (older lines lack some)."""
     names = {f.name for f in fields(RequestData)}
     return RequestData(**{k: v for k, v in kw.items() if k in names})
+
+
+def report(
+    req: Request, kv_manager: str, grouped_as: str | None, lag: int, hashes: list[bytes]
+) -> Any:
+    """The request's ``RequestData`` for this iteration's ``SchedulerOutput``: what changed
+    since it was last reported (tokens: all but the last ``lag``, which the overlap
+    scheduler has not appended yet; pages), its computed position and scheduled tokens;
+    V1: the hashes of its full blocks (``hashes``), V2: its pages per layer group in the
+    line's form (``grouped_as``)."""
+    visible = req.tokens[: len(req.tokens) - lag]
+    new_tokens = visible[req.rep_tokens :]
+    req.rep_tokens = len(visible)
+    deltas = [list(p[req.rep_pages[g] :]) for g, p in enumerate(req.pages)]
+    req.rep_pages = [len(p) for p in req.pages]
+    grouped: Any
+    if kv_manager == "v1":
+        flat, grouped = deltas[0], ({} if grouped_as == "dict" else [])
+        block_hashes = [int.from_bytes(h[:8], "big") for h in hashes]
+    else:
+        flat, grouped = (deltas[0] if len(deltas) == 1 else []), deltas
+        if grouped_as == "dict":
+            grouped = dict(enumerate(deltas))
+        block_hashes = []
+    if req.state == "generation":
+        cp, nst = len(req.tokens) - 1, 1
+    else:
+        cp = req.context_current_position - (req.external_load or 0)
+        nst = req.context_chunk_size
+    req.reported = True
+    return request_data(
+        request_id=req.request_id,
+        new_tokens=new_tokens,
+        new_block_ids=flat,
+        computed_position=cp,
+        num_scheduled_tokens=nst,
+        block_hashes=block_hashes,
+        priorities=None,
+        cache_salt=req.cache_salt,
+        cache_salt_id=req.cache_salt_id,
+        new_block_ids_by_layer_group=grouped,
+    )

@@ -1,0 +1,185 @@
+"""Attention over a batch's ragged keys: one call per layer for the whole batch, or one per
+request where each request's numbers must not depend on the rest of the batch.
+
+Inputs (``batch.Batch`` and ``batch.GroupRows``): queries ``[rows, heads, head_dim]`` of
+every request's new positions, concatenated; keys/values ``[keys, kv_heads, head_dim]`` of
+every request's attended positions ``[lo_i, start_i + n_i)``, concatenated; query ``i`` of
+request ``r`` (position ``start_r + i``) attends to keys ``[max(lo_r, p - window + 1), p]``.
+Grouped-query heads: query head ``h`` reads KV head ``h // (heads / kv_heads)``.
+
+Kernels (docs/design/reference-engine.md has the measurements behind the choice):
+
+- ``flash-varlen``: FlashAttention's variable-length kernel (PyTorch's
+  ``_flash_attention_forward`` with cumulative lengths, causal aligned to each sequence's
+  last key, GQA and sliding windows natively): CUDA, float16/bfloat16. Probed once per
+  engine against ``per-request`` on a small ragged batch; if the kernel is missing, refuses
+  the arguments or disagrees, ``per-request`` serves and ``reason`` says why.
+- ``per-request``: a loop over the batch's requests, each with the shapes of its own span
+  alone: in float32 on the CPU (explicit scores, softmax, the exact path of the tests),
+  PyTorch's fused attention with an explicit mask on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import accumulate
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .batch import Batch, GroupRows
+
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _mask(start: int, lo: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n, start + n - lo]``: which keys from position ``lo`` each query of positions
+    ``[start, start+n)`` attends to, built on the keys' device."""
+    qpos = torch.arange(start, start + n, device=device)[:, None]
+    kpos = torch.arange(lo, start + n, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def per_request(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    batch: Batch,
+    group: GroupRows,
+    window: int | None,
+) -> torch.Tensor:
+    """Each request's attention on its own (module docstring): ``[rows, heads, head_dim]``."""
+    hd = q.shape[-1]
+    rep = q.shape[1] // keys.shape[1]
+    outs = []
+    for i, (start, n) in enumerate(zip(batch.starts, batch.lens, strict=True)):
+        lo = group.lo[i]
+        qi = q[batch.q_starts[i] : batch.q_starts[i + 1]]
+        ki = keys[group.k_starts[i] : group.k_starts[i + 1]]
+        vi = vals[group.k_starts[i] : group.k_starts[i + 1]]
+        if qi.is_cuda:
+            kh = ki.repeat_interleave(rep, dim=1).transpose(0, 1)
+            vh = vi.repeat_interleave(rep, dim=1).transpose(0, 1)
+            # a whole prompt from position 0 is plain causal: the flash kernel, no mask
+            whole = start == lo == 0 and ki.shape[0] == n and window is None
+            mask = None if whole else _mask(start, lo, n, window, ki.device)[None, None]
+            with sdpa_kernel(_SDPA_BACKENDS):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qi.transpose(0, 1)[None], kh[None], vh[None], attn_mask=mask, is_causal=whole
+                )
+            outs.append(out[0].transpose(0, 1))
+        else:
+            kf = ki.float().repeat_interleave(rep, dim=1)  # [m, H, hd]
+            vf = vi.float().repeat_interleave(rep, dim=1)
+            scores = torch.einsum("nhd,mhd->hnm", qi.float(), kf) / math.sqrt(hd)
+            mask = _mask(start, lo, n, window, ki.device)
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            outs.append(torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf).to(q.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def flash_varlen(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    batch: Batch,
+    group: GroupRows,
+    window: int | None,
+) -> torch.Tensor:
+    """The whole batch in one FlashAttention call (module docstring)."""
+    extra = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+    out = torch.ops.aten._flash_attention_forward(
+        q,
+        keys,
+        vals,
+        batch.cu_q,
+        group.cu_k,
+        batch.max_q,
+        group.max_k,
+        0.0,
+        True,
+        False,
+        **extra,
+    )
+    return out[0]
+
+
+class Attention:
+    """The kernel one engine uses (module docstring): ``name`` and, when the batched kernel
+    was wanted and not taken, ``reason``. ``exact``: per request, always."""
+
+    def __init__(self, device: str, dtype: torch.dtype, exact: bool, windows: bool) -> None:
+        self.reason = ""
+        self.fn = per_request
+        self.name = "per-request"
+        if exact:
+            return
+        if not device.startswith("cuda") or dtype not in (torch.float16, torch.bfloat16):
+            self.reason = "flash-varlen needs CUDA and float16/bfloat16"
+            return
+        try:
+            self.reason = _probe(torch.device(device), dtype, windows)
+        except Exception as exc:  # a build without the kernel, or other arguments
+            self.reason = f"flash-varlen failed its probe: {type(exc).__name__}: {exc}"
+        if not self.reason:
+            self.fn, self.name = flash_varlen, "flash-varlen"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        vals: torch.Tensor,
+        batch: Batch,
+        group: GroupRows,
+        window: int | None,
+    ) -> torch.Tensor:
+        return self.fn(q, keys, vals, batch, group, window)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, windows: bool) -> str:
+    """Run ``flash_varlen`` on a small ragged batch (a prompt, a chunk over cached keys, a
+    decode step; GQA; a sliding window if the model has one) against ``per_request``:
+    ``""`` if they agree, else why not."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    spans = [(0, 37), (64, 19), (150, 1)]  # (start, n), keys from 0 (or the window)
+    heads, kv_heads, hd = 8, 2, 64
+    for window in [None, 48] if windows else [None]:
+        starts = [s for s, _ in spans]
+        lens = [n for _, n in spans]
+        lo = [0 if window is None else max(0, s - window + 1) for s in starts]
+        kl = [s + n - b for (s, n), b in zip(spans, lo, strict=True)]
+        q_starts = [0, *accumulate(lens)]
+        k_starts = [0, *accumulate(kl)]
+        batch = Batch(
+            starts,
+            lens,
+            [None] * 3,
+            torch.empty(0),
+            torch.empty(0),
+            q_starts,
+            torch.tensor(q_starts, dtype=torch.int32, device=device),
+            max(lens),
+            [],
+        )
+        group = GroupRows(
+            torch.empty(0),
+            torch.empty(0),
+            lo,
+            k_starts,
+            torch.tensor(k_starts, dtype=torch.int32, device=device),
+            max(kl),
+        )
+        # q as the model hands it over: the query heads of a [rows, heads + kv_heads, hd]
+        q = torch.randn(q_starts[-1], heads + kv_heads, hd, generator=g).to(device, dtype)
+        q = q[:, :heads]
+        k = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+        v = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+        got = flash_varlen(q, k, v, batch, group, window).float()
+        want = per_request(q, k, v, batch, group, window).float()
+        err = (got - want).abs().max().item()
+        if not err < 2e-2:
+            return f"flash-varlen differs from per-request attention by {err:.3g} (window {window})"
+    return ""
