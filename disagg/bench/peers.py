@@ -20,6 +20,12 @@ import numpy as np
 MOONCAKE_BATCH = 1024  # requests per batch_transfer_sync_write (see _mooncake_producer)
 
 
+def draw(rng: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct random source rows of ``rows`` and ``n`` distinct random destination
+    slots of ``rows`` (int64 arrays)."""
+    return rng.permutation(rows)[:n].astype(np.int64), rng.permutation(rows)[:n].astype(np.int64)
+
+
 def producer(name: str, store: np.ndarray, conn: Any) -> None:
     if name == "nixl-raw":
         agent = nixl_source(store)
@@ -120,7 +126,6 @@ def _nixl_consumer(
     meta, base = ready[1]
     raw = RawNixl(pool, meta, base, pool.shape[0])
     times, ctimes = [], []
-    from .transfer import draw
 
     for rep in range(repeats + 1):
         rows, dst = draw(rng, pool.shape[0], n)
@@ -180,7 +185,6 @@ def _mooncake_consumer(
         raise RuntimeError("mooncake register_memory failed")
     target = f"127.0.0.1:{te.get_rpc_port()}"
     times, ctimes = [], []
-    from .transfer import draw
 
     for rep in range(repeats + 1):
         rows, dst = draw(rng, pool.shape[0], n)

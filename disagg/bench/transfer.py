@@ -56,6 +56,7 @@ import numpy as np
 
 from ..cliargs import Parser, positive_float, positive_int, size, size_list
 from . import ceilings
+from .peers import draw
 from .units import fmt_size, median
 
 ALL_TRANSPORTS = (
@@ -372,12 +373,6 @@ def _await(plane: Any, tid: int, conn: Any, timeout_s: float) -> tuple[Any, Any]
             if reply[0] == "error":
                 raise RuntimeError(f"producer: {reply[1]}")
         time.sleep(0.0002)
-
-
-def draw(rng: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` distinct random source rows of ``rows`` and ``n`` distinct random destination
-    slots of ``rows`` (int64 arrays)."""
-    return rng.permutation(rows)[:n].astype(np.int64), rng.permutation(rows)[:n].astype(np.int64)
 
 
 @dataclass

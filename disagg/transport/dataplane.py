@@ -327,11 +327,3 @@ def _wait(poll: Any, timeout_s: float) -> TransferStatus:
             return st
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
-
-
-def __getattr__(name: str) -> Any:  # dataplane.TcpDataPlane without an import cycle
-    if name == "TcpDataPlane":
-        from .tcp import TcpDataPlane
-
-        return TcpDataPlane
-    raise AttributeError(name)
