@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .attention import Attention
 from .batch import Batch
 from .config import EngineConfig
@@ -102,6 +103,12 @@ class TinyLlama:
         ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.rope = torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(dev)
         self.exact = cfg.exact_batching
+        # one pass each for RoPE and SwiGLU on CUDA (fused.py); the batch-invariant path
+        # keeps PyTorch's ops, whose tiles are the same calls whatever the batch
+        self.fused = not self.exact and fused.available(dev, hd)
+        if self.fused:
+            self.rope_cos = self.rope.real.float().contiguous()
+            self.rope_sin = self.rope.imag.float().contiguous()
         self.attention = Attention(
             cfg.device, dt, self.exact, any(w is not None for w in cfg.layer_windows)
         )
@@ -141,7 +148,10 @@ class TinyLlama:
 
     def rope_tables(self, batch: Batch) -> torch.Tensor:
         """RoPE rotations ``[rows, 1, head_dim/2]`` of the batch's positions (once per
-        forward)."""
+        forward); with the fused kernels, the positions themselves (the kernel looks the
+        angles up)."""
+        if self.fused:
+            return batch.positions
         return self.rope[batch.positions][:, None]
 
     def layer(
@@ -156,6 +166,9 @@ class TinyLlama:
 
         def qkv(xt: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = _rms_norm(xt, p["attn_norm"]) @ p["wqkv"]
+            if self.fused:
+                fused.rope_(out, heads + kvh, hd, self.rope_cos, self.rope_sin, rot)
+                return out[:, :qk].view(xt.shape[0], heads + kvh, hd), out[:, qk:]
             pairs = out[:, :qk].float().view(xt.shape[0], heads + kvh, hd // 2, 2)
             roped = torch.view_as_real(torch.view_as_complex(pairs) * rot).to(out.dtype)
             return roped.view(xt.shape[0], heads + kvh, hd), out[:, qk:]
@@ -175,7 +188,10 @@ class TinyLlama:
 
         def rest(xt: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
             xt = torch.addmm(xt, at, p["wo"])
-            gate, up = (_rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]).chunk(2, dim=-1)
+            gate_up = _rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]
+            if self.fused:
+                return torch.addmm(xt, fused.silu_mul(gate_up), p["w_down"])
+            gate, up = gate_up.chunk(2, dim=-1)
             return torch.addmm(xt, F.silu(gate) * up, p["w_down"])
 
         return self._rows(rest, x, attn)
