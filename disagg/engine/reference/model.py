@@ -43,6 +43,9 @@ from .config import EngineConfig
 from .kv_cache import KvCacheManager
 
 ROW_TILE = 32  # rows per tile on the batch-invariant path
+# Below this many rows a forward is launch-bound and Triton's launcher (tens of us a call)
+# costs more than the passes it saves: decode steps keep PyTorch's ops.
+FUSED_MIN_ROWS = 1024
 
 
 class TpGroup(Protocol):
@@ -148,9 +151,9 @@ class TinyLlama:
 
     def rope_tables(self, batch: Batch) -> torch.Tensor:
         """RoPE rotations ``[rows, 1, head_dim/2]`` of the batch's positions (once per
-        forward); with the fused kernels, the positions themselves (the kernel looks the
-        angles up)."""
-        if self.fused:
+        forward); for a forward large enough for the fused kernels, the positions
+        themselves (the kernel looks the angles up)."""
+        if self.fused and batch.positions.shape[0] >= FUSED_MIN_ROWS:
             return batch.positions
         return self.rope[batch.positions][:, None]
 
@@ -164,9 +167,11 @@ class TinyLlama:
         n, hd, heads, kvh = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qk = (heads + kvh) * hd
 
+        fuse = self.fused and n >= FUSED_MIN_ROWS
+
         def qkv(xt: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = _rms_norm(xt, p["attn_norm"]) @ p["wqkv"]
-            if self.fused:
+            if fuse:
                 fused.rope_(out, heads + kvh, hd, self.rope_cos, self.rope_sin, rot)
                 return out[:, :qk].view(xt.shape[0], heads + kvh, hd), out[:, qk:]
             pairs = out[:, :qk].float().view(xt.shape[0], heads + kvh, hd // 2, 2)
@@ -189,7 +194,7 @@ class TinyLlama:
         def rest(xt: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
             xt = torch.addmm(xt, at, p["wo"])
             gate_up = _rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]
-            if self.fused:
+            if fuse:
                 return torch.addmm(xt, fused.silu_mul(gate_up), p["w_down"])
             gate, up = gate_up.chunk(2, dim=-1)
             return torch.addmm(xt, F.silu(gate) * up, p["w_down"])
