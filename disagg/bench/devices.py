@@ -88,6 +88,12 @@ def index(device: str) -> int:
     return int(torch.cuda.current_device())
 
 
+def explicit(device: str) -> str:
+    """``cuda:N`` for ``cuda`` / ``cuda:N`` (``cuda``: this thread's current GPU now), so
+    child processes, which start on cuda:0, name the same GPU."""
+    return f"cuda:{index(device)}"
+
+
 def same_gpu(producer: str, consumer: str) -> bool:
     return index(producer) == index(consumer)
 

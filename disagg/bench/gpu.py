@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     why = devices.problem(args)
     if why is not None:
         p.error(why)
-    roles = (args.producer_device, args.consumer_device)
+    roles = (devices.explicit(args.producer_device), devices.explicit(args.consumer_device))
     torch.cuda.set_device(devices.index(args.consumer_device))  # this process: the consumer
     cross = devices.peer_problem(*roles)
     if cross is not None:
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             for bind in binds:
                 try:
                     found += bench_plane(kind, size, total, args.repeats, ceil, depths, bind, roles)
-                except Exception as exc:  # a plane that cannot run here keeps its row
+                except Exception as exc:  # a plane that cannot run (or failed) keeps its row
                     why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
                     found.append({"path": f"{kind} plane", "page_bytes": size, "error": why})
         for r in found:
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 def _line(r: dict[str, Any]) -> str:
     head = f"{r['path']:44} {r['page_bytes'] >> 10:>6}Ki"
     if "error" in r:
-        return f"{head} not run: {r['error']}"
+        return f"{head} error: {r['error']}"
     ratio = f"{r['ratio']:>6.2f}" if "ratio" in r else f"{'':>6}"
     pages = f"{r['ratio_pages']:>6.2f}" if "ratio_pages" in r else ""
     return f"{head} {r['gbps']:>8.1f} {r.get('ceiling', ''):>12} {ratio} {pages}".rstrip()

@@ -350,6 +350,9 @@ def main(argv: Sequence[str]) -> int:
     if why is not None:
         print(f"disagg bench overhead: {why}", file=sys.stderr)
         return 2
+    for name in ("producer_device", "consumer_device"):  # cuda: the GPU current now
+        if getattr(args, name).startswith("cuda"):
+            setattr(args, name, devices.explicit(getattr(args, name)))
     small = [f for f in ("repeats", "layers", *SHAPE) if getattr(args, f.replace("-", "_")) < 1]
     if small:
         print(f"disagg bench overhead: --{small[0]} must be >= 1", file=sys.stderr)

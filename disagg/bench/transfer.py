@@ -633,6 +633,7 @@ def main(argv: Sequence[str]) -> int:
         why = devices.problem(a)
         if why is not None:
             ap.error(why)
+        roles = Roles(devices.explicit(roles.producer), devices.explicit(roles.consumer))
     if a.quick:  # every transport and peer once, at one size: well under a minute
         a.total, a.repeats = 4 << 20, 1
         if a.page_sizes == size_list(ap.get_default("page_sizes")):
