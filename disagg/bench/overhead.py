@@ -29,9 +29,8 @@ with the same page size. Medians over ``--repeats`` prompts per length, after a 
 prompt. Devices: the producer's engine (and a ``cuda`` store) on ``--producer-device``,
 the consumer's and the local engine on ``--consumer-device``; the plane's figure is
 measured between the same two. The producer process and this one get half the CPUs'
-compute threads each (unless
-``OMP_NUM_THREADS`` is set). ``--json``: ``{"results": [...], "plane_gbps": ...}`` on the
-last stdout line.
+compute threads each (unless ``OMP_NUM_THREADS`` is set). ``--json``: ``{"results":
+[...], "plane_gbps": ...}`` on the last stdout line.
 """
 
 from __future__ import annotations

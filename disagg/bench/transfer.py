@@ -20,10 +20,10 @@ Ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device c
 ``ucx-cuda`` and ``ipc-cuda`` (store on ``--producer-device``, pool on
 ``--consumer-device``, both ``cuda`` by default: two processes on one GPU; on two GPUs
 the ceiling is the ipc plane's scattered-page kernel between them, ``peer_pages``, see
-devices.py; without a CUDA device their rows say so instead of a figure). Each row's ceiling is PAIRED
-with its pushes: in the row's own producer / consumer processes, on the same bytes, the
-consumer times one ceiling run right before each push (ceiling, push, ceiling, push ...,
-after one warm-up of each): the producer process streams the N pages' bytes over a raw
+devices.py; without a CUDA device their rows say so instead of a figure). Each row's
+ceiling is PAIRED with its pushes: in the row's own producer / consumer processes, on
+the same bytes, the consumer times one ceiling run right before each push (ceiling,
+push, ceiling, push ..., after one warm-up of each): the producer process streams the N pages' bytes over a raw
 loopback TCP (AF_UNIX for ipc) socket set up once per row into a ``hostmem`` buffer of
 the consumer (``ceilings.serve_stream`` / ``stream_timer``); for shm the consumer times a
 memcpy of the same bytes between ``hostmem`` buffers; for d2d a device-to-device copy.
