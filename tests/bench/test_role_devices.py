@@ -211,3 +211,14 @@ def test_peer_access_without_a_driver_says_why() -> None:
     why = cuda_driver.enable_peer_access(0, 1)
     assert why is not None and "libcuda" in why
     assert not peer_reachable(torch.device("cuda:0"), torch.device("cuda:1"))
+
+
+def test_producer_attach_refuses_a_store_on_a_missing_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness import SHAPE, make_producer
+
+    from disagg.engine.reference import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as e:  # the connector's registration fails, by field
+        make_producer(EngineConfig(**SHAPE), store_device="cuda:1")
+    assert e.value.field == "producer.store_device" and "is cuda:1 but" in str(e.value)
