@@ -50,13 +50,17 @@ def add_role_devices(p: argparse.ArgumentParser, default: str | None, cpu: bool 
     ``--device`` (resolved by ``resolve``)."""
     kind = cpu_role_device if cpu else role_device
     where = "cpu, cuda or cuda:N" if cpu else "cuda or cuda:N"
-    same = f"default {default}" if default else "default: --device"
+    same = "" if default else " (default: --device's)"
     for role, what in (
         ("producer", "the producer's engine and store"),
         ("consumer", "the consumer's engine and page pool"),
     ):
         p.add_argument(
-            f"--{role}-device", type=kind, default=default, help=f"{what}: {where} ({same})"
+            f"--{role}-device",
+            type=kind,
+            default=default,
+            metavar="DEVICE",
+            help=f"{what}: {where}{same}",
         )
 
 
