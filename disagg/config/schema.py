@@ -30,6 +30,7 @@ from .values import (
     PublicKeyFile,
     SecretKeyFile,
     Size,
+    StoreDeviceName,
     plain,
     public_key,
     read_curve_key,
@@ -49,8 +50,8 @@ Role = Literal["producer", "consumer"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 UcxChannel = Literal["tcp", "shm", "auto"]
 UCX_CHANNELS: tuple[str, ...] = typing.get_args(UcxChannel)
-StoreDevice = Literal["cpu", "pinned", "cuda"]
-STORE_DEVICES: tuple[str, ...] = typing.get_args(StoreDevice)
+# store_device also takes cuda:N (StoreDeviceName); these are the names without an index
+STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
 LoadMode = Literal["auto", "async", "sync"]
 LOAD_MODES: tuple[str, ...] = typing.get_args(LoadMode)
 LoadFailurePolicy = Literal["auto", "fail_request", "stop_instance"]
@@ -128,7 +129,13 @@ class ProducerConfig(Section, frozen=True):
         ]
         | None
     ) = None
-    store_device: Annotated[StoreDevice, Meta(description="where the store's bytes live")] = "cpu"
+    store_device: Annotated[
+        StoreDeviceName,
+        Meta(
+            description="where the store's bytes live; cuda:N must be the GPU of the "
+            "engine's KV cache"
+        ),
+    ] = StoreDeviceName("cpu")
     lease_ttl_s: Annotated[Seconds, Meta(description="lifetime of a lease without a renewal")] = (
         30.0
     )

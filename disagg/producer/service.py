@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import DisaggConfig
+from ..config import DisaggConfig, store_device_for
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
@@ -169,6 +169,7 @@ class ProducerService(ControlPlane, ConnectorService):
     # -- bring-up ---------------------------------------------------------------------
     def attach(self, pool: PagePool) -> None:
         """Called by the worker's registration: size the store and start serving."""
+        store_device = store_device_for(self.pcfg.store_device, pool.device)  # or ConfigError
         self._attach_pool(pool)
         if self.pcfg.events and self.tp_rank == 0:
             self.events = EventPublisher(
@@ -180,7 +181,7 @@ class ProducerService(ControlPlane, ConnectorService):
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
-            device=self.pcfg.store_device,
+            device=store_device,
             save_timeout_s=self.pcfg.save_timeout_s,
             on_stored=self._published("stored"),
             on_removed=self._published("removed"),
