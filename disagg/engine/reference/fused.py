@@ -36,19 +36,21 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(
-        x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, heads, HALF: tl.constexpr
+        x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, heads, HEADS: tl.constexpr, HALF: tl.constexpr
     ):  # pragma: no cover - runs on CUDA only
+        # one program: HEADS heads of one row (a [HEADS, HALF] tile of pairs)
         row = tl.program_id(0)
-        head = tl.program_id(1)
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+        j = tl.arange(0, HALF)[None, :]
         pos = tl.load(pos_ptr + row)
-        j = tl.arange(0, HALF)
         c = tl.load(cos_ptr + pos * HALF + j)
         s = tl.load(sin_ptr + pos * HALF + j)
-        base = x_ptr + row * stride_row + head * (2 * HALF) + 2 * j
-        a = tl.load(base).to(tl.float32)
-        b = tl.load(base + 1).to(tl.float32)
-        tl.store(base, (a * c - b * s).to(x_ptr.dtype.element_ty))
-        tl.store(base + 1, (a * s + b * c).to(x_ptr.dtype.element_ty))
+        mask = (h < heads) & (j < HALF)
+        base = x_ptr + row * stride_row + h * (2 * HALF) + 2 * j
+        a = tl.load(base, mask=mask).to(tl.float32)
+        b = tl.load(base + 1, mask=mask).to(tl.float32)
+        tl.store(base, (a * c - b * s).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(base + 1, (a * s + b * c).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(
@@ -78,7 +80,9 @@ def rope_(
     if rows == 0:
         return
     assert x.stride(1) == 1 and head_dim % 2 == 0
-    _rope_kernel[(rows, heads)](x, cos, sin, pos, x.stride(0), heads, HALF=head_dim // 2)
+    per = 8  # heads a program
+    grid = (rows, triton.cdiv(heads, per))
+    _rope_kernel[grid](x, cos, sin, pos, x.stride(0), heads, HEADS=per, HALF=head_dim // 2)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
