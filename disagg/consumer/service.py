@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DisaggConfig
+from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
@@ -82,6 +83,7 @@ log = logging.getLogger("disagg.consumer")
 
 V = PROTOCOL_VERSION
 _registry: Registry[ConsumerService] = Registry()
+list_services("consumer", _registry.live)
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services

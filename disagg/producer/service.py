@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from ..config import DisaggConfig, store_device_for
+from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
@@ -75,6 +76,7 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
+list_services("producer", _registry.live)
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
