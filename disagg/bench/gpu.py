@@ -69,15 +69,19 @@ def _ipc_owner(q: Any, done: Any, rows: int, page_bytes: int, device: str = "cud
     done.wait()
 
 
+# plane rows through NIXL: kind -> its UCX error handling (``nixl_error_handling``)
+NIXL_KINDS = {"nixl": "peer", "nixl-none": "none"}
+
+
 def _make_plane(kind: str, bind: str = "tcp://127.0.0.1:0") -> Any:
     if kind == "ucx":  # worker-address endpoints: UCX picks cuda_ipc on one node
         from ..transport.ucx.plane import UcxDataPlane
 
         return UcxDataPlane(channel="shm", cuda=True)
-    if kind == "nixl":
+    if kind in NIXL_KINDS:
         from ..transport.nixl.plane import NixlDataPlane
 
-        return NixlDataPlane()
+        return NixlDataPlane(error_handling=NIXL_KINDS[kind])
     from ..transport.ipc import IpcDataPlane
 
     return IpcDataPlane(bind)
@@ -101,10 +105,12 @@ def _plane_producer(
         torch.randint(0, 255, (rows, page_bytes), dtype=torch.uint8, device=device)
     )
     raw_meta, raw_base = None, 0
-    if kind == "nixl":  # the raw NIXL row reads the store through an agent of its own
+    if kind in NIXL_KINDS:  # the raw NIXL row reads the store through an agent of its own
         from ..transport.nixl import agent as nx
 
-        raw = nx.open_agent(f"bench-raw-source-{time.monotonic_ns()}")
+        raw = nx.open_agent(
+            f"bench-raw-source-{time.monotonic_ns()}", error_handling=NIXL_KINDS[kind]
+        )
         dev = int(store.device.index or 0)
         raw.register_memory([(store.data_ptr(), store.numel(), dev, "")], "VRAM")
         raw_meta, raw_base = raw.get_agent_metadata(), store.data_ptr()
@@ -215,7 +221,14 @@ def bench_plane(
             from .peers import RawNixl
 
             pool.zero_()
-            raw = RawNixl(pool, raw_meta, raw_base, 2 * n, remote_mem="VRAM")
+            raw = RawNixl(
+                pool,
+                raw_meta,
+                raw_base,
+                2 * n,
+                remote_mem="VRAM",
+                error_handling=NIXL_KINDS[kind],
+            )
             raw_s = statistics.median(
                 [raw.read(src_rows, dst_slots) for _ in range(repeats + 1)][1:]
             )
@@ -254,7 +267,7 @@ def bench_plane(
             )
         )
     if raw_s is not None:
-        rows.append(row("raw NIXL, the nixl plane's descriptors", n * page_bytes / raw_s / 1e9))
+        rows.append(row(f"raw NIXL, the {kind} plane's descriptors", n * page_bytes / raw_s / 1e9))
     return rows
 
 
@@ -407,9 +420,11 @@ def _planes(text: str) -> list[str]:
     import argparse
 
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("ipc", "ucx", "nixl")]
+    bad = [k for k in kinds if k not in ("ipc", "ucx", *NIXL_KINDS)]
     if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"{','.join(bad) or '(none)'}: choose from ipc, ucx, nixl")
+        raise argparse.ArgumentTypeError(
+            f"{','.join(bad) or '(none)'}: choose from ipc, ucx, nixl, nixl-none"
+        )
     return kinds
 
 
@@ -426,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         "--planes",
         type=_planes,
         default="ipc",
-        help="data plane rows, comma-separated: ipc, ucx, nixl (ucx needs ucxx, nixl NIXL)",
+        help="data plane rows, comma-separated: ipc, ucx, nixl, nixl-none (the nixl plane "
+        "with nixl_error_handling: none); ucx needs ucxx, nixl NIXL",
     )
     p.add_argument(
         "--ipc-depths",

@@ -65,6 +65,7 @@ Name = Annotated[str, Meta(pattern=r"\S")]  # not empty, not only blanks
 NixlBackend = Literal["UCX", "LIBFABRIC"]
 NIXL_BACKENDS: tuple[str, ...] = typing.get_args(NixlBackend)
 NixlDevices = Annotated[str, Meta(pattern=r"^[\w.:-]+(,[\w.:-]+)*$")]
+NixlErrorHandling = Literal["peer", "none"]
 
 
 @functools.cache
@@ -442,6 +443,20 @@ class DisaggConfig(Section, frozen=True, dict=True):
         ]
         | None
     ) = None
+    nixl_error_handling: (
+        Annotated[
+            NixlErrorHandling,
+            Meta(
+                description="transport: nixl only, UCX backend: `peer` (null's choice) makes "
+                "UCX report a dead peer as a failed read, and leaves out the lanes that cannot "
+                "(shared memory, cuda_ipc: device memory then moves through host staging); "
+                "`none` lets UCX use them, for peers on one node whose failure the leases' "
+                "deadlines bound (docs/design/nixl-plane.md)",
+                examples=["none"],
+            ),
+        ]
+        | None
+    ) = None
     producer: (
         Annotated[
             ProducerConfig, Meta(description="required when role: producer, refused otherwise")
@@ -485,6 +500,7 @@ class DisaggConfig(Section, frozen=True, dict=True):
             ("ipc_spin_us", "ipc", "an ipc"),
             ("nixl_backend", "nixl", "a nixl"),
             ("nixl_devices", "nixl", "a nixl"),
+            ("nixl_error_handling", "nixl", "a nixl"),
         ):
             if getattr(self, name) is not None and self.transport != plane:
                 raise err(
@@ -568,7 +584,7 @@ class DisaggConfig(Section, frozen=True, dict=True):
         if self.transport == "ipc":
             names.append("ipc_spin_us")
         if self.transport == "nixl":
-            names += ["nixl_backend", "nixl_devices"]
+            names += ["nixl_backend", "nixl_devices", "nixl_error_handling"]
         names += [n for n in ("producer", "consumer", "security", "metrics") if data[n]]
         names += ["tuning"] if data["tuning"] else []  # only the switches set
         return {name: data[name] for name in names}

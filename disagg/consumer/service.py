@@ -182,6 +182,7 @@ class ConsumerService(ConnectorService):
             ipc_spin_us=self.config.ipc_spin_us,
             nixl_backend=self.config.nixl_backend,
             nixl_devices=self.config.nixl_devices,
+            nixl_error_handling=self.config.nixl_error_handling,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones
         self.data.register_regions(pool.data_plane_groups())

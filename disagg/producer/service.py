@@ -206,6 +206,7 @@ class ProducerService(ControlPlane, ConnectorService):
             ipc_spin_us=self.config.ipc_spin_us,
             nixl_backend=self.config.nixl_backend,
             nixl_devices=self.config.nixl_devices,
+            nixl_error_handling=self.config.nixl_error_handling,
         )
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)
