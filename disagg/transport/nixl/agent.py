@@ -19,6 +19,7 @@ once per span, metadata, and the calls whose failures NIXL reports as exceptions
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ def open_agent(
         raise ValueError(f"nixl_error_handling: {error_handling!r}; use peer or none")
     if backend == "UCX":
         params["ucx_error_handling_mode"] = error_handling
+        if error_handling == "none":
+            # cuda_ipc serves the consumer's READs (GETs) only with this switch; read by
+            # UCX when the backend makes its context (docs/design/nixl-plane.md)
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
     elif error_handling != "peer":
         raise ValueError(f"nixl_error_handling applies to the UCX backend, not {backend!r}")
     try:
