@@ -13,7 +13,8 @@ reference engine:
 - **producer**: a producer engine in another process (``disagg.producer`` connector, the
   real store and control server), from ``add_request`` until the request is finished
   (its first token, and its blocks saved): what the proxy waits for
-  (``producer_first_token_ms``: to its first token only);
+  (``producer_first_token_ms``: to its first token only; ``commit_lag_max_ms``: the
+  longest lag from a pass's end to its blocks' commit on the committer thread);
 - **consumer**: an engine with the ``disagg.consumer`` connector in this process, whose
   connector calls are timed by thin subclasses (:class:`TimedConsumerScheduler`,
   :class:`TimedConsumerWorker`; the contract methods, nothing else, are wrapped) until
@@ -163,13 +164,18 @@ def _until2(eng: Any, prompt: list[int]) -> tuple[float, float]:
 
 
 def run_producer(args: argparse.Namespace) -> int:
+    from ..producer.service import _services
+
     eng = _engine(args, "producer", args.endpoint)
-    first, done = [], []
+    svc = next(iter(_services.values()))
+    first, done, lag = [], [], []
     for p in _prompts(args):
+        before = len(svc.commit_lags_s())
         f, d = _until2(eng, p)
         first.append(f)
         done.append(d)
-    print(json.dumps({"prefill_s": done, "first_token_s": first}), flush=True)
+        lag.append(max(svc.commit_lags_s()[before:], default=0.0))
+    print(json.dumps({"prefill_s": done, "first_token_s": first, "commit_lag_s": lag}), flush=True)
     sys.stdin.read()  # serve the store until the parent is done
     return 0
 
@@ -232,6 +238,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the producer exited (rc={prod.wait()}) before reporting")
         report = json.loads(line)
         prefill, prefill_first = report["prefill_s"], report["first_token_s"]
+        lags = report["commit_lag_s"]
         prompts = _prompts(args)
         local_eng = _engine(args, None)
         local = [_until(local_eng, p, first_token=True) for p in prompts]
@@ -263,6 +270,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         row["local_ms"] = median(local[i] for i in idx) * 1e3
         row["producer_ms"] = median(prefill[i] for i in idx) * 1e3
         row["producer_first_token_ms"] = median(prefill_first[i] for i in idx) * 1e3
+        row["commit_lag_max_ms"] = max(lags[i] for i in idx) * 1e3
         for k in ("consumer", "claim", "transfer", "first_step", "other"):
             row[f"{k}_ms"] = median(splits[i][k] for i in idx) * 1e3
         row["overhead_ms"] = row["producer_ms"] + row["consumer_ms"] - row["local_ms"]
@@ -304,6 +312,8 @@ def table(rep: dict[str, Any]) -> str:
             f"{wire:>7}"
         )
     lines.append("ms; overhead = producer + consumer - local (TTFT added by disaggregation)")
+    lags = ", ".join(f"{r['prompt_tokens']}: {r['commit_lag_max_ms']:.2f}" for r in rep["results"])
+    lines.append(f"producer commit lag (end of forward to blocks published), max ms: {lags}")
     return "\n".join(lines)
 
 

@@ -285,7 +285,7 @@ class ProducerService(ControlPlane, ConnectorService):
         if self.pool is not None and self.pool.device.type == "cuda":
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
-        else:
+        if not isinstance(stream, torch.cuda.Stream):
             stream = None
         self._committer.submit(PendingPass(keys, counts, event, stream, copy))
 
@@ -323,6 +323,10 @@ class ProducerService(ControlPlane, ConnectorService):
     def drain_commits(self, timeout_s: float = 10.0) -> bool:
         """Wait until every pass saved so far is committed (tests, benchmarks)."""
         return self._committer is None or self._committer.drain(timeout_s)
+
+    def commit_lags_s(self) -> list[float]:
+        """The last passes' lags from the end of their forward to their commit."""
+        return [] if self._committer is None else list(self._committer.lags_s)
 
     def _push(self, owner: str, msg: Any) -> Any:
         lease = self.leases.get(owner, msg.lease_id)
