@@ -189,6 +189,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "producer")
         self.service: ProducerService = service_for(self.config, llm_args)
+        self._saves: list[SaveOp] = []  # bound for this pass, not planned yet
         self._pass: _PassPlan | None = None
         self._finished_saving: list[int] = []
         self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
@@ -203,13 +204,12 @@ class ProducerWorker(KvCacheConnectorWorker):
         self.service.attach(PagePool(layout))
 
     def bind_connector_meta(self, metadata: object) -> None:
-        """Every iteration: reserve store rows for this pass's saves (dedup, evict, drop)
-        and place the pass's copy indices on their devices, once for all its layers."""
+        """Every iteration, before the forward: take this pass's saves. They are planned
+        at the first layer's save, while the device runs that layer."""
         super().bind_connector_meta(metadata)
         self._abandon_pass()
         if isinstance(metadata, ProducerMeta) and metadata.saves:
-            with self._on_save_stream(None):  # the indices belong to the copies' stream
-                self._pass = _PassPlan.build(self.service, metadata.saves)
+            self._saves = metadata.saves
 
     def start_load_kv(self, stream: Any) -> None:
         """A producer loads nothing."""
@@ -222,7 +222,13 @@ class ProducerWorker(KvCacheConnectorWorker):
         this pass's completed blocks into their store rows, ordered after the layer (on
         CUDA on the save stream, which waits for the forward stream here:
         ``tuning.save_stream``). The plan was made in ``bind_connector_meta``; nothing
-        here waits for the device."""
+        here waits for the device. The first layer's call plans the pass, once for all
+        its layers: store rows reserved (dedup, evict, drop), the copy indices placed on
+        their devices (``saving.plan_pass``)."""
+        if self._saves:
+            saves, self._saves = self._saves, []
+            with self._on_save_stream(stream):  # the indices belong to the copies' stream
+                self._pass = _PassPlan.build(self.service, saves)
         plan = self._pass
         if plan is None or not plan.keys:
             return
@@ -238,6 +244,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         """After the forward: the pass's blocks are complete; queue its commit for the
         committer thread (on CUDA once the copies' event fires), never blocking the
         engine."""
+        if self._saves:  # no layer was saved: nothing of the pass is in the store
+            self._abandon_pass()
         plan, self._pass = self._pass, None
         if plan is None:
             return
@@ -268,6 +276,10 @@ class ProducerWorker(KvCacheConnectorWorker):
         pass's blocks will never be whole. Forget them now, so their requests stop
         counting as saving and their pages go back to the engine, instead of waiting for
         SAVE_TIMEOUT (which frees the store rows but not the requests' pages)."""
+        saves, self._saves = self._saves, []
+        if saves:  # never planned: none of its saves is in flight
+            self.service.metrics["passes_abandoned"] += 1
+            self.service.note_planned(saves, {})
         plan, self._pass = self._pass, None
         if plan is not None:
             self.service.abandon_pass(plan.keys, plan.request_counts)

@@ -3,7 +3,7 @@
 Shared by ``ProducerWorker`` (the engine hooks) and ``disagg bench gpu`` (which times this
 exact code on a GPU), so the benchmark measures what the connector runs.
 
-The plan is made once per forward pass (``plan_pass``, before its first layer): the pass's
+The plan is made once per forward pass (``plan_pass``, at its first layer's save): the pass's
 page slots and store rows move to their devices once, from pinned memory and without the
 host waiting (a pageable host->device copy of an index makes the host wait for the stream,
 which holds the engine thread behind the GPU at every layer); whether the rows are one run
