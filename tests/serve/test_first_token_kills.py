@@ -134,6 +134,7 @@ def _answer(url: str, victim: Victim, seed: int) -> tuple[list[int], list[Any]]:
     """Stream a fresh prompt through ``url``, kill ``victim`` at its stall point."""
     tokens = sp.prompt(seed=seed)
     body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "stream": True}
+    assert not victim.stalled.exists(), "stalled before this request: the kill would miss it"
     t, out = _in_background(f"{url}/v1/completions", body)
     victim.kill_when_stalled()
     t.join(90)
