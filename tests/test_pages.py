@@ -1,5 +1,6 @@
 """Page geometry and the batched gather/scatter helpers (byte-exact in every layout)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from disagg.engine.layout import (
     KvCacheRegion,
 )
 from disagg.pages import PagePool, copy_rows, gather_rows, scatter_rows, wide
-from disagg.producer.saving import PassCopy, copy_layer_to_store, flush_pass, land
+from disagg.producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
 
 
 @pytest.mark.parametrize("width", [64, 13])  # 8-byte elements, and the byte fallback
@@ -31,7 +32,8 @@ def test_gather_scatter_copy_byte_exact(width):
     assert (wide(src).dtype == torch.int64) == (width % 8 == 0)
 
 
-def test_save_path_layerwise_into_store_rows_multi_group_multi_region():
+@pytest.mark.parametrize("rows", [[3, 0], [1, 2]])  # one index copy a layer; a slice copy
+def test_save_path_layerwise_into_store_rows_multi_group_multi_region(rows):
     """Two groups, the second with two regions; layer bytes land at the page offsets."""
     tensors = [torch.randint(0, 256, (6, 2, 2, 8), dtype=torch.uint8) for _ in range(3)]
 
@@ -53,15 +55,16 @@ def test_save_path_layerwise_into_store_rows_multi_group_multi_region():
     assert pool.block_bytes == 32 + 64
     slots = [torch.tensor([5, 1]), torch.tensor([0, 4])]
     slab = torch.zeros(4, pool.block_bytes, dtype=torch.uint8)
-    copy = PassCopy(torch.tensor([3, 0]))
+    copy = plan_pass(pool, slab, np.array(rows), [s.numpy() for s in slots])
+    assert (copy.run is None) == (rows == [3, 0])
     for layer in range(4):
-        copy_layer_to_store(pool, layer, slots, copy, slab)
+        copy_layer_to_store(pool, layer, copy, slab)
     flush_pass(copy, slab)
     land(copy, slab)
-    for i, row in enumerate([3, 0]):
+    for i, row in enumerate(rows):
         g0 = pool.read_pages(0, slots[0][i : i + 1])[0]
         g1 = pool.read_pages(1, slots[1][i : i + 1])[0]
         assert torch.equal(slab[row], torch.cat([g0, g1]))
-    assert int(slab[[1, 2]].sum()) == 0
+    assert int(slab[[r for r in range(4) if r not in rows]].sum()) == 0
     with pytest.raises(IndexError, match="BAD_PAGE_INDEX"):
         pool.read_pages(0, torch.tensor([-1]))

@@ -308,7 +308,7 @@ def bench_page_size(
     import torch
     import torch.multiprocessing as mp
 
-    from ..producer.saving import PassCopy, copy_layer_to_store, flush_pass, land
+    from ..producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
     from ..transport.page_copy import copy_indexed
 
     n = max(1, total // page_bytes)
@@ -336,9 +336,9 @@ def bench_page_size(
         )
 
     def save(slab: torch.Tensor, store_rows: torch.Tensor) -> None:
-        copy = PassCopy(store_rows)
+        copy = plan_pass(pool, slab, store_rows.numpy(), [slots.numpy()])  # bind
         for layer in range(layers):  # save_kv_layer, once per layer
-            copy_layer_to_store(pool, layer, [slots], copy, slab)
+            copy_layer_to_store(pool, layer, copy, slab)
         flush_pass(copy, slab)  # wait_for_save
         ev = torch.cuda.Event()
         ev.record()

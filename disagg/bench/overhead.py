@@ -13,7 +13,10 @@ reference engine:
 - **producer**: a producer engine in another process (``disagg.producer`` connector, the
   real store and control server), from ``add_request`` until the request is finished
   (its first token, and its blocks saved): what the proxy waits for
-  (``producer_first_token_ms``: to its first token only);
+  (``producer_first_token_ms``: to its first token only; ``producer_hooks_ms``: the wall
+  time of its connector's hooks on the engine thread, timed by thin subclasses as the
+  consumer's are; ``commit_lag_max_ms``: the longest lag from a pass's end to its blocks'
+  commit on the committer thread);
 - **consumer**: an engine with the ``disagg.consumer`` connector in this process, whose
   connector calls are timed by thin subclasses (:class:`TimedConsumerScheduler`,
   :class:`TimedConsumerWorker`; the contract methods, nothing else, are wrapped) until
@@ -50,6 +53,7 @@ import numpy as np
 
 from ..cliargs import transport
 from ..consumer import ConsumerScheduler, ConsumerWorker
+from ..producer import ProducerScheduler, ProducerWorker
 from . import devices
 from .reuse import OneLineParser
 
@@ -79,6 +83,47 @@ class TimedConsumerWorker(ConsumerWorker):
         if loaded:
             EVENTS["loaded"].append(time.perf_counter())
         return saved, loaded
+
+
+class TimedProducerScheduler(ProducerScheduler):
+    """``hook_s``: the wall time of ``build_connector_meta`` (engine thread), summed."""
+
+    hook_s = 0.0
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().build_connector_meta(scheduler_output)
+        self.hook_s += time.perf_counter() - t0
+        return out
+
+
+class TimedProducerWorker(ProducerWorker):
+    """``hook_s``: the wall time of the worker's engine-thread hooks, summed."""
+
+    hook_s = 0.0
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        t0 = time.perf_counter()
+        super().bind_connector_meta(metadata)
+        self.hook_s += time.perf_counter() - t0
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        t0 = time.perf_counter()
+        super().save_kv_layer(layer_idx, stream)
+        self.hook_s += time.perf_counter() - t0
+
+    def wait_for_save(self, stream: Any) -> None:
+        t0 = time.perf_counter()
+        super().wait_for_save(stream)
+        self.hook_s += time.perf_counter() - t0
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        t0 = time.perf_counter()
+        out = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        self.hook_s += time.perf_counter() - t0
+        return out
 
 
 def _free_port() -> int:
@@ -115,7 +160,7 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> A
             "store_size": args.store_size,
             "store_device": args.store_device,
         }
-        names = ("disagg.producer", "ProducerScheduler", "ProducerWorker")
+        names = ("disagg.bench.overhead", "TimedProducerScheduler", "TimedProducerWorker")
     else:
         conf["consumer"] = {"producers": [endpoint], "load_mode": "async"}
         names = (__name__, "TimedConsumerScheduler", "TimedConsumerWorker")
@@ -163,13 +208,22 @@ def _until2(eng: Any, prompt: list[int]) -> tuple[float, float]:
 
 
 def run_producer(args: argparse.Namespace) -> int:
+    from ..producer.service import _services
+
     eng = _engine(args, "producer", args.endpoint)
-    first, done = [], []
+    svc = next(iter(_services.values()))
+    timed = [eng.driver.scheduler, *eng.driver.workers]
+    first, done, lag, hooks = [], [], [], []
     for p in _prompts(args):
+        before = len(svc.commit_lags_s())
+        h0 = sum(t.hook_s for t in timed)
         f, d = _until2(eng, p)
         first.append(f)
         done.append(d)
-    print(json.dumps({"prefill_s": done, "first_token_s": first}), flush=True)
+        lag.append(max(svc.commit_lags_s()[before:], default=0.0))
+        hooks.append(sum(t.hook_s for t in timed) - h0)
+    rep = {"prefill_s": done, "first_token_s": first, "commit_lag_s": lag, "hooks_s": hooks}
+    print(json.dumps(rep), flush=True)
     sys.stdin.read()  # serve the store until the parent is done
     return 0
 
@@ -232,6 +286,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the producer exited (rc={prod.wait()}) before reporting")
         report = json.loads(line)
         prefill, prefill_first = report["prefill_s"], report["first_token_s"]
+        lags, hooks = report["commit_lag_s"], report["hooks_s"]
         prompts = _prompts(args)
         local_eng = _engine(args, None)
         local = [_until(local_eng, p, first_token=True) for p in prompts]
@@ -263,6 +318,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         row["local_ms"] = median(local[i] for i in idx) * 1e3
         row["producer_ms"] = median(prefill[i] for i in idx) * 1e3
         row["producer_first_token_ms"] = median(prefill_first[i] for i in idx) * 1e3
+        row["commit_lag_max_ms"] = max(lags[i] for i in idx) * 1e3
+        row["producer_hooks_ms"] = median(hooks[i] for i in idx) * 1e3
         for k in ("consumer", "claim", "transfer", "first_step", "other"):
             row[f"{k}_ms"] = median(splits[i][k] for i in idx) * 1e3
         row["overhead_ms"] = row["producer_ms"] + row["consumer_ms"] - row["local_ms"]
@@ -304,6 +361,12 @@ def table(rep: dict[str, Any]) -> str:
             f"{wire:>7}"
         )
     lines.append("ms; overhead = producer + consumer - local (TTFT added by disaggregation)")
+    for r in rep["results"]:
+        lines.append(
+            f"{r['prompt_tokens']:>7} producer: connector hooks on the engine thread "
+            f"{r['producer_hooks_ms']:.2f} ms until its answer; commit lag (end of forward "
+            f"to blocks published) at most {r['commit_lag_max_ms']:.2f} ms"
+        )
     return "\n".join(lines)
 
 

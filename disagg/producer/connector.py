@@ -31,7 +31,7 @@ from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, Schedule
 from ..identity import RequestIdentity, request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_keys
-from .saving import PassCopy, copy_layer_to_store, flush_pass
+from .saving import PassCopy, copy_layer_to_store, flush_pass, plan_pass
 from .service import ProducerService, service_for
 
 log = logging.getLogger("disagg.producer")
@@ -189,6 +189,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.config = resolve_config(llm_args, "producer")
         self.service: ProducerService = service_for(self.config, llm_args)
+        self._saves: list[SaveOp] = []  # bound for this pass, not planned yet
         self._pass: _PassPlan | None = None
         self._finished_saving: list[int] = []
         self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
@@ -203,11 +204,12 @@ class ProducerWorker(KvCacheConnectorWorker):
         self.service.attach(PagePool(layout))
 
     def bind_connector_meta(self, metadata: object) -> None:
-        """Every iteration: reserve store rows for this pass's saves (dedup, evict, drop)."""
+        """Every iteration, before the forward: take this pass's saves. They are planned
+        at the first layer's save, while the device runs that layer."""
         super().bind_connector_meta(metadata)
         self._abandon_pass()
         if isinstance(metadata, ProducerMeta) and metadata.saves:
-            self._pass = _PassPlan.build(self.service, metadata.saves)
+            self._saves = metadata.saves
 
     def start_load_kv(self, stream: Any) -> None:
         """A producer loads nothing."""
@@ -216,11 +218,19 @@ class ProducerWorker(KvCacheConnectorWorker):
         """A producer loads nothing."""
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        """Right after layer ``layer_idx`` is enqueued: copy its bytes of this pass's
-        completed blocks into their store rows, ordered after the layer (on CUDA on the
-        save stream, which waits for the forward stream here: ``tuning.save_stream``)."""
+        """Right after layer ``layer_idx`` is enqueued: enqueue the copy of its bytes of
+        this pass's completed blocks into their store rows, ordered after the layer (on
+        CUDA on the save stream, which waits for the forward stream here:
+        ``tuning.save_stream``). The plan was made in ``bind_connector_meta``; nothing
+        here waits for the device. The first layer's call plans the pass, once for all
+        its layers: store rows reserved (dedup, evict, drop), the copy indices placed on
+        their devices (``saving.plan_pass``)."""
+        if self._saves:
+            saves, self._saves = self._saves, []
+            with self._on_save_stream(stream):  # the indices belong to the copies' stream
+                self._pass = _PassPlan.build(self.service, saves)
         plan = self._pass
-        if plan is None or plan.rows.numel() == 0:
+        if plan is None or not plan.keys:
             return
         if not plan.staging:
             self.service.store.mark_staging(plan.keys)
@@ -228,11 +238,14 @@ class ProducerWorker(KvCacheConnectorWorker):
         pool = self.service.pool
         assert pool is not None
         with self._on_save_stream(stream):
-            copy_layer_to_store(pool, layer_idx, plan.slots, plan.copy, self.service.store.slab)
+            copy_layer_to_store(pool, layer_idx, plan.copy, self.service.store.slab)
 
     def wait_for_save(self, stream: Any) -> None:
-        """After the forward: the pass's blocks are complete; commit (CPU) or commit once
-        the copies' event fires (CUDA), never blocking the engine."""
+        """After the forward: the pass's blocks are complete; queue its commit for the
+        committer thread (on CUDA once the copies' event fires), never blocking the
+        engine."""
+        if self._saves:  # no layer was saved: nothing of the pass is in the store
+            self._abandon_pass()
         plan, self._pass = self._pass, None
         if plan is None:
             return
@@ -263,6 +276,10 @@ class ProducerWorker(KvCacheConnectorWorker):
         pass's blocks will never be whole. Forget them now, so their requests stop
         counting as saving and their pages go back to the engine, instead of waiting for
         SAVE_TIMEOUT (which frees the store rows but not the requests' pages)."""
+        saves, self._saves = self._saves, []
+        if saves:  # never planned: none of its saves is in flight
+            self.service.metrics["passes_abandoned"] += 1
+            self.service.note_planned(saves, {})
         plan, self._pass = self._pass, None
         if plan is not None:
             self.service.abandon_pass(plan.keys, plan.request_counts)
@@ -272,7 +289,6 @@ class ProducerWorker(KvCacheConnectorWorker):
     ) -> tuple[list[int], list[int]]:
         """Every iteration: report each handed-in request once its saves have landed."""
         self._abandon_pass()  # a pass still planned here never reached wait_for_save
-        self.service.poll()
         self._finished_saving.extend(finished_gen_req_ids)
         done = [r for r in self._finished_saving if not self.service.saves_in_flight(r)]
         if done:
@@ -283,14 +299,9 @@ class ProducerWorker(KvCacheConnectorWorker):
 @dataclass
 class _PassPlan:
     keys: list[bytes]
-    rows: torch.Tensor
-    slots: list[torch.Tensor]
+    copy: PassCopy
     request_counts: dict[int, int]
     staging: bool = False
-    copy: PassCopy = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.copy = PassCopy(self.rows)
 
     @classmethod
     def build(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:
@@ -308,9 +319,6 @@ class _PassPlan:
             counts[int(rid)] = int(n)
         # saves that were deduplicated or dropped are not in flight
         service.note_planned(saves, counts)
-        return cls(
-            keys=[k for k, ok in zip(keys, keep) if ok],
-            rows=torch.from_numpy(rows[keep]),
-            slots=[torch.from_numpy(slots[g][keep]) for g in range(groups)],
-            request_counts=counts,
-        )
+        assert service.pool is not None
+        copy = plan_pass(service.pool, service.store.slab, rows[keep], list(slots[:, keep]))
+        return cls(keys=[k for k, ok in zip(keys, keep) if ok], copy=copy, request_counts=counts)

@@ -3,51 +3,85 @@
 Shared by ``ProducerWorker`` (the engine hooks) and ``disagg bench gpu`` (which times this
 exact code on a GPU), so the benchmark measures what the connector runs.
 
+The plan is made once per forward pass (``plan_pass``, at its first layer's save): the pass's
+page slots and store rows move to their devices once, from pinned memory and without the
+host waiting (a pageable host->device copy of an index makes the host wait for the stream,
+which holds the engine thread behind the GPU at every layer); whether the rows are one run
+of consecutive rows is decided there too. Each layer then only enqueues its copy
+(``copy_layer_to_store``): one batched gather per buffer span of the layer, and one copy
+into the store (a slice copy when the rows are a run, else one index copy).
+
 Same device (host pool and host store, or device pool and device store): each layer's
-bytes are gathered and scattered straight into the store rows. Device pool and host
-store: each layer is gathered into a device staging buffer laid out like the store rows;
-after the last layer one device->host copy moves the whole pass (straight into the rows
-when they are one run, which a fresh store gives; else through pinned staging scattered
-on the host once the copy has landed). Everything is enqueued on the forward stream, so
-the engine thread never waits for a copy.
+bytes go straight into the store rows. Device pool and host store: each layer is gathered
+into a device staging buffer laid out like the store rows; after the last layer one
+device->host copy moves the whole pass (straight into the rows when they are one run, which
+a fresh store gives; else through pinned staging scattered on the host once the copy has
+landed). Everything is enqueued on the current stream (the save stream, or the forward
+stream), so the engine thread never waits for a copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..pages import PagePool, _is_run, copy_rows, scatter_rows
+from ..pages import PagePool, copy_rows, scatter_rows
 
 
 @dataclass
 class PassCopy:
-    """One forward pass's save copies."""
+    """One forward pass's save copies and their index tensors, placed once."""
 
     rows: torch.Tensor  # host int64: the store row of each saved block
+    slots: list[torch.Tensor]  # per group: the page slots, on the pool's device
+    run: int | None = None  # the first row when the rows are one run, else None
+    rows_dst: torch.Tensor | None = None  # the rows on the store's device (not a run)
     stage: torch.Tensor | None = None  # device [n, block_bytes]: device pool, host store
     pinned: torch.Tensor | None = None  # host staging when the rows are not one run
 
 
-def copy_layer_to_store(
-    pool: PagePool,
-    layer: int,
-    slots_by_group: list[torch.Tensor],
-    copy: PassCopy,
-    slab: torch.Tensor,
-) -> None:
-    """Copy layer ``layer``'s bytes of the pass's page slots toward their store rows."""
-    for col, chunk in pool.gather_layer(layer, slots_by_group):
+def plan_pass(
+    pool: PagePool, slab: torch.Tensor, rows: np.ndarray, slots_by_group: list[np.ndarray]
+) -> PassCopy:
+    """Place a pass's indices for its copies (call with the copies' stream current)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    n = len(rows)
+    if n == 0:
+        return PassCopy(torch.from_numpy(rows), [])
+    copy = PassCopy(torch.from_numpy(rows), [_to(s, pool.device) for s in slots_by_group])
+    if n == 1 or bool(np.all(np.diff(rows) == 1)):
+        copy.run = int(rows[0])
+    if pool.device != slab.device:
+        copy.stage = torch.empty((n, slab.shape[1]), dtype=torch.uint8, device=pool.device)
+    elif copy.run is None:
+        copy.rows_dst = _to(rows, slab.device)
+    return copy
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device``: a device copy is enqueued from pinned memory."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_layer_to_store(pool: PagePool, layer: int, copy: PassCopy, slab: torch.Tensor) -> None:
+    """Enqueue the copy of layer ``layer``'s bytes of the pass's pages toward their rows."""
+    n = copy.rows.numel()
+    if n == 0:
+        return
+    for col, chunk in pool.gather_layer(layer, copy.slots):
         width = chunk.shape[1]
-        if chunk.device == slab.device:
-            scatter_rows(slab[:, col : col + width], copy.rows, chunk)
-            continue
-        if copy.stage is None:
-            copy.stage = torch.empty(
-                (copy.rows.numel(), slab.shape[1]), dtype=torch.uint8, device=chunk.device
-            )
-        copy_rows(copy.stage[:, col : col + width], chunk)
+        if copy.stage is not None:
+            copy_rows(copy.stage[:, col : col + width], chunk)
+        elif copy.run is not None:
+            copy_rows(slab[copy.run : copy.run + n, col : col + width], chunk)
+        else:
+            assert copy.rows_dst is not None
+            scatter_rows(slab[:, col : col + width], copy.rows_dst, chunk)
 
 
 def flush_pass(copy: PassCopy, slab: torch.Tensor) -> None:
@@ -55,16 +89,16 @@ def flush_pass(copy: PassCopy, slab: torch.Tensor) -> None:
     if copy.stage is None:
         return
     n = copy.rows.numel()
-    if _is_run(copy.rows):
-        start = int(copy.rows[0])
-        slab[start : start + n].copy_(copy.stage, non_blocking=True)
+    if copy.run is not None:
+        slab[copy.run : copy.run + n].copy_(copy.stage, non_blocking=True)
     else:
         copy.pinned = torch.empty(copy.stage.shape, dtype=torch.uint8, pin_memory=True)
         copy.pinned.copy_(copy.stage, non_blocking=True)
 
 
 def land(copy: PassCopy, slab: torch.Tensor) -> None:
-    """Once the pass's event has fired: finish on the host, release the device staging."""
+    """Once the pass's copies have completed: finish on the host, release the staging."""
     if copy.pinned is not None:
         scatter_rows(slab, copy.rows, copy.pinned)
     copy.stage = copy.pinned = None
+    copy.slots, copy.rows_dst = [], None

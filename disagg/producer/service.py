@@ -19,6 +19,8 @@ the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
   reports a failure and unpins its blocks. So neither the engine, nor the control thread,
   nor a push worker ever waits on a transfer: a dead or stalled consumer holds only its
   own pushes (until their deadline), never the workers that serve other consumers;
+- a committer commits each saved pass once its copies completed (``commits.py``), so
+  the engine thread only queues it between the last layer and the first token;
 - a sweeper enforces every named timeout: LEASE_TTL, OWNER_DEAD_AFTER, SAVE_TIMEOUT. It
   judges by its own clock: after a gap in its own loop of ``max(1 s, 4 periods)`` (this
   process was stopped or starved) nobody is judged within STALL_GRACE (leases.py).
@@ -44,6 +46,7 @@ its transfer is final (a lease freed mid-push never lets those rows be rewritten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -68,6 +71,7 @@ from ..transport.dataplane import DataPlane, TransferStatus, push_source
 from ..transport.events import EventPublisher
 from ..transport.factory import make_data_plane
 from ..transport.security import server_keys_from
+from .commits import Committer, PendingPass
 from .control import ControlPlane
 from .leases import LeaseTable
 from .saving import PassCopy, land
@@ -137,8 +141,7 @@ class ProducerService(ControlPlane, ConnectorService):
         self.leases: LeaseTable = None  # type: ignore[assignment]
         self._in_flight: Counter[int] = Counter()
         self._in_flight_lock = threading.Lock()
-        self._cuda_pending: list[tuple[Any, ...]] = []
-        self._poll_lock = threading.Lock()
+        self._committer: Committer = None  # type: ignore[assignment]  # set by attach()
         self._peers: dict[bytes, str] = {}  # control identity -> owner that said Hello
         # With CURVE on: owner name -> the client key that first said Hello as it. A Hello
         # (or any request) from another key cannot act as that owner, so one consumer
@@ -220,6 +223,7 @@ class ProducerService(ControlPlane, ConnectorService):
             refusal_counts=self.metrics,  # refused_<reason>, exported per reason
         )
         self.server.start()
+        self._committer = Committer(self._commit_pass, self._abort_pass)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
         self._sweeper.start()
         log.info(
@@ -278,15 +282,15 @@ class ProducerService(ControlPlane, ConnectorService):
     def finish_pass(
         self, keys: list[bytes], counts: dict[int, int], stream: Any, copy: PassCopy | None = None
     ) -> None:
-        """End of a forward pass: commit now when the bytes are already in the store, or
-        once the stream's event fires (device pool: copies still in flight)."""
+        """End of a forward pass (engine thread): queue its commit for the committer thread
+        (``commits.py``), after an event recorded on the copies' stream on CUDA."""
+        event = None
         if self.pool is not None and self.pool.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
-            with self._poll_lock:
-                self._cuda_pending.append((event, keys, counts, copy))
-            return
-        self._commit(keys, counts)
+        if not isinstance(stream, torch.cuda.Stream):
+            stream = None
+        self._committer.submit(PendingPass(keys, counts, event, stream, copy))
 
     def abandon_pass(self, keys: list[bytes], counts: dict[int, int]) -> None:
         """A pass whose forward failed: its blocks are dropped from the store (never
@@ -297,9 +301,20 @@ class ProducerService(ControlPlane, ConnectorService):
         self.store.abort(keys)
         self._settle(counts)
 
-    def _commit(self, keys: list[bytes], counts: dict[int, int]) -> None:
-        self.store.commit(keys)
-        self._settle(counts)
+    def _commit_pass(self, p: PendingPass) -> None:
+        """Committer thread: the pass's copies have completed."""
+        ctx = torch.cuda.stream(p.stream) if p.stream is not None else contextlib.nullcontext()
+        with ctx:  # the checksums are ordered before any later copy into these rows
+            if p.copy is not None:
+                land(p.copy, self.store.slab)
+            self.store.commit(p.keys)
+        self._settle(p.counts)
+        self.metrics["passes_committed"] += 1
+        self.metrics["commit_lag_seconds"] += time.perf_counter() - p.queued_at
+
+    def _abort_pass(self, p: PendingPass) -> None:
+        self.store.abort(p.keys)
+        self._settle(p.counts)
 
     def _settle(self, counts: dict[int, int]) -> None:
         with self._in_flight_lock:
@@ -308,14 +323,13 @@ class ProducerService(ControlPlane, ConnectorService):
                 if self._in_flight[rid] <= 0:
                     del self._in_flight[rid]
 
-    def poll(self) -> None:
-        """Engine thread, every iteration: commit saves whose copies have completed."""
-        with self._poll_lock:  # the engine thread and the sweeper both poll
-            while self._cuda_pending and self._cuda_pending[0][0].query():
-                _, keys, counts, copy = self._cuda_pending.pop(0)
-                if copy is not None:
-                    land(copy, self.store.slab)  # the copies have landed
-                self._commit(keys, counts)
+    def drain_commits(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every pass saved so far is committed (tests, benchmarks)."""
+        return self._committer is None or self._committer.drain(timeout_s)
+
+    def commit_lags_s(self) -> list[float]:
+        """The last passes' lags from the end of their forward to their commit."""
+        return [] if self._committer is None else list(self._committer.lags_s)
 
     def _push(self, owner: str, msg: Any) -> Any:
         lease = self.leases.get(owner, msg.lease_id)
@@ -574,7 +588,6 @@ class ProducerService(ControlPlane, ConnectorService):
         period = self._sweep_period()
         while not self._stop.wait(period):
             try:
-                self.poll()  # an idle engine no longer calls get_finished: commit anyway
                 stalls = self.leases.stats.stalls_forgiven
                 self.metrics["leases_expired"] += self.leases.sweep()
                 if self.leases.stats.stalls_forgiven != stalls:
@@ -595,6 +608,8 @@ class ProducerService(ControlPlane, ConnectorService):
             return False, "the producer service is closed"
         if self.pool is None:
             return False, "no KV cache registered yet"
+        if not self._committer.alive():
+            return False, "the save committer stopped: saved blocks are not published"
         if not self._sweeper.is_alive():
             return False, "the lease/save sweeper stopped: timeouts are not enforced"
         if self._watcher is not None and not self._watcher.is_alive():
@@ -606,6 +621,8 @@ class ProducerService(ControlPlane, ConnectorService):
     def close(self) -> None:
         self._stop.set()
         self.closed = True
+        if self._committer is not None:
+            self._committer.close()
         if self.server is not None:
             self.server.close()
         if self.events is not None:

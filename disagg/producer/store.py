@@ -550,8 +550,9 @@ class _Checksums:
         self.weights = (w * 2 + 1).to(slab.device)
         self.sums = torch.zeros(slab.shape[0], dtype=torch.int64, device=slab.device)
 
-    def _device_sums(self, rows: np.ndarray) -> torch.Tensor:
-        idx = torch.from_numpy(rows).to(self.slab.device)
+    def _device_sums(self, rows: np.ndarray, idx: torch.Tensor | None = None) -> torch.Tensor:
+        if idx is None:
+            idx = torch.from_numpy(rows).to(self.slab.device)
         out = torch.empty(len(rows), dtype=torch.int64, device=self.slab.device)
         step = max(1, _SUM_CHUNK_BYTES // max(1, self.slab.shape[1]))
         for i in range(0, len(rows), step):
@@ -573,7 +574,10 @@ class _Checksums:
         if len(rows) == 0:
             return
         if self.device:
-            self.sums[torch.from_numpy(rows).to(self.slab.device)] = self._device_sums(rows)
+            idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+            if self.slab.device.type == "cuda":  # from pinned memory: the host never waits
+                idx = idx.pin_memory().to(self.slab.device, non_blocking=True)
+            self.sums[idx] = self._device_sums(rows, idx)
         else:
             self.host[rows] = self._host_sums(rows)
 

@@ -21,6 +21,8 @@ def test_overhead_split_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
     assert sum(parts) == pytest.approx(row["consumer_ms"], rel=1e-6)
     assert row["claim_ms"] > 0 and row["transfer_ms"] > 0 and row["first_step_ms"] > 0
     assert row["local_ms"] > 0 and row["producer_ms"] >= row["producer_first_token_ms"] > 0
+    assert 0 < row["commit_lag_max_ms"] < row["producer_ms"]  # a pass was committed
+    assert 0 < row["producer_hooks_ms"] < row["producer_ms"]
     # 256 tokens, the last never offered: 7 blocks of 32 tokens loaded
     assert row["loaded_bytes"] == 7 * rep["page_bytes"]
     assert rep["plane_gbps"] > 0 and row["wire_ms"] > 0

@@ -147,6 +147,34 @@ def test_failed_forward_on_the_producer_gives_its_pages_back():
     check_against_monolithic(produced, run(cons, fresh, 4), Engine(CFG).generate(fresh, 4))
 
 
+def test_a_forward_failing_before_its_first_layer_saved_gives_its_pages_back():
+    """The pass is planned at its first layer's save: a forward failing before it (here
+    in layer 0's load hook) reserved no row and leaves nothing in flight."""
+    ps = prompts(n=1, length=300)
+    prod, psvc = make_producer(CFG, save_timeout_s=60.0)
+    worker = prod.driver.workers[0]
+    load = worker.wait_for_layer_load
+
+    def failing(layer: int, stream: object) -> None:
+        raise RuntimeError("injected forward failure")
+
+    worker.wait_for_layer_load = failing
+    rid = prod.add_request(ps[0], 2)
+    for _ in range(10):
+        if not prod.has_work():
+            break
+        prod.step()
+    assert "injected forward failure" in (prod.results[rid].error or "")
+    assert not prod.has_work(), f"request stuck in {prod.requests[rid].state!r}"
+    assert not psvc.saves_in_flight(rid)
+    assert psvc.metrics["passes_abandoned"] == 1 and not psvc.store._entries
+    worker.wait_for_layer_load = load  # saves go on (another prompt: see the test above)
+    fresh = prompts(n=1, length=300, seed=9)
+    produced = run(prod, fresh, 1)
+    cons, _ = make_consumer(CFG, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, fresh, 4), Engine(CFG).generate(fresh, 4))
+
+
 def test_tp_cancel_fences_every_rank_before_the_next_forward(monkeypatch):
     """TP=2, V2, an executor that frees a cancelled request's pages at once: the next
     request takes them while both ranks' pushes stall; both ranks abort their part before

@@ -1,0 +1,38 @@
+"""``disagg serve`` with a test hook, for tests that SIGKILL a server at a known point.
+
+Usage: ``python stalling_serve.py serve ARGS...`` with ``DISAGG_TEST_STALL_LAYER=L`` and
+``DISAGG_TEST_STALL_FILE=PATH``: the reference engine's first forward that reaches layer
+L's ``save_kv_layer`` hook writes this process's id to PATH and stops there for good (a
+producer in the middle of its prefill, some layers' saves enqueued; a consumer in the
+middle of its first forward, after its claim and load, before its first token). The test
+waits for the file and kills the process. Test-only: nothing in disagg reads these.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disagg.cli import main
+from disagg.engine.reference.connector_driver import Driver
+
+_LAYER = int(os.environ["DISAGG_TEST_STALL_LAYER"])
+_FILE = Path(os.environ["DISAGG_TEST_STALL_FILE"])
+_each_worker = Driver.each_worker
+
+
+def _stalling_each_worker(self: Driver, name: str, *args: Any) -> None:
+    _each_worker(self, name, *args)
+    if name == "save_kv_layer" and args[0] == _LAYER and not _FILE.exists():
+        tmp = _FILE.with_suffix(".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.rename(_FILE)  # whole, at once
+        while True:
+            time.sleep(1)
+
+
+Driver.each_worker = _stalling_each_worker  # type: ignore[method-assign]
+raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,189 @@
+"""Real kills around the first token: `disagg serve` processes SIGKILLed by the test at a
+known point of their forward (``stalling_serve.py`` stops the engine there), behind a real
+`disagg proxy`. The client gets the monolithic engine's tokens, or a clear error event;
+never a wrong token, and the proxy keeps serving.
+
+- a producer killed in the middle of its prefill (before its answer): the proxy tries
+  the next producer;
+- a decode instance killed between the client's first token (the producer's) and its
+  second: the proxy sends the continuation to the next consumer; with none left, the
+  stream ends with an error event naming the dead one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import serve_procs as sp
+
+pytestmark = pytest.mark.timeout(180)
+
+STALLING = Path(__file__).with_name("stalling_serve.py")
+MAX_TOKENS = 6
+
+
+def _producer_yaml(d: Path, name: str) -> tuple[Path, str]:
+    control = f"tcp://127.0.0.1:{sp.free_port()}"
+    p = d / f"{name}.yaml"
+    p.write_text(
+        f"role: producer\ninstance_id: {name}\nproducer:\n  control: {control}\n"
+        f"  events: tcp://127.0.0.1:{sp.free_port()}\n  store_size: 64MiB\n"
+    )
+    return p, control
+
+
+def _consumer_yaml(d: Path, name: str, control: str) -> Path:
+    c = d / f"{name}.yaml"
+    c.write_text(
+        f"role: consumer\ninstance_id: {name}\nconsumer:\n  producers: [{control}]\n"
+        f"  data: tcp://127.0.0.1:{sp.free_port()}\n"
+    )
+    return c
+
+
+class Victim:
+    """A server that stops at its first forward's layer-1 save hook, to be SIGKILLed."""
+
+    def __init__(self, d: Path, name: str, role: str, cfg: Path) -> None:
+        self.port = sp.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stalled = d / f"{name}.stalled"
+        self.log = d / f"{name}.log"
+        env = dict(sp.env(), DISAGG_TEST_STALL_LAYER="1", DISAGG_TEST_STALL_FILE=str(self.stalled))
+        args = sp.serve_args(role, cfg, "127.0.0.1", self.port)
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(STALLING), *args], stdout=f, stderr=subprocess.STDOUT, env=env
+            )
+
+    def kill_when_stalled(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.stalled.exists():
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server never reached the stall point"
+            time.sleep(0.02)
+        assert int(self.stalled.read_text()) == self.proc.pid
+        os.kill(self.proc.pid, signal.SIGKILL)
+        assert self.proc.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("kills")
+    pcfg, control = _producer_yaml(d, "prefill-ok")
+    vcfg, _ = _producer_yaml(d, "prefill-victim")
+    urls = {k: f"http://127.0.0.1:{sp.free_port()}" for k in ("producer", "consumer")}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role, cfg in (
+            ("producer", pcfg),
+            ("consumer", _consumer_yaml(d, "decode-ok", control)),
+        ):
+            port = int(urls[role].rsplit(":", 1)[1])
+            procs.append(sp.spawn(sp.serve_args(role, cfg, "127.0.0.1", port), d / f"{role}.log"))
+        victims = {
+            "producer": Victim(d, "prefill-victim", "producer", vcfg),
+            "consumer": Victim(
+                d, "decode-victim", "consumer", _consumer_yaml(d, "decode-victim", control)
+            ),
+            "last_consumer": Victim(
+                d, "decode-last", "consumer", _consumer_yaml(d, "decode-last", control)
+            ),
+        }
+        procs += [v.proc for v in victims.values()]
+        for (name, url), proc in zip(urls.items(), procs, strict=False):
+            sp.wait_healthy(url, proc, d / f"{name}.log")
+        for v in victims.values():
+            sp.wait_healthy(v.url, v.proc, v.log)
+        proxies = {  # each tries its victim first (ties keep the order given)
+            "producer": ([victims["producer"].url, urls["producer"]], [urls["consumer"]]),
+            "consumer": ([urls["producer"]], [victims["consumer"].url, urls["consumer"]]),
+            "last_consumer": ([urls["producer"]], [victims["last_consumer"].url]),
+        }
+        proxy_urls = {}
+        for name, (producers, consumers) in proxies.items():
+            port = sp.free_port()
+            args = ["proxy", "--host", "127.0.0.1", "--port", str(port)]
+            args += [a for u in producers for a in ("--producer", u)]
+            args += [a for u in consumers for a in ("--consumer", u)]
+            procs.append(sp.spawn(args, d / f"proxy-{name}.log"))
+            proxy_urls[name] = f"http://127.0.0.1:{port}"
+            sp.wait_healthy(proxy_urls[name], procs[-1], d / f"proxy-{name}.log")
+        yield {"proxies": proxy_urls, "victims": victims}
+    finally:
+        sp.stop(procs)
+
+
+def _in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(sp.post(url, body, timeout=90)), daemon=True)
+    t.start()
+    return t, out
+
+
+def _answer(url: str, victim: Victim, seed: int) -> tuple[list[int], list[Any]]:
+    """Stream a fresh prompt through ``url``, kill ``victim`` at its stall point."""
+    tokens = sp.prompt(seed=seed)
+    body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "stream": True}
+    assert not victim.stalled.exists(), "stalled before this request: the kill would miss it"
+    t, out = _in_background(f"{url}/v1/completions", body)
+    victim.kill_when_stalled()
+    t.join(90)
+    assert out, "the client got no answer"
+    status, events = out[0]
+    assert status == 200, events
+    return tokens, events
+
+
+def _still_serves(url: str, seed: int) -> None:
+    assert sp.get(f"{url}/health")[0] == 200
+    tokens = sp.prompt(seed=seed)
+    status, out = sp.post(f"{url}/v1/completions", {"prompt": tokens, "max_tokens": MAX_TOKENS})
+    assert status == 200, out
+    assert out["choices"][0]["token_ids"] == sp.monolithic(tokens, MAX_TOKENS)
+
+
+def test_a_producer_killed_mid_prefill_is_replaced_by_the_next(system: dict[str, Any]) -> None:
+    url = system["proxies"]["producer"]
+    tokens, events = _answer(url, system["victims"]["producer"], seed=301)
+    assert sp.streamed_tokens(events) == sp.monolithic(tokens, MAX_TOKENS)
+    _, metrics = sp.get(f"{url}/metrics")
+    assert sp.metric(metrics, "disagg_proxy_upstream_errors_total") >= 1
+    _still_serves(url, seed=302)
+
+
+def test_a_decode_instance_killed_before_the_second_token_is_replaced(
+    system: dict[str, Any],
+) -> None:
+    url = system["proxies"]["consumer"]
+    tokens, events = _answer(url, system["victims"]["consumer"], seed=311)
+    assert sp.streamed_tokens(events) == sp.monolithic(tokens, MAX_TOKENS)
+    _, metrics = sp.get(f"{url}/metrics")
+    assert sp.metric(metrics, "disagg_proxy_consumer_retries_total") >= 1
+    _still_serves(url, seed=312)
+
+
+def test_the_last_decode_instance_killed_ends_the_stream_with_an_error(
+    system: dict[str, Any],
+) -> None:
+    url = system["proxies"]["last_consumer"]
+    victim = system["victims"]["last_consumer"]
+    tokens, events = _answer(url, victim, seed=321)
+    assert events[-1] == "[DONE]"
+    *data, err = events[:-1]
+    got = [t for ev in data for t in ev["choices"][0]["token_ids"]]
+    assert got == sp.monolithic(tokens, 1), "the first token is the producer's, and right"
+    assert victim.url in err["error"]["message"] and err["error"]["code"] == 502, err
+    status, health = sp.get(f"{url}/health")  # up, answering, with no consumer left
+    assert status == 503 and "consumer" in health, health
+    status, out = sp.post(f"{url}/v1/completions", {"prompt": tokens, "max_tokens": 2})
+    assert status == 502 and victim.url in out["error"]["message"], out
