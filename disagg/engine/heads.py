@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .layout import KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion
+from .layout import KvCacheBufferRef, KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -110,15 +110,16 @@ def _buffer_bytes(region: KvCacheRegion) -> int:
 
 def head_bytes_of(layout: KvCacheLayout, heads_held: int) -> int:
     """Each head's bytes per buffer, checked equal across every region of ``layout``."""
-    sizes = {_buffer_bytes(r) for g in layout.groups for r in (*g.regions, *g.replicated_regions)}
+    sizes = {_buffer_bytes(r) for g in layout.groups for r in _regions(g)}
     if len(sizes) != 1:
         raise ValueError(f"the layout's buffers differ in size ({sorted(sizes)} bytes)")
     (size,) = sizes
-    item = torch.empty(0, dtype=layout.dtype).element_size()
+    dtype = getattr(layout, "dtype", None) or torch.uint8  # one line's layout has none
+    item = torch.empty(0, dtype=dtype).element_size()
     if size % (heads_held * layout.tokens_per_block * item):
         raise ValueError(
             f"a {size}-byte buffer is not {heads_held} heads x {layout.tokens_per_block} tokens "
-            f"of {layout.dtype}: the model config's KV head count does not match the cache"
+            f"of {dtype}: the model config's KV head count does not match the cache"
         )
     return size // heads_held
 
@@ -150,7 +151,9 @@ def geometry_of(
     return HeadGeometry(num_kv_heads, held, head_bytes_of(layout, len(held)))
 
 
-def _slice_region(region: KvCacheRegion, offset: int, nbytes: int) -> list[KvCacheRegion]:
+def _slice_region(
+    region: KvCacheRegion, offset: int, nbytes: int, device: str
+) -> list[KvCacheRegion]:
     size = _buffer_bytes(region)
     return [
         KvCacheRegion(
@@ -158,26 +161,62 @@ def _slice_region(region: KvCacheRegion, offset: int, nbytes: int) -> list[KvCac
             nbytes,
             region.stride,
             region.num_slots,
-            (buf,),
-            device=region.device,
+            (KvCacheBufferRef(buf.layer_id, buf.role, buf.expansion),),
+            device=getattr(region, "device", None) or device,
         )
         for i, buf in enumerate(region.buffers)
     ]
 
 
-def slice_layout(layout: KvCacheLayout, geom: HeadGeometry, want: range) -> KvCacheLayout:
-    """``layout`` restricted to heads ``want`` (module docstring): same groups, slots and
-    buffer order; each group's regions are the runs of ``want`` in its buffers, replicated
-    regions included (as regions: a slice is moved whole)."""
+def slice_layout(
+    layout: KvCacheLayout, geom: HeadGeometry, want: range, device: str = "cpu"
+) -> KvCacheLayout:
+    """``layout`` restricted to heads ``want`` (module docstring), in this package's layout
+    classes: same groups, slots and buffer order; each group's regions are the runs of
+    ``want`` in its buffers, replicated regions included (as regions: a slice is moved
+    whole). ``device``: the regions' where the layout's classes do not say."""
     offset, nbytes = geom.run(want)
     groups = []
     for g in layout.groups:
-        regions = [
-            part
-            for r in (*g.regions, *g.replicated_regions)
-            for part in _slice_region(r, offset, nbytes)
-        ]
+        regions = [part for r in _regions(g) for part in _slice_region(r, offset, nbytes, device)]
         groups.append(
             KvCacheLayerGroupLayout(g.layer_group_id, g.layer_ids, g.window_size, tuple(regions))
         )
-    return KvCacheLayout(layout.tokens_per_block, tuple(groups), layout.dtype)
+    dtype = getattr(layout, "dtype", None) or torch.uint8
+    return KvCacheLayout(layout.tokens_per_block, tuple(groups), dtype)
+
+
+def _regions(group: Any) -> tuple[Any, ...]:
+    """A group's regions in page order (``pages.PagePool``'s): replicated ones last."""
+    return (*group.regions, *(getattr(group, "replicated_regions", ()) or ()))
+
+
+def store_columns(
+    layout: KvCacheLayout, geom: HeadGeometry, want: range
+) -> tuple[list[list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """Where heads ``want`` sit inside each group page: ``(per group [(offset, length)],
+    per layer [(offset in its group's page, length)])``, each list in page order and
+    adjacent runs merged (every head held: one run per region). A slice's group page is
+    the concatenation of its group's columns, a slice's layer page of its layer's."""
+    offset, nbytes = geom.run(want)
+    groups: list[list[tuple[int, int]]] = []
+    layers: dict[int, list[tuple[int, int]]] = {}
+    for g in layout.groups:
+        cols: list[tuple[int, int]] = []
+        at = 0
+        for r in _regions(g):
+            size = _buffer_bytes(r)
+            for i, buf in enumerate(r.buffers):
+                run = (at + i * size + offset, nbytes)
+                _append(cols, run)
+                _append(layers.setdefault(buf.layer_id, []), run)
+            at += r.size
+        groups.append(cols)
+    return groups, layers
+
+
+def _append(cols: list[tuple[int, int]], run: tuple[int, int]) -> None:
+    if cols and cols[-1][0] + cols[-1][1] == run[0]:
+        cols[-1] = (cols[-1][0], cols[-1][1] + run[1])
+    else:
+        cols.append(run)
