@@ -54,6 +54,11 @@ _HINTS = {
     "num_kv_heads": "serve the same model checkpoint on both roles",
 }
 
+_HEAD_BLIND = (
+    "both roles must state the model's KV head count (the same disagg version, and a model "
+    "config that names it) to pair TP shards"
+)
+
 
 def _window(w: int | None) -> int:
     return w or 0  # None and 0 both mean "full attention"
@@ -68,20 +73,17 @@ def check_compatible(mine: Fingerprint, theirs: Fingerprint) -> None:
             ErrorCode.INCOMPATIBLE_PEER, f"peer's {field} is {their!r} but ours is {our!r}: {hint}"
         )
 
+    for field in ("model", "dtype", "tokens_per_block"):
+        if getattr(mine, field) != getattr(theirs, field):
+            fail(field, getattr(theirs, field), getattr(mine, field), _HINTS[field])
     by_heads = mine.num_kv_heads > 0 and theirs.num_kv_heads > 0
-    fields = ("model", "dtype", "tokens_per_block", "num_kv_heads")
-    for field in fields if by_heads else (*fields[:3], "tp_size", "tp_rank"):
-        a, b = getattr(mine, field), getattr(theirs, field)
-        if a != b:
-            fail(field, b, a, _HINTS[field])
-    if not by_heads and mine.num_kv_heads != theirs.num_kv_heads:
-        fail(
-            "num_kv_heads",
-            theirs.num_kv_heads,
-            mine.num_kv_heads,
-            "both roles must state the model's KV head count (the same disagg version, and "
-            "a model config that names it) to pair TP shards",
-        )
+    if mine.num_kv_heads != theirs.num_kv_heads:
+        hint = _HINTS["num_kv_heads"] if by_heads else _HEAD_BLIND
+        fail("num_kv_heads", theirs.num_kv_heads, mine.num_kv_heads, hint)
+    if not by_heads:  # shards pair by rank only
+        for field in ("tp_size", "tp_rank"):
+            if getattr(mine, field) != getattr(theirs, field):
+                fail(field, getattr(theirs, field), getattr(mine, field), _HINTS[field])
     if len(mine.groups) != len(theirs.groups):
         fail(
             "number of layer groups",
