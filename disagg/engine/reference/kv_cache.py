@@ -368,3 +368,18 @@ class KvCacheManager:
             p[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes()
             for p in self.groups[gid].pools
         )
+
+
+def page_by_head(cfg: EngineConfig, gid: int, data: bytes) -> bytes:
+    """A group page of every rank (``KvCacheManager.page_bytes`` of the one-process
+    simulation, ranks in order) as ``[layers, 2, num_kv_heads, tokens, head_dim]`` by
+    absolute KV head, a replicated head once: the same bytes whatever the TP size."""
+    layers = len(cfg.layer_groups[gid][1])
+    ranks = np.frombuffer(data, dtype=np.uint8).reshape(cfg.tp, layers, 2, -1)
+    heads: dict[int, np.ndarray] = {}
+    for r in range(cfg.tp):
+        held = rank_heads(cfg.num_kv_heads, cfg.tp, r)
+        mine = ranks[r].reshape(layers, 2, len(held), -1)
+        for i, h in enumerate(held):
+            heads.setdefault(h, mine[:, :, i])
+    return np.stack([heads[h] for h in range(cfg.num_kv_heads)], axis=2).tobytes()
