@@ -12,6 +12,7 @@ taken apart by KV head, equals the producer's computed page head for head, byte 
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -148,3 +149,39 @@ def test_consumer_listing_producer_ranks_out_of_order_is_refused(caplog):
     assert "is rank 1 of a TP=2 producer, but consumer.producers lists it as rank 0" in (
         caplog.text
     )
+
+
+def test_a_producer_rank_dying_mid_load_fails_the_request_on_every_consumer_rank():
+    """Producer TP 4, consumer TP 2, layer-wise loads: producer rank 3 sends its first
+    layer's pages and then stops, its data plane closed. Consumer rank 1's pages, assembled
+    from ranks 2 and 3, never complete: the request fails by name on both consumer ranks
+    (no hang, no token computed on half a page), and the other producer ranks' leases go
+    back."""
+    cfg_p, cfg_c = EngineConfig(**_shape(4, tp=4)), EngineConfig(**_shape(4, tp=2))
+    ps = prompts(n=1, length=120)
+    prod, psvc = make_producer(cfg_p)
+    run(prod, ps, 1)
+    dying = rank_services(psvc)[3]
+    post = dying.data.post_push
+
+    def first_layer_then_die(endpoint, tid, lease, token, pages, **kw):
+        handle = post(endpoint, tid, lease, token, pages[:1], **kw)
+        threading.Timer(0.05, dying.data.close).start()
+        return handle
+
+    dying.data.post_push = first_layer_then_die
+    cons, csvc = make_consumer(
+        cfg_c,
+        [rank_endpoints(psvc)],
+        load_timeout_s=1.0,
+        load_mode="sync",
+        on_load_failure="fail_request",
+    )
+    rid = cons.add_request(ps[0], 4)
+    while cons.has_work():
+        cons.step()
+    res = cons.results[rid]
+    assert res.error is not None and f"request {rid}" in res.error and res.tokens == []
+    assert [s.metrics["loads_failed"] for s in rank_services(csvc)] == [0, 1]
+    for svc in rank_services(psvc)[:3]:
+        assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank} leases"
