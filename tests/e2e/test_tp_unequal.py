@@ -185,3 +185,28 @@ def test_a_producer_rank_dying_mid_load_fails_the_request_on_every_consumer_rank
     assert [s.metrics["loads_failed"] for s in rank_services(csvc)] == [0, 1]
     for svc in rank_services(psvc)[:3]:
         assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank} leases"
+
+
+@pytest.mark.parametrize(("p", "d", "load_mode"), [(4, 2, "sync"), (1, 2, "async")])
+def test_prefix_reservations_across_tp_sizes(p, d, load_mode):
+    """TensorRT-LLM main's prefix reservations, clipped by the runtime to 2 of a prompt's
+    blocks: the tail is released on every producer rank's lease, and each consumer rank
+    loads exactly the accepted blocks of its heads."""
+    kw = dict(kv_manager="v2", prefix_aware_scheduling=True, capture_pages=True)
+    cap = 2 * SHAPE["tokens_per_block"]
+    pcfg = EngineConfig(**_shape(4, tp=p, **kw))
+    ccfg = EngineConfig(**_shape(4, tp=d, prefix_load_cap_tokens=cap + 5, **kw))
+    ps = prompts(n=2, length=120)
+    mono = Engine(EngineConfig(**_shape(4, kv_manager="v2"))).generate(ps, 5)
+    prod, psvc = make_producer(pcfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, csvc = make_consumer(ccfg, [rank_endpoints(psvc)], load_mode=load_mode)
+    assert cons.prefix_reservations
+    consumed = run(cons, ps, max_tokens=5)
+    assert [r.tokens for r in consumed] == mono
+    assert [r.connector_matched_tokens for r in consumed] == [cap, cap]
+    _assert_pages_match(pcfg, ccfg, produced, consumed)
+    assert cons.stats.calls["reserve_prefix"] == 2
+    for svc in rank_services(psvc):
+        assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank} leases"
+        assert wait_for(lambda s=svc: s.store.pinned_blocks() == 0), f"rank {svc.tp_rank}"
