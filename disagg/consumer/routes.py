@@ -62,13 +62,24 @@ class Routes:
 
     @staticmethod
     def of(svc: Any, producer_tps: list[int]) -> Routes | None:
-        """The routes of ``svc`` (a consumer service), None when head-blind."""
-        if not svc.num_kv_heads:
+        """The routes of ``svc`` (a consumer service), None when head-blind. ValueError
+        naming ``consumer.producers[i]`` for a producer TP size the heads cannot split
+        over."""
+        kv = svc.num_kv_heads
+        if not kv:
             return None
         try:
-            return Routes(svc.num_kv_heads, svc.tp_size, svc.tp_rank, producer_tps)
+            rank_heads(kv, svc.tp_size, svc.tp_rank)
         except ValueError:
-            return None
+            return None  # our own TP size: the engine refuses it, or we are head-blind
+        for i, tp in enumerate(producer_tps):
+            if kv % tp and tp % kv:
+                raise ValueError(
+                    f"consumer.producers[{i}] lists {tp} rank endpoints, a TP size that "
+                    f"neither divides the model's {kv} KV heads nor is a multiple of them: "
+                    "list every rank of the producer, in rank order"
+                )
+        return Routes(kv, svc.tp_size, svc.tp_rank, producer_tps)
 
     def ranks_linked(self, producer: int, leader: bool) -> list[int]:
         """The producer ranks this rank talks to: the leader claims on all of them."""
