@@ -66,32 +66,34 @@ def _assert_pages_match(pcfg, ccfg, produced, consumed):
             assert torch.equal(_heads(ccfg, g, data), want), f"page {(g, b)} differs by head"
 
 
-def _served(p, d, kv, load_mode, kv_manager="v1", **extra):
+def _served(p, d, kv, load_mode, kv_manager="v1", transport=None, **extra):
     pcfg = EngineConfig(**_shape(kv, tp=p, kv_manager=kv_manager, capture_pages=True, **extra))
     ccfg = EngineConfig(**_shape(kv, tp=d, kv_manager=kv_manager, capture_pages=True, **extra))
     ps = prompts(n=2, length=120)
     mono = Engine(EngineConfig(**_shape(kv, kv_manager=kv_manager, **extra))).generate(ps, 5)
-    prod, psvc = make_producer(pcfg)
+    prod, psvc = make_producer(pcfg, transport=transport)
     produced = run(prod, ps, max_tokens=1)
-    cons, csvc = make_consumer(ccfg, [rank_endpoints(psvc)], load_mode=load_mode)
+    cons, csvc = make_consumer(
+        ccfg, [rank_endpoints(psvc)], load_mode=load_mode, transport=transport
+    )
     consumed = run(cons, ps, max_tokens=5)
     return pcfg, ccfg, psvc, csvc, mono, produced, consumed
 
 
 @pytest.mark.parametrize(
-    ("p", "d", "kv", "load_mode", "kv_manager"),
+    ("p", "d", "kv", "load_mode", "kv_manager", "transport"),
     [
-        (1, 2, 4, "async", "v1"),  # split: one producer page serves both consumer ranks
-        (2, 1, 4, "sync", "v1"),  # merge: one consumer page from both producer ranks
-        (2, 4, 4, "sync", "v2"),
-        (4, 2, 4, "async", "v2"),
-        (2, 4, 2, "async", "v1"),  # 4 consumer ranks, 2 KV heads: each head on two ranks
+        (1, 2, 4, "async", "v1", "tcp"),  # split: one producer page serves both consumer ranks
+        (2, 1, 4, "sync", "v1", "tcp"),  # merge: one consumer page from both producer ranks
+        (2, 4, 4, "sync", "v2", "tcp"),
+        (4, 2, 4, "async", "v2", "ipc"),  # the same-host plane lands slices in place too
+        (2, 4, 2, "async", "v1", "tcp"),  # 4 consumer ranks, 2 KV heads: each on two ranks
     ],
 )
-def test_unequal_tp_tokens_and_heads_match_monolithic(p, d, kv, load_mode, kv_manager):
+def test_unequal_tp_tokens_and_heads_match_monolithic(p, d, kv, load_mode, kv_manager, transport):
     extra = {"windows": (32, None)} if kv_manager == "v2" else {}  # VSWA: two layer groups
     pcfg, ccfg, psvc, csvc, mono, produced, consumed = _served(
-        p, d, kv, load_mode, kv_manager, **extra
+        p, d, kv, load_mode, kv_manager, transport, **extra
     )
     assert [r.error for r in consumed] == [None, None]
     assert all(r.connector_matched_tokens > 0 for r in consumed)
