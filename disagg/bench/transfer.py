@@ -50,12 +50,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..cliargs import Parser, positive_float, positive_int, size, size_list
-from . import ceilings
+from . import ceilings, transfer_tp
 from .peers import draw
 from .units import fmt_size, median
 
@@ -547,6 +548,16 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# What ``transfer_tp``'s rows run on (picklable: handed to its child processes).
+TP_KIT = SimpleNamespace(
+    make_plane=_make_plane,
+    device=_device,
+    store=_store,
+    result=_result,
+    unavailable=unavailable,
+    spec=SPEC,
+)
+
 # Former names, refused with the one to use.
 RENAMED = {"zmq-tcp": "tcp-tcp", "zmq-ipc": "tcp-unix"}
 
@@ -588,6 +599,11 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--timeout", type=positive_float, default=120, help="seconds per transport and size"
     )
+    ap.add_argument(
+        "--tp",
+        action="store_true",
+        help="also TP-split and TP-merge rows beside each same-TP one (transfer_tp.py)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     ap.add_argument("--plot", help="write a PNG of GB/s against page size")
     a = ap.parse_args(list(argv))
@@ -597,7 +613,13 @@ def main(argv: Sequence[str]) -> int:
             a.page_sizes = [256 << 10]
         a.timeout = min(a.timeout, 30)
     report = run(a.page_sizes, a.total, a.transports, a.repeats, a.timeout)
+    if a.tp:
+        report["tp"] = transfer_tp.run(
+            TP_KIT, a.page_sizes, a.total, a.transports, a.repeats, a.timeout, sys.stderr
+        )
     print(table(report))
+    if a.tp:
+        print(transfer_tp.table(report["tp"]))
     if a.plot:
         from .plot import plot_transfer
 
