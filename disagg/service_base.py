@@ -180,7 +180,7 @@ class ConnectorService:
                 log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
 
     def fingerprint_for(self, tp_rank: int) -> Fingerprint:
-        """Rank ``tp_rank``'s fingerprint: ours with that rank (homogeneous TP: every shard
+        """Rank ``tp_rank``'s fingerprint: ours with that rank (one TP size: every shard
         has the same geometry). The leader uses it to speak for every rank."""
         assert self.fingerprint is not None, "no KV cache registered yet"
         if tp_rank == self.fingerprint.tp_rank:

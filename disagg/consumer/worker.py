@@ -156,8 +156,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
     def _prefix_starting(self, meta: ConsumerMeta) -> list[tuple[int, Load, bool]]:
         """This pass's reservation loads on this rank, not started yet: rank 0's are the
         scheduler's (its reservations, same process); rank r > 0 first stops the ones the
-        leader dropped, then builds its own from each plan (its lease on producer rank r,
-        the same destination slots, the load's bus uid)."""
+        leader dropped, then builds its own from each plan (its lease(s):
+        ``routes.rank_claims``; the same destination slots, the load's bus uid)."""
         svc, rank = self.service, self.service.tp_rank
         out: list[tuple[int, Load, bool]] = []
         if rank == 0:
