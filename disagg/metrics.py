@@ -95,17 +95,19 @@ ENGINE_COUNTERS: dict[str, str] = {
 }
 
 
+_LIVE: dict[str, Callable[[], list[Any]]] = {}
+
+
+def list_services(role: str, live: Callable[[], list[Any]]) -> None:
+    """Called once by each role's service module: ``live()`` snapshots its open services.
+    The collector reads services through these, so it never imports them."""
+    _LIVE[role] = live
+
+
 def _services(role: str) -> list[Any]:
-    """The live services of ``role`` in this process (empty if the role's module or its
-    optional dependencies are not importable)."""
-    try:
-        if role == "producer":
-            from .producer import service as mod
-        else:
-            from .consumer import service as mod  # type: ignore[no-redef]
-    except ImportError:
-        return []
-    return list(mod._registry.live())
+    """The live services of ``role`` in this process (none while its module is unloaded)."""
+    live = _LIVE.get(role)
+    return live() if live is not None else []
 
 
 class DisaggCollector(Collector):

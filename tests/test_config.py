@@ -352,6 +352,16 @@ def test_ucx_channel_and_readers():
         assert e.field == "ucx_rma_readers" and "integer >= 1" in str(e)
 
 
+def test_nixl_error_handling():
+    cfg = DisaggConfig.from_dict(dict(CONSUMER, transport="nixl", nixl_error_handling="none"))
+    assert cfg.nixl_error_handling == "none"
+    assert DisaggConfig.from_dict(cfg.to_dict()) == cfg
+    e = err(dict(PRODUCER, nixl_error_handling="none"))
+    assert e.field == "nixl_error_handling" and "set transport: nixl" in str(e)
+    e = err(dict(PRODUCER, transport="nixl", nixl_error_handling="off"))
+    assert e.field == "nixl_error_handling" and "valid values" in str(e)
+
+
 @pytest.mark.parametrize("port", [-1, 65536, "9100", True])
 def test_bad_metrics_port(port):
     e = err(dict(PRODUCER, metrics={"port": port}))

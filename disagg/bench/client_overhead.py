@@ -89,7 +89,7 @@ def run(args: Any) -> dict[str, Any]:
         logdir = Path(tmp)
         got: dict[str, dict[int, dict[str, float]]] = {}
         deployments: list[Deployment] = [
-            aggregated(1, shape, logdir),
+            aggregated(1, shape, logdir, [args.producer_device]),
             disaggregated(
                 1,
                 1,
@@ -98,6 +98,8 @@ def run(args: Any) -> dict[str, Any]:
                 transport=args.transport,
                 store_size=args.store_size,
                 store_device=args.store_device,
+                producer_device=args.producer_device,
+                consumer_device=args.consumer_device,
             ),
         ]
         for d in deployments:

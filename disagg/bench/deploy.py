@@ -3,9 +3,12 @@
 - **aggregated**: K reference-engine instances without a connector, each prefilling and
   decoding locally (its own device prefix cache on), behind the OpenAI-compatible server of
   :mod:`disagg.serve.app`; started as ``python -m disagg.bench.deploy instance --port N
-  [shape flags]``. The client spreads requests by least load (fewest in flight).
+  [shape flags]``. The client spreads requests by least load (fewest in flight). Given
+  several devices, instance i runs on device i mod their number (one per GPU).
 - **disaggregated**: P ``disagg serve --role producer`` + D ``disagg serve --role consumer``
   (every consumer knows every producer) + one ``disagg proxy``; clients talk to the proxy.
+  Producers run on the producer device, consumers on the consumer device (default: the
+  shape's).
 - **target**: URLs of deployments already running (nothing is started or stopped).
 
 Every process gets free loopback ports, logs to a file in the run's directory, and is
@@ -27,7 +30,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +183,16 @@ def _proc(name: str, port: int, cmd: list[str], logdir: Path) -> _Proc:
     return _Proc(name, f"http://127.0.0.1:{port}", logdir / f"{name}.log", cmd)
 
 
-def aggregated(engines: int, shape: Shape, logdir: Path) -> Deployment:
-    d = Deployment("aggregated", "aggregated", [], layout=f"{engines} instances")
+def aggregated(engines: int, shape: Shape, logdir: Path, devices: Sequence[str] = ()) -> Deployment:
+    """``engines`` instances; with ``devices``, instance i on ``devices[i % len]``."""
+    places = list(dict.fromkeys(devices)) or [shape.device]  # each device once, in order
+    layout = f"{engines} instances" + (f" on {','.join(places)}" if len(places) > 1 else "")
+    d = Deployment("aggregated", "aggregated", [], layout=layout)
     for i in range(engines):
         port = free_port()
         cmd = [sys.executable, "-m", "disagg.bench.deploy", "instance", "--port", str(port)]
-        p = _proc(f"instance-{i}", port, [*cmd, *shape.flags()], logdir)
+        on = replace(shape, device=places[i % len(places)])
+        p = _proc(f"instance-{i}", port, [*cmd, *on.flags()], logdir)
         d.procs.append(p)
         d._ready.append((p, "/v1/models"))
         d.client_urls.append(p.url)
@@ -200,8 +208,17 @@ def disaggregated(
     transport: str = "tcp",
     store_size: str = "256MiB",
     store_device: str = "cpu",
+    producer_device: str | None = None,
+    consumer_device: str | None = None,
 ) -> Deployment:
-    d = Deployment("disaggregated", "disaggregated", [], layout=f"{producers}P+{consumers}D")
+    """Producers' engines on ``producer_device``, consumers' on ``consumer_device`` (None:
+    the shape's device); a producer's ``store_device: cuda`` is its engine's GPU."""
+    pshape = replace(shape, device=producer_device or shape.device)
+    cshape = replace(shape, device=consumer_device or shape.device)
+    layout = f"{producers}P+{consumers}D"
+    if pshape.device != cshape.device:
+        layout += f" ({pshape.device} / {cshape.device})"
+    d = Deployment("disaggregated", "disaggregated", [], layout=layout)
     controls: list[str] = []
     serve = [sys.executable, "-m", "disagg", "serve"]
     prod_urls, cons_urls = [], []
@@ -216,7 +233,7 @@ def disaggregated(
         )
         controls.append(control)
         cmd = [*serve, "--role", "producer", "--config", str(cfg), "--host", "127.0.0.1"]
-        p = _proc(f"producer-{i}", port, [*cmd, "--port", str(port), *shape.flags()], logdir)
+        p = _proc(f"producer-{i}", port, [*cmd, "--port", str(port), *pshape.flags()], logdir)
         d.procs.append(p)
         prod_urls.append(p.url)
     for i in range(consumers):
@@ -228,7 +245,7 @@ def disaggregated(
             f"consumer:\n  producers: [{', '.join(controls)}]{data}\n"
         )
         cmd = [*serve, "--role", "consumer", "--config", str(cfg), "--host", "127.0.0.1"]
-        p = _proc(f"consumer-{i}", port, [*cmd, "--port", str(port), *shape.flags()], logdir)
+        p = _proc(f"consumer-{i}", port, [*cmd, "--port", str(port), *cshape.flags()], logdir)
         d.procs.append(p)
         cons_urls.append(p.url)
     port = free_port()

@@ -4,6 +4,7 @@
                           [--layers 4] [--hidden-size 128 --heads 4 --kv-heads 2
                           --head-dim 32 --intermediate-size 256] [--dtype float32]
                           [--device cpu|cuda] [--store-device cpu|pinned|cuda] [--json]
+                          [--producer-device D --consumer-device D] (default: --device)
 
 One prompt at a time (no queueing), each a fresh random prompt (no cache hits), on the
 reference engine:
@@ -25,9 +26,11 @@ reference engine:
 local one (the proxy's HTTP hops not included). ``wire_ms`` = the prompt's loaded bytes at
 the data plane's GB/s, measured in the same run by :func:`disagg.bench.transfer.measure`
 with the same page size. Medians over ``--repeats`` prompts per length, after a warm-up
-prompt. The producer process and this one get half the CPUs' compute threads each (unless
-``OMP_NUM_THREADS`` is set). ``--json``: ``{"results": [...], "plane_gbps": ...}`` on the
-last stdout line.
+prompt. Devices: the producer's engine (and a ``cuda`` store) on ``--producer-device``,
+the consumer's and the local engine on ``--consumer-device``; the plane's figure is
+measured between the same two. The producer process and this one get half the CPUs'
+compute threads each (unless ``OMP_NUM_THREADS`` is set). ``--json``: ``{"results":
+[...], "plane_gbps": ...}`` on the last stdout line.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 
 from ..cliargs import transport
 from ..consumer import ConsumerScheduler, ConsumerWorker
+from . import devices
 from .reuse import OneLineParser
 
 EVENTS: dict[str, list[float]] = {"claim": [], "load_start": [], "loaded": []}
@@ -94,7 +98,7 @@ def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> A
         head_dim=args.head_dim,
         intermediate_size=args.intermediate_size,
         dtype=args.dtype,
-        device=args.device,
+        device=args.producer_device if role == "producer" else args.consumer_device,
         tokens_per_block=32,
         num_blocks=max(1024, 2 * max(args.lens) // 32 + 64),
         kv_manager="v2",
@@ -197,12 +201,13 @@ SHAPE = {  # flag -> default (the reference engine's small default shape)
 def _shape_flags(args: argparse.Namespace) -> list[str]:
     out = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPE]
     out += ["--dtype", args.dtype, "--device", args.device]
+    out += ["--producer-device", args.producer_device, "--consumer-device", args.consumer_device]
     return out + ["--store-size", args.store_size, "--store-device", args.store_device]
 
 
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     from ..consumer.service import _services
-    from .transfer import measure
+    from .transfer import Roles, measure
 
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "disagg.bench.overhead", "--role", "producer"]
@@ -248,7 +253,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     name = PLANES[args.transport]
     if args.store_device == "cuda" and args.transport in ("ipc", "ucx"):
         name = f"{args.transport}-cuda"  # device memory on both sides
-    plane = measure(name, page_bytes, pages, 5, timeout_s=120)
+    roles = Roles(args.producer_device, args.consumer_device)
+    plane = measure(name, page_bytes, pages, 5, timeout_s=120, roles=roles)
     gbps = plane.gbps
     rows = []
     for n in args.lens:
@@ -271,6 +277,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "plane_gbps": gbps,
         "plane_error": plane.error,
         "layers": args.layers,
+        "devices": f"{args.producer_device} / {args.consumer_device}",
         "shape": " ".join(_shape_flags(args)[: len(SHAPE) + 4]),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
@@ -282,6 +289,7 @@ def table(rep: dict[str, Any]) -> str:
     lines = [
         f"disagg bench overhead: reference engine ({rep['layers']} layers, {rep['shape']}), "
         f"{rep['plane']} plane {'n/a' if g is None else f'{g:.2f} GB/s'} "
+        f"(devices {rep['devices']}) "
         f"({rep['page_bytes']} B pages), median of {rep['repeats']}",
         f"{'prompt':>7} {'local':>8} {'producer (1st tok)':>18} {'consumer':>9} {'= claim':>8} "
         f"{'+ transfer':>10} {'+ 1st step':>10} {'+ other':>8} {'overhead':>9} {'wire':>7}",
@@ -313,6 +321,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] (every engine)")
     ap.add_argument("--store-size", default="1GiB", help="the producer's block store")
     ap.add_argument("--store-device", choices=("cpu", "pinned", "cuda"), default="cpu")
+    devices.add_role_devices(ap, None, cpu=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
@@ -335,6 +344,14 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    devices.resolve(args, args.device)
+    why = devices.problem(args, cpu=True) if args.role is None else None
+    if why is not None:
+        print(f"disagg bench overhead: {why}", file=sys.stderr)
+        return 2
+    for name in ("producer_device", "consumer_device"):  # cuda: the GPU current now
+        if getattr(args, name).startswith("cuda"):
+            setattr(args, name, devices.explicit(getattr(args, name)))
     small = [f for f in ("repeats", "layers", *SHAPE) if getattr(args, f.replace("-", "_")) < 1]
     if small:
         print(f"disagg bench overhead: --{small[0]} must be >= 1", file=sys.stderr)

@@ -72,7 +72,8 @@ class RawNixl:
     of ``pool``'s row size; ``remote_mem`` ``VRAM`` for a device store on device 0) into
     ``pool`` (a host numpy array or a torch tensor, host or device) with NIXL alone: both
     descriptor lists prepared once, one ``make_prepped_xfer`` READ per call, polled to
-    completion (the nixl plane's descriptors and agent configuration)."""
+    completion (the nixl plane's descriptors and agent configuration; ``error_handling``
+    as the plane's ``nixl_error_handling``)."""
 
     def __init__(
         self,
@@ -82,10 +83,15 @@ class RawNixl:
         rows: int,
         transports: str | None = None,
         remote_mem: str = "DRAM",
+        error_handling: str = "peer",
     ) -> None:
         from ..transport.nixl import agent as nx
 
-        self.agent = nx.open_agent(f"bench-raw-reader-{os.getpid()}", transports=transports)
+        self.agent = nx.open_agent(
+            f"bench-raw-reader-{os.getpid()}",
+            transports=transports,
+            error_handling=error_handling,
+        )
         if isinstance(pool, np.ndarray):
             ptr, mem, dev = pool.ctypes.data, "DRAM", 0
         else:

@@ -8,6 +8,7 @@ against disaggregated, over the real HTTP path.
                         --intermediate-size 256 --dtype float32 --device cpu|cuda[:N]
                         --num-blocks 1024 --tokens-per-block 32 --max-seq-len 8192
                         --max-num-tokens 8192 --max-batch-size 2048]
+                       [--producer-device D --consumer-device D] (default: --device)
                        [--deployments aggregated,disaggregated] [--target URL ...]
                        [--slo-ttft 1s] [--slo-tbt 100ms] [--quick] [--json] [--plot PNG]
     disagg bench serve --rate R --requests N [--input-len I] [--output-len O]
@@ -28,6 +29,8 @@ reference-engine shape (the shape flags, passed to every engine as ``disagg serv
 them; checked here first) and ``K`` engines in all: ``aggregated`` (K instances, least load
 by the client), ``disaggregated`` (P producers + K-P consumers + ``disagg proxy``); and
 ``--target URL`` for one already running (OpenAI ``/v1/completions`` with streaming).
+Per-role devices: producers on ``--producer-device``, consumers on ``--consumer-device``;
+aggregated instances alternate over those devices (one per GPU on two GPUs).
 Each gets ``--warmup`` short requests first (not measured). A deployment that cannot
 start gets a row with its ``error`` (one line on stderr too) and the command exits 1.
 
@@ -59,7 +62,7 @@ import numpy as np
 from ..cliargs import cuda_problem, transport
 from ..config import STORE_DEVICES
 from ..serve import SHAPE_FLAGS, add_shape_args, shape_error, shape_kwargs
-from . import deploy
+from . import deploy, devices
 from .reuse import OneLineParser
 from .serve_report import Record, parse_metrics, plot, summarize, table
 from .traces import Trace, TraceError, load_trace, prompt_tokens, scaled, synthetic_trace
@@ -314,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transport", type=transport, default="tcp", help="tcp, ipc or ucx")
     ap.add_argument("--store-size", default="256MiB", help="each producer's block store")
     ap.add_argument("--store-device", choices=STORE_DEVICES, default="cpu", help="its memory")
+    devices.add_role_devices(ap, None, cpu=True)
     ap.add_argument("--deployments", default="aggregated,disaggregated")
     ap.add_argument("--target", action="append", default=[], metavar="URL")
     ap.add_argument("--slo-ttft", default="1s", help="TTFT objective (e.g. 500ms, 1s)")
@@ -378,10 +382,15 @@ def _resolve(args: argparse.Namespace) -> list[tuple[str, Trace]]:
         args.model = EngineConfig(kv_manager="v2", **shape_kwargs(args)).model_name
     except ValueError as e:
         raise UsageError(shape_error(e)) from None
+    devices.resolve(args, args.device)
     if args.device != "cpu" and _starts_engines(args):
         why = cuda_problem(args.device)
         if why is not None:
             raise UsageError(f"argument --device: {args.device!r}: {why}")
+    if _starts_engines(args):
+        why = devices.problem(args, cpu=True)
+        if why is not None:
+            raise UsageError(why)
     names = [d.strip() for d in args.deployments.split(",") if d.strip()]
     bad = [d for d in names if d not in ("aggregated", "disaggregated")]
     if bad:
@@ -466,7 +475,8 @@ def main(argv: Sequence[str]) -> int:
     deps: list[deploy.Deployment] = []
     for name in args.deployment_names:
         if name == "aggregated":
-            deps.append(deploy.aggregated(args.engines, shape, logdir))
+            places = [args.producer_device, args.consumer_device]  # one instance per device
+            deps.append(deploy.aggregated(args.engines, shape, logdir, places))
         else:
             consumers = args.engines - args.producers
             deps.append(
@@ -478,6 +488,8 @@ def main(argv: Sequence[str]) -> int:
                     args.transport,
                     args.store_size,
                     args.store_device,
+                    args.producer_device,
+                    args.consumer_device,
                 )
             )
     deps += [deploy.target(u) for u in args.target]
@@ -524,6 +536,8 @@ def main(argv: Sequence[str]) -> int:
             "model": args.model,
             "dtype": args.dtype,
             "device": args.device,
+            "producer_device": args.producer_device,
+            "consumer_device": args.consumer_device,
             "num_blocks": args.num_blocks,
             "transport": args.transport,
             "store": {"size": args.store_size, "device": args.store_device},

@@ -17,11 +17,13 @@ Peers (NIXL, Mooncake) move the same pages with their own APIs (peers.py), from 
 random source rows; a peer that cannot run keeps its row, with the error.
 
 Ceilings: memcpy for shm, raw TCP for tcp, AF_UNIX for ipc, a device-to-device copy for
-``ucx-cuda`` and ``ipc-cuda`` (store and pool on cuda:0, two processes on the same GPU;
-without a CUDA device their rows say so instead of a figure). Each row's ceiling is PAIRED
-with its pushes: in the row's own producer / consumer processes, on the same bytes, the
-consumer times one ceiling run right before each push (ceiling, push, ceiling, push ...,
-after one warm-up of each): the producer process streams the N pages' bytes over a raw
+``ucx-cuda`` and ``ipc-cuda`` (store on ``--producer-device``, pool on
+``--consumer-device``, both ``cuda`` by default: two processes on one GPU; on two GPUs
+the ceiling is the ipc plane's scattered-page kernel between them, ``peer_pages``, see
+devices.py; without a CUDA device their rows say so instead of a figure). Each row's
+ceiling is PAIRED with its pushes: in the row's own producer / consumer processes, on
+the same bytes, the consumer times one ceiling run right before each push (ceiling,
+push, ceiling, push ..., after one warm-up of each): the producer process streams the N pages' bytes over a raw
 loopback TCP (AF_UNIX for ipc) socket set up once per row into a ``hostmem`` buffer of
 the consumer (``ceilings.serve_stream`` / ``stream_timer``); for shm the consumer times a
 memcpy of the same bytes between ``hostmem`` buffers; for d2d a device-to-device copy.
@@ -56,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from ..cliargs import Parser, positive_float, positive_int, size, size_list
-from . import ceilings, transfer_tp
+from . import ceilings, devices, transfer_tp
 from .peers import draw
 from .units import fmt_size, median
 
@@ -159,8 +161,28 @@ def _make_plane(name: str) -> Any:
     return UcxDataPlane(channel=name.split("-", 1)[1])
 
 
-def _device(name: str) -> str:
-    return "cuda" if name.endswith("-cuda") else "cpu"
+@dataclass(frozen=True)
+class Roles:
+    """Where a ``-cuda`` row's store (producer) and pool (consumer) live."""
+
+    producer: str = "cuda"
+    consumer: str = "cuda"
+
+    def of(self, name: str, role: str) -> str:
+        """The device of ``role``'s memory in row ``name`` (host memory unless ``-cuda``)."""
+        if not name.endswith("-cuda"):
+            return "cpu"
+        import torch
+
+        dev = self.producer if role == "producer" else self.consumer
+        torch.cuda.set_device(devices.index(dev))  # the process's GPU: UCX, Triton, streams
+        return dev
+
+    def ceiling(self, medium: str) -> str:
+        """The report's name of ``medium``'s ceiling (two GPUs: the peer page kernel)."""
+        if medium == "d2d" and not devices.same_gpu(self.producer, self.consumer):
+            return "peer_pages"
+        return CEILING_NAMES[medium]
 
 
 def _store(n: int, page_bytes: int) -> np.ndarray:
@@ -172,7 +194,7 @@ def _store(n: int, page_bytes: int) -> np.ndarray:
     return store
 
 
-def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
+def _producer(name: str, n: int, page_bytes: int, conn: Any, roles: Roles = Roles()) -> None:
     """Serve push requests ("push", endpoint, caps, tid, src rows, dst slots) until told to stop;
     for a tcp / ipc row, first the raw stream of the row's paired ceiling (``_serve_raw``)."""
     import torch
@@ -198,7 +220,7 @@ def _producer(name: str, n: int, page_bytes: int, conn: Any) -> None:
             return
         # the consumer's first message on the pipe: the plane is up
         plane = _make_plane(name)
-        rows = torch.from_numpy(store).to(_device(name))
+        rows = torch.from_numpy(store).to(roles.of(name, "producer"))
         register = getattr(plane, "register_source", None)
         if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
             rows = register(rows)
@@ -242,7 +264,9 @@ def _serve_raw(medium: str, src: np.ndarray, conn: Any) -> Any:
     return cleanup
 
 
-def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: Any) -> None:
+def _consumer(
+    name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: Any, roles: Roles = Roles()
+) -> None:
     """Time ``repeats`` transfers (after one warm-up), each right after one run of the row's
     ceiling on the same bytes (``_ceiling_timer``); put (push seconds, ceiling seconds,
     error) on out."""
@@ -259,14 +283,19 @@ def _consumer(name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: 
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
         slots = 2 * n  # the store has 2N rows too: sources are drawn from it at random
-        if _device(name) == "cpu":  # huge pages where the kernel allows (hostmem.py)
+        where = roles.of(name, "consumer")
+        if where == "cpu":  # huge pages where the kernel allows (hostmem.py)
             from .. import hostmem
 
             pool = hostmem.empty((slots, page_bytes))
         else:
-            pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=_device(name))
+            pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=where)
         pool.fill_(0)  # prefault
-        ceiling, close_ceiling = _ceiling_timer(SPEC[name][2], n * page_bytes, pool, raw_addr)
+        if roles.ceiling(SPEC[name][2]) == "peer_pages":  # two GPUs: the kernel between them
+            ceiling = devices.peer_pages_timer(roles.producer, roles.consumer, page_bytes, n)
+            close_ceiling = None
+        else:
+            ceiling, close_ceiling = _ceiling_timer(SPEC[name][2], n * page_bytes, pool, raw_addr)
         rng = np.random.default_rng(1234)
         if name in ("nixl-raw", "mooncake"):
             from . import peers
@@ -402,14 +431,19 @@ class Row:
         return median([c / p for p, c in zip(self.push_s, self.ceiling_s, strict=True)])
 
 
-def measure(name: str, page_bytes: int, n: int, repeats: int, timeout_s: float) -> Row:
+def measure(
+    name: str, page_bytes: int, n: int, repeats: int, timeout_s: float, roles: Roles = Roles()
+) -> Row:
     """``repeats`` pushes of one transport at one page size, each paired with a run of its
-    ceiling, in one fresh producer / consumer process pair."""
+    ceiling, in one fresh producer / consumer process pair (``-cuda`` rows: on ``roles``'
+    GPUs)."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    prod = ctx.Process(target=_producer, args=(name, n, page_bytes, a), daemon=True)
-    cons = ctx.Process(target=_consumer, args=(name, n, page_bytes, repeats, b, out), daemon=True)
+    prod = ctx.Process(target=_producer, args=(name, n, page_bytes, a, roles), daemon=True)
+    cons = ctx.Process(
+        target=_consumer, args=(name, n, page_bytes, repeats, b, out, roles), daemon=True
+    )
     prod.start()
     cons.start()
     times, ctimes, err = _result(out, prod, cons, timeout_s)
@@ -453,6 +487,7 @@ def run(
     repeats: int,
     timeout_s: float = 300,
     log: Any = None,
+    roles: Roles = Roles(),
 ) -> dict[str, Any]:
     log = log or sys.stderr
     ceil = {
@@ -482,7 +517,7 @@ def run(
         transport, channel, medium = SPEC[name]
         for pb in page_sizes:
             n = max(1, total // pb)
-            r = measure(name, pb, n, repeats, timeout_s)
+            r = measure(name, pb, n, repeats, timeout_s, roles)
             gbps, ceiling, err = r.gbps, r.ceiling_gbps, r.error
             row = {
                 "transport": transport,
@@ -491,7 +526,7 @@ def run(
                 "pages": n,
                 "gbps": gbps,
                 "ceiling_gbps": ceiling,
-                "ceiling": CEILING_NAMES[medium],
+                "ceiling": roles.ceiling(medium) if gpu else CEILING_NAMES[medium],
                 "ceiling_paired": True,  # timed between the row's pushes (module docstring)
                 "ratio": (gbps / ceiling) if gbps is not None and ceiling else None,
                 "ratio_paired_median": r.ratio_paired_median,
@@ -518,6 +553,7 @@ def run(
             **gpu,
         },
         "cpus": os.cpu_count(),
+        "devices": devices.label(roles.producer, roles.consumer) if gpu else None,
         "results": rows,
         "skipped": skipped,
     }
@@ -548,15 +584,17 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# What ``transfer_tp``'s rows run on (picklable: handed to its child processes).
-TP_KIT = SimpleNamespace(
-    make_plane=_make_plane,
-    device=_device,
-    store=_store,
-    result=_result,
-    unavailable=unavailable,
-    spec=SPEC,
-)
+def tp_kit(roles: Roles) -> SimpleNamespace:
+    """What ``transfer_tp``'s rows run on (picklable: handed to its child processes)."""
+    return SimpleNamespace(
+        make_plane=_make_plane,
+        device=roles.of,
+        store=_store,
+        result=_result,
+        unavailable=unavailable,
+        spec=SPEC,
+    )
+
 
 # Former names, refused with the one to use.
 RENAMED = {"zmq-tcp": "tcp-tcp", "zmq-ipc": "tcp-unix"}
@@ -599,6 +637,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--timeout", type=positive_float, default=120, help="seconds per transport and size"
     )
+    devices.add_role_devices(ap, "cuda")  # the -cuda rows' store and pool
     ap.add_argument(
         "--tp",
         action="store_true",
@@ -607,15 +646,21 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     ap.add_argument("--plot", help="write a PNG of GB/s against page size")
     a = ap.parse_args(list(argv))
+    roles = Roles(a.producer_device, a.consumer_device)
+    if any(t.endswith("-cuda") for t in a.transports) and roles != Roles():
+        why = devices.problem(a)
+        if why is not None:
+            ap.error(why)
+        roles = Roles(devices.explicit(roles.producer), devices.explicit(roles.consumer))
     if a.quick:  # every transport and peer once, at one size: well under a minute
         a.total, a.repeats = 4 << 20, 1
         if a.page_sizes == size_list(ap.get_default("page_sizes")):
             a.page_sizes = [256 << 10]
         a.timeout = min(a.timeout, 30)
-    report = run(a.page_sizes, a.total, a.transports, a.repeats, a.timeout)
+    report = run(a.page_sizes, a.total, a.transports, a.repeats, a.timeout, roles=roles)
     if a.tp:
         report["tp"] = transfer_tp.run(
-            TP_KIT, a.page_sizes, a.total, a.transports, a.repeats, a.timeout, sys.stderr
+            tp_kit(roles), a.page_sizes, a.total, a.transports, a.repeats, a.timeout, sys.stderr
         )
     print(table(report))
     if a.tp:

@@ -20,7 +20,9 @@ is the paired median over repetitions of a kind's GB/s against that repetition's
 GB/s. Pages are verified (each landed page starts with its source row's index).
 
 The planes, stores and process plumbing are ``transfer``'s, handed in as ``kit`` (its
-``TP_KIT``: ``make_plane``, ``device``, ``store``, ``result``, ``unavailable``, ``spec``).
+``tp_kit(roles)``: ``make_plane``, ``device`` (``Roles.of``: the ``-cuda`` rows' GPUs as
+``--producer-device`` / ``--consumer-device`` say), ``store``, ``result``, ``unavailable``,
+``spec``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _producer(kit: Any, name: str, n: int, page_bytes: int, conn: Any) -> None:
     try:
         store = kit.store(2 * n, page_bytes)
         plane = kit.make_plane(name)
-        rows = torch.from_numpy(store).to(kit.device(name))
+        rows = torch.from_numpy(store).to(kit.device(name, "producer"))
         register = getattr(plane, "register_source", None)
         if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
             rows = register(rows)
@@ -102,7 +104,7 @@ def _consumer(
         msg = conn.recv()
         if msg[0] == "error":
             raise RuntimeError(f"producer: {msg[1]}")
-        slots, dev = 2 * n, kit.device(name)
+        slots, dev = 2 * n, kit.device(name, "consumer")
         if dev == "cpu":
             from .. import hostmem
 

@@ -32,7 +32,7 @@ from .schema import (
     SecurityConfig,
 )
 from .trtllm import check_llm_api_options, trtllm_llm_api_options
-from .values import Endpoint, parse_endpoint, parse_size, read_curve_key
+from .values import Endpoint, parse_endpoint, parse_size, read_curve_key, store_device_for
 
 __all__ = [
     "ENV_VARS",
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_TRANSPORT",
     "UCX_CHANNELS",
     "STORE_DEVICES",
+    "store_device_for",
     "LOAD_FAILURE_POLICIES",
     "LOAD_MODES",
     "DEFAULT_HEARTBEAT_S",

@@ -30,6 +30,7 @@ from .values import (
     PublicKeyFile,
     SecretKeyFile,
     Size,
+    StoreDeviceName,
     plain,
     public_key,
     read_curve_key,
@@ -49,8 +50,8 @@ Role = Literal["producer", "consumer"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 UcxChannel = Literal["tcp", "shm", "auto"]
 UCX_CHANNELS: tuple[str, ...] = typing.get_args(UcxChannel)
-StoreDevice = Literal["cpu", "pinned", "cuda"]
-STORE_DEVICES: tuple[str, ...] = typing.get_args(StoreDevice)
+# store_device also takes cuda:N (StoreDeviceName); these are the names without an index
+STORE_DEVICES: tuple[str, ...] = ("cpu", "pinned", "cuda")
 LoadMode = Literal["auto", "async", "sync"]
 LOAD_MODES: tuple[str, ...] = typing.get_args(LoadMode)
 LoadFailurePolicy = Literal["auto", "fail_request", "stop_instance"]
@@ -64,6 +65,7 @@ Name = Annotated[str, Meta(pattern=r"\S")]  # not empty, not only blanks
 NixlBackend = Literal["UCX", "LIBFABRIC"]
 NIXL_BACKENDS: tuple[str, ...] = typing.get_args(NixlBackend)
 NixlDevices = Annotated[str, Meta(pattern=r"^[\w.:-]+(,[\w.:-]+)*$")]
+NixlErrorHandling = Literal["peer", "none"]
 
 
 @functools.cache
@@ -128,7 +130,13 @@ class ProducerConfig(Section, frozen=True):
         ]
         | None
     ) = None
-    store_device: Annotated[StoreDevice, Meta(description="where the store's bytes live")] = "cpu"
+    store_device: Annotated[
+        StoreDeviceName,
+        Meta(
+            description="where the store's bytes live; cuda:N must be the GPU of the "
+            "engine's KV cache"
+        ),
+    ] = StoreDeviceName("cpu")
     lease_ttl_s: Annotated[Seconds, Meta(description="lifetime of a lease without a renewal")] = (
         30.0
     )
@@ -437,6 +445,21 @@ class DisaggConfig(Section, frozen=True, dict=True):
         ]
         | None
     ) = None
+    nixl_error_handling: (
+        Annotated[
+            NixlErrorHandling,
+            Meta(
+                description="transport: nixl only, UCX backend: `peer` (null's choice) makes "
+                "UCX report a dead peer as a failed read, and leaves out the lanes that cannot "
+                "(shared memory, cuda_ipc: device memory then moves through host staging); "
+                "`none` lets UCX use them (cuda_ipc: ~400x faster on one GPU), but a peer "
+                "dying mid-read is then not handled: opt-in for trusted peers on one node "
+                "(docs/design/nixl-plane.md)",
+                examples=["none"],
+            ),
+        ]
+        | None
+    ) = None
     producer: (
         Annotated[
             ProducerConfig, Meta(description="required when role: producer, refused otherwise")
@@ -480,6 +503,7 @@ class DisaggConfig(Section, frozen=True, dict=True):
             ("ipc_spin_us", "ipc", "an ipc"),
             ("nixl_backend", "nixl", "a nixl"),
             ("nixl_devices", "nixl", "a nixl"),
+            ("nixl_error_handling", "nixl", "a nixl"),
         ):
             if getattr(self, name) is not None and self.transport != plane:
                 raise err(
@@ -563,7 +587,7 @@ class DisaggConfig(Section, frozen=True, dict=True):
         if self.transport == "ipc":
             names.append("ipc_spin_us")
         if self.transport == "nixl":
-            names += ["nixl_backend", "nixl_devices"]
+            names += ["nixl_backend", "nixl_devices", "nixl_error_handling"]
         names += [n for n in ("producer", "consumer", "security", "metrics") if data[n]]
         names += ["tuning"] if data["tuning"] else []  # only the switches set
         return {name: data[name] for name in names}

@@ -344,3 +344,58 @@ def resolve_key_paths(section: dict[str, Any], base_dir: str | os.PathLike[str])
     if isinstance(out.get("allowed_client_keys"), (list, tuple)):
         out["allowed_client_keys"] = [resolve(v) for v in out["allowed_client_keys"]]
     return out
+
+
+_STORE_DEVICE_RE = re.compile(r"^(cpu|pinned|cuda|cuda:\d+)$")
+
+
+class StoreDeviceName(str):
+    what = "cpu, pinned, cuda (the engine's GPU) or cuda:N"
+
+    @classmethod
+    def parse(cls, value: Any, field: str) -> StoreDeviceName:
+        if not isinstance(value, str) or not _STORE_DEVICE_RE.match(value):
+            raise err(
+                field,
+                f"unknown value {value!r}; valid values: cpu, pinned, cuda (the engine's GPU), "
+                "cuda:N (GPU N, the one the engine's KV cache is on)",
+            )
+        return cls(value)
+
+
+def store_device_for(value: str, pool_device: Any, field: str = "producer.store_device") -> str:
+    """The torch device string of the producer's store for ``store_device: value`` next to
+    an engine whose KV cache is on ``pool_device`` (a torch.device or its name): ``cuda``
+    is the KV cache's GPU (not the calling thread's current one); ``cuda:N`` must name it
+    (the save path copies pages on one GPU), exist and be visible. Raises ConfigError
+    naming ``field`` and the fix otherwise."""
+    pool = str(pool_device)
+    if value in ("cpu", "pinned"):
+        return value
+    import torch
+
+    if not torch.cuda.is_available():
+        built = torch.version.cuda is not None
+        why = "no CUDA device is visible" if built else "this torch is a CPU-only build"
+        raise err(field, f"is {value} but {why}; use store_device: cpu or pinned")
+    count = torch.cuda.device_count()
+    if value.startswith("cuda:") and int(value[5:]) >= count:
+        raise err(
+            field,
+            f"is {value} but only {count} CUDA device(s) are visible here (cuda:0..cuda:"
+            f"{count - 1}; CUDA_VISIBLE_DEVICES renumbers them); use cuda (the engine's GPU)",
+        )
+    if not pool.startswith("cuda"):
+        if value == "cuda":
+            return f"cuda:{torch.cuda.current_device()}"
+        return value
+    index = pool[5:] if pool.startswith("cuda:") else str(torch.cuda.current_device())
+    if value == "cuda":
+        return f"cuda:{index}"
+    if value[5:] != index:
+        raise err(
+            field,
+            f"is {value} but the engine's KV cache is on cuda:{index}; the store must be on "
+            f"the engine's GPU: use store_device: cuda (or cuda:{index})",
+        )
+    return value

@@ -24,17 +24,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
 from ..protocol.keys import KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
+from .host import LinkHost
 from .links import ProducerLink
 from .loads import Claimed
-
-if TYPE_CHECKING:
-    from .service import ConsumerService
 
 log = logging.getLogger("disagg.consumer")
 
@@ -44,7 +41,7 @@ V = PROTOCOL_VERSION
 class Claims:
     """The service's claiming (``ConsumerService.claim`` calls ``claim``)."""
 
-    def __init__(self, svc: ConsumerService, threads: int):
+    def __init__(self, svc: LinkHost, threads: int):
         self.svc = svc
         self._lookups = ThreadPoolExecutor(max(1, threads), thread_name_prefix="disagg-lookup")
 

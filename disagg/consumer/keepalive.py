@@ -17,16 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.version import PROTOCOL_VERSION
+from .host import LinkHost
 from .links import ProducerLink
 from .loads import Claimed
-
-if TYPE_CHECKING:
-    from .service import ConsumerService
 
 log = logging.getLogger("disagg.consumer")
 
@@ -36,7 +33,7 @@ V = PROTOCOL_VERSION
 class Keepalive:
     """The service's renewals and releases (``ConsumerService.keepalive``)."""
 
-    def __init__(self, svc: ConsumerService):
+    def __init__(self, svc: LinkHost):
         self.svc = svc
         # (lease, None: the whole lease | (first block, count): part of it)
         self._releases: list[tuple[Claimed, tuple[int, int] | None]] = []

@@ -34,8 +34,8 @@ from ..protocol.version import PROTOCOL_VERSION
 from ..transport.refusals import HandshakeRefused
 
 if TYPE_CHECKING:
+    from .host import LinkHost
     from .links import ProducerLink
-    from .service import ConsumerService
 
 log = logging.getLogger("disagg.consumer")
 
@@ -105,7 +105,7 @@ def _fix(reason: str, security: Any) -> str:
 class Refusals:
     """The service's refused links (``ConsumerService.refusals``)."""
 
-    def __init__(self, svc: ConsumerService):
+    def __init__(self, svc: LinkHost):
         self.svc = svc
         self._lock = threading.Lock()
         self._stop = threading.Event()

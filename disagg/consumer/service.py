@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DisaggConfig
+from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
@@ -83,6 +84,7 @@ log = logging.getLogger("disagg.consumer")
 
 V = PROTOCOL_VERSION
 _registry: Registry[ConsumerService] = Registry()
+list_services("consumer", _registry.live)
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
@@ -200,6 +202,7 @@ class ConsumerService(ConnectorService):
             ipc_spin_us=self.config.ipc_spin_us,
             nixl_backend=self.config.nixl_backend,
             nixl_devices=self.config.nixl_devices,
+            nixl_error_handling=self.config.nixl_error_handling,
         )
         # whole group pages for async loads, and one group per layer for layer-wise ones;
         # with routes, the same for each head slice a part lands in

@@ -58,8 +58,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import DisaggConfig
+from ..config import DisaggConfig, store_device_for
 from ..engine.heads import store_columns
+from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
@@ -78,6 +79,7 @@ from .store import BlockStore
 log = logging.getLogger("disagg.producer")
 
 _registry: Registry[ProducerService] = Registry()
+list_services("producer", _registry.live)
 # instance id -> its lowest rank's live service here (serve reads it); every rank's:
 # ``_registry.by_rank`` ((instance id, rank) -> service) and ``_registry.live()``
 _services = _registry.services
@@ -174,6 +176,7 @@ class ProducerService(ControlPlane, ConnectorService):
     # -- bring-up ---------------------------------------------------------------------
     def attach(self, pool: PagePool) -> None:
         """Called by the worker's registration: size the store and start serving."""
+        store_device = store_device_for(self.pcfg.store_device, pool.device)  # or ConfigError
         self._attach_pool(pool)
         if self.pcfg.events and self.tp_rank == 0:
             self.events = EventPublisher(
@@ -185,7 +188,7 @@ class ProducerService(ControlPlane, ConnectorService):
         self.store = BlockStore(
             pool.block_bytes,
             self.pcfg.store_size,
-            device=self.pcfg.store_device,
+            device=store_device,
             save_timeout_s=self.pcfg.save_timeout_s,
             on_stored=self._published("stored"),
             on_removed=self._published("removed"),
@@ -208,6 +211,7 @@ class ProducerService(ControlPlane, ConnectorService):
             ipc_spin_us=self.config.ipc_spin_us,
             nixl_backend=self.config.nixl_backend,
             nixl_devices=self.config.nixl_devices,
+            nixl_error_handling=self.config.nixl_error_handling,
         )
         register = getattr(self.data, "register_source", None)
         if register is not None:  # a plane that reads the store where it lies (ipc)

@@ -1,4 +1,4 @@
-"""A CUDA driver call made straight through ctypes, for the ipc plane's receiver path.
+"""CUDA driver calls made straight through ctypes, for the ipc plane's receiver path.
 
 Why: on the H200's VM each torch call on a just-woken thread costs 20-50 us (argument
 parsing, dispatch, a slice and its tensor object before ``copy_``); the receiver makes
@@ -10,6 +10,12 @@ the GPU from yet).
 
 The stream handle is a ``cudaStream_t`` (torch's ``stream.cuda_stream``): the runtime
 and the driver share stream handles.
+
+``enable_peer_access(device, peer)`` lets kernels running on GPU ``device`` read GPU
+``peer``'s memory (the ipc plane's copy kernel runs on the consumer's GPU and reads the
+producer's store, opened through CUDA IPC on the producer's GPU): torch has no call for
+it (its own cross-device copies enable it only inside ``copy_``). Device numbers are
+this process's CUDA ordinals (after CUDA_VISIBLE_DEVICES), as torch's.
 """
 
 from __future__ import annotations
@@ -39,6 +45,82 @@ def _lib() -> Any:
     name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     name.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def _peer_lib() -> Any:
+    """libcuda with the peer-access entry points typed, or None."""
+    lib = _lib()
+    try:
+        fns = (
+            lib.cuInit,
+            lib.cuDeviceGet,
+            lib.cuDeviceCanAccessPeer,
+            lib.cuDevicePrimaryCtxRetain,
+            lib.cuCtxPushCurrent_v2,
+            lib.cuCtxPopCurrent_v2,
+            lib.cuCtxEnablePeerAccess,
+        )
+    except (AttributeError, TypeError):  # TypeError: no library at all (None)
+        return None
+    init, get, can, retain, push, pop, enable = fns
+    init.argtypes = [ctypes.c_uint]
+    get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    can.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    push.argtypes = [ctypes.c_void_p]
+    pop.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    enable.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    for f in fns:
+        f.restype = ctypes.c_int
+    return lib
+
+
+_PEER_ALREADY_ENABLED = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+
+
+@functools.cache
+def enable_peer_access(device: int, peer: int) -> str | None:
+    """Let kernels on GPU ``device`` access GPU ``peer``'s memory (including memory this
+    process opened there through CUDA IPC). None when they can (now, or ``device ==
+    peer``); else why not, in a few words (the GPUs have no peer path, no driver).
+    Done once per pair and process; the answer is cached."""
+    if device == peer:
+        return None
+    lib = _peer_lib()
+    if lib is None:
+        return "the CUDA driver library (libcuda.so.1) cannot be loaded"
+    dev, other = ctypes.c_int(), ctypes.c_int()
+    rc = lib.cuInit(0)
+    if rc == 0:
+        rc = lib.cuDeviceGet(ctypes.byref(dev), device)
+    if rc == 0:
+        rc = lib.cuDeviceGet(ctypes.byref(other), peer)
+    if rc != 0:
+        return str(_error(lib, rc, f"cuDeviceGet(cuda:{device} / cuda:{peer})"))
+    can = ctypes.c_int()
+    rc = lib.cuDeviceCanAccessPeer(ctypes.byref(can), dev, other)
+    if rc != 0:
+        return str(_error(lib, rc, "cuDeviceCanAccessPeer"))
+    if not can.value:
+        return f"cuda:{device} has no peer access to cuda:{peer} (no NVLink or PCIe P2P path)"
+    ctx, peer_ctx = ctypes.c_void_p(), ctypes.c_void_p()
+    # the primary contexts (torch's): retained for the life of the process, like torch's
+    rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    if rc == 0:
+        rc = lib.cuDevicePrimaryCtxRetain(ctypes.byref(peer_ctx), other)
+    if rc != 0:
+        return str(_error(lib, rc, "cuDevicePrimaryCtxRetain"))
+    rc = lib.cuCtxPushCurrent_v2(ctx)
+    if rc != 0:
+        return str(_error(lib, rc, "cuCtxPushCurrent"))
+    try:
+        rc = lib.cuCtxEnablePeerAccess(peer_ctx, 0)
+    finally:
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    if rc not in (0, _PEER_ALREADY_ENABLED):
+        return str(_error(lib, rc, f"cuCtxEnablePeerAccess(cuda:{device} -> cuda:{peer})"))
+    return None
 
 
 def _has_context(lib: Any) -> bool:

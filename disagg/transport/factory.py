@@ -16,6 +16,7 @@ def make_data_plane(
     ipc_spin_us: int | None = None,
     nixl_backend: str | None = None,
     nixl_devices: str | None = None,
+    nixl_error_handling: str | None = None,
 ) -> DataPlane:
     """``tcp`` (plain TCP / Unix stream sockets, always available), ``ucx`` (needs ``pip
     install disagg[ucx]``), ``ipc`` (producer and consumer on one host: the consumer
@@ -28,7 +29,7 @@ def make_data_plane(
     ``ucx_channel`` (``tcp`` when None) and ``ucx_rma_readers`` (None: the plane's
     default) go to the UCX plane; ``ipc_spin_us`` (None: ``spin.default_spin_us()``) to
     the ipc plane; ``nixl_backend`` (None: UCX) and ``nixl_devices`` (None: every
-    device the backend finds) to the nixl plane, which has no address to bind (NIXL
+    device the backend finds) and ``nixl_error_handling`` (None: peer) to the nixl plane, which has no address to bind (NIXL
     picks its own); ValueError for the others."""
     if checksum and transport != "tcp":
         raise ValueError(
@@ -40,9 +41,11 @@ def make_data_plane(
         )
     if ipc_spin_us is not None and transport != "ipc":
         raise ValueError(f"ipc_spin_us: an ipc data plane setting, not for {transport!r}")
-    if (nixl_backend is not None or nixl_devices is not None) and transport != "nixl":
+    nixl_set = (nixl_backend, nixl_devices, nixl_error_handling)
+    if any(v is not None for v in nixl_set) and transport != "nixl":
         raise ValueError(
-            f"nixl_backend / nixl_devices: nixl data plane settings, not for {transport!r}"
+            "nixl_backend / nixl_devices / nixl_error_handling: nixl data plane settings, "
+            f"not for {transport!r}"
         )
     advertise = None
     if advertise_host and bind.startswith("tcp://"):
@@ -80,7 +83,11 @@ def make_data_plane(
             raise RuntimeError(str(exc)) from None
         from .nixl.plane import NixlDataPlane
 
-        return NixlDataPlane(backend=nixl_backend or "UCX", devices=nixl_devices)
+        return NixlDataPlane(
+            backend=nixl_backend or "UCX",
+            devices=nixl_devices,
+            error_handling=nixl_error_handling or "peer",
+        )
     from ..config import RENAMED_TRANSPORTS
 
     if transport in RENAMED_TRANSPORTS:

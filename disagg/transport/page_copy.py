@@ -24,6 +24,10 @@ rows and writes its own page slots), so it is the one place where bytes move:
   addresses (H200, CPU time of one launch hot / after a 2 ms sleep: JIT 44 /
   79 us, direct with int pointers and a cached stream handle 12 / 26; in the ipc plane's
   receiver 63 -> 35-49 us).
+- **Between two GPUs** (the consumer's slots on one, the producer's store on another):
+  the same kernel, launched on the destination GPU, reads the source across NVLink/PCIe
+  once peer access is enabled (``cuda_driver.enable_peer_access``); where the GPUs have
+  no peer path, torch's gather, cross-device copy and scatter.
 - **CUDA without Triton**: ``index_select`` then ``index_copy_`` on 8-byte elements.
 - **Host**: one memcpy per row, straight from the source row to its slot, on up to
   HOST_THREADS threads without the GIL (``_rowcopy.c``, built at install; indices checked
@@ -47,6 +51,7 @@ import torch
 
 from .. import tuning
 from ..pages import copy_rows, gather_rows, scatter_rows
+from . import cuda_driver
 
 # Host path: rows gathered per chunk; about the size of a core's share of L2/L3.
 HOST_CHUNK_BYTES = 2 << 20
@@ -122,6 +127,9 @@ def copy_indexed(
         _copy_host(dst, dst_idx, src, src_idx)
     elif dst.device == src.device:
         _copy_device(dst, dst_idx, src, src_idx)
+    elif peer_reachable(dst.device, src.device):  # the kernel on dst's GPU reads src's
+        with torch.cuda.device(dst.device):
+            _copy_device(dst, dst_idx, src, src_idx)
     else:  # across devices (a host store into device slots): gather, move, scatter
         rows = gather_rows(src, src_idx.to(src.device, torch.int64))
         scatter_rows(dst, dst_idx.to("cpu", torch.int64), rows.to(dst.device, non_blocking=True))
@@ -143,12 +151,14 @@ class DeviceCopy(NamedTuple):
 
 
 def prepare_device(dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy | None:
-    """For repeated copies between the same two views on one CUDA device: the element
+    """For repeated copies between the same two views on CUDA devices: the element
     views and launch shape, worked out once (each push of the ipc plane then launches
-    with no per-call Python beyond the launch itself). None where the Triton kernel is
-    unavailable or the views are not both on one CUDA device: use ``copy_indexed``."""
+    with no per-call Python beyond the launch itself). The kernel runs on ``dst``'s GPU
+    (the caller makes it current), indices there too; ``src`` on that GPU or on one it
+    has peer access to. None where the Triton kernel is unavailable or ``src`` cannot
+    be read from ``dst``'s GPU: use ``copy_indexed``."""
     kernel = _triton_kernel()
-    if kernel is None or dst.device.type != "cuda" or dst.device != src.device:
+    if kernel is None or dst.device.type != "cuda" or not peer_reachable(dst.device, src.device):
         return None
     if dst.shape[1] != src.shape[1]:
         raise ValueError(f"rows of {src.shape[1]} bytes cannot land in rows of {dst.shape[1]}")
@@ -157,6 +167,16 @@ def prepare_device(dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy | None:
     block = min(4096, 1 << max(6, (n_elems - 1).bit_length()))
     chunks = kernel[1](n_elems, block)
     return DeviceCopy(ws, wd, ws.stride(0), wd.stride(0), n_elems, block, chunks, {})
+
+
+def peer_reachable(dst: torch.device, src: torch.device) -> bool:
+    """Whether a kernel on CUDA device ``dst`` can read ``src`` (the same GPU, or one it
+    has peer access to, enabled here on first use)."""
+    if src == dst:
+        return True
+    if src.type != "cuda" or dst.type != "cuda":
+        return False
+    return cuda_driver.enable_peer_access(dst.index or 0, src.index or 0) is None
 
 
 def launch_device(c: DeviceCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
@@ -216,11 +236,12 @@ def _copy_device(
     prepared = prepare_device(dst, src)
     if prepared is None:  # torch's index kernels want int64 indices
         rows = gather_rows(src, src_idx.to(src.device, torch.int64, non_blocking=True))
+        rows = rows.to(dst.device, non_blocking=True)  # a no-op on one GPU
         scatter_rows(dst, dst_idx.to(dst.device, torch.int64, non_blocking=True), rows)
         return
     si, di = src_idx, dst_idx  # int32 or int64: the kernel widens each index it loads
-    if si.device != src.device or si.dtype not in _INDEX_DTYPES:
-        si = si.to(src.device, dtype=torch.int64, non_blocking=True)
+    if si.device != dst.device or si.dtype not in _INDEX_DTYPES:  # the kernel's GPU
+        si = si.to(dst.device, dtype=torch.int64, non_blocking=True)
     if di.device != dst.device or di.dtype not in _INDEX_DTYPES:
         di = di.to(dst.device, dtype=torch.int64, non_blocking=True)
     launch_device(prepared, di, si)

@@ -97,6 +97,22 @@ def test_lists_are_prepared_once_and_a_run_is_one_descriptor(pair):
     assert torch.equal(pool[[0, 2, 4]], slab[[1, 2, 3]])
 
 
+def test_without_peer_error_handling_pages_still_land_byte_for_byte():
+    """``nixl_error_handling: none`` lets UCX pick shared memory (and cuda_ipc on a GPU)."""
+    rx, tx = NixlDataPlane(error_handling="none"), NixlDataPlane(error_handling="none")
+    try:
+        pool, slab = _setup(rx, tx, seed=3)
+        rx.expect(1, 7, b"tok", [5], 20.0, [[9, 3, 40, 41, 42]])
+        h = _push(tx, rx, 1, slab, [0, 17, 5, 6, 7], [9, 3, 40, 41, 42])
+        assert rx.wait(1, 20.0).done and tx.wait_push(h, 20.0).done
+        assert torch.equal(pool[[9, 3, 40, 41, 42]], slab[[0, 17, 5, 6, 7]])
+    finally:
+        rx.close()
+        tx.close()
+    with pytest.raises(ValueError, match="peer or none"):
+        NixlDataPlane(error_handling="off")
+
+
 def test_the_handshake_metadata_exposes_no_consumer_memory(pair):
     """The consumer's metadata (Hello, Push) is connection information only: a producer
     loading it can reach no byte of the consumer. The producer's carries its store."""

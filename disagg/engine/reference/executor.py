@@ -78,6 +78,13 @@ class Engine:
         comm: TpComm | None = None,
     ):
         self.config = cfg = config
+        if cfg.device.startswith("cuda:"):
+            # its GPU current on the thread that builds and steps it (a thread starts on
+            # cuda:0), as TensorRT-LLM's executor makes its rank's GPU current: the
+            # connectors' streams and events are the current device's
+            import torch
+
+            torch.cuda.set_device(cfg.device)
         if comm is not None and comm.size != cfg.tp:
             raise ValueError(f"Engine: comm has {comm.size} ranks, config says tp={cfg.tp}")
         self.comm = comm

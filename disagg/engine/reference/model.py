@@ -36,12 +36,16 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .attention import Attention
 from .batch import Batch
 from .config import EngineConfig
 from .kv_cache import KvCacheManager
 
 ROW_TILE = 32  # rows per tile on the batch-invariant path
+# Below this many rows a forward is launch-bound and Triton's launcher (tens of us a call)
+# costs more than the passes it saves: decode steps keep PyTorch's ops.
+FUSED_MIN_ROWS = 1024
 
 
 class TpGroup(Protocol):
@@ -102,6 +106,12 @@ class TinyLlama:
         ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.rope = torch.polar(torch.ones_like(ang), ang).to(torch.complex64).to(dev)
         self.exact = cfg.exact_batching
+        # one pass each for RoPE and SwiGLU on CUDA (fused.py); the batch-invariant path
+        # keeps PyTorch's ops, whose tiles are the same calls whatever the batch
+        self.fused = not self.exact and fused.available(dev, hd)
+        if self.fused:
+            self.rope_cos = self.rope.real.float().contiguous()
+            self.rope_sin = self.rope.imag.float().contiguous()
         self.attention = Attention(
             cfg.device, dt, self.exact, any(w is not None for w in cfg.layer_windows)
         )
@@ -141,7 +151,10 @@ class TinyLlama:
 
     def rope_tables(self, batch: Batch) -> torch.Tensor:
         """RoPE rotations ``[rows, 1, head_dim/2]`` of the batch's positions (once per
-        forward)."""
+        forward); for a forward large enough for the fused kernels, the positions
+        themselves (the kernel looks the angles up)."""
+        if self.fused and batch.positions.shape[0] >= FUSED_MIN_ROWS:
+            return batch.positions
         return self.rope[batch.positions][:, None]
 
     def layer(
@@ -154,8 +167,13 @@ class TinyLlama:
         n, hd, heads, kvh = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qk = (heads + kvh) * hd
 
+        fuse = self.fused and n >= FUSED_MIN_ROWS
+
         def qkv(xt: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = _rms_norm(xt, p["attn_norm"]) @ p["wqkv"]
+            if fuse:
+                fused.rope_(out, heads + kvh, hd, self.rope_cos, self.rope_sin, rot)
+                return out[:, :qk].view(xt.shape[0], heads + kvh, hd), out[:, qk:]
             pairs = out[:, :qk].float().view(xt.shape[0], heads + kvh, hd // 2, 2)
             roped = torch.view_as_real(torch.view_as_complex(pairs) * rot).to(out.dtype)
             return roped.view(xt.shape[0], heads + kvh, hd), out[:, qk:]
@@ -175,7 +193,10 @@ class TinyLlama:
 
         def rest(xt: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
             xt = torch.addmm(xt, at, p["wo"])
-            gate, up = (_rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]).chunk(2, dim=-1)
+            gate_up = _rms_norm(xt, p["mlp_norm"]) @ p["w_gate_up"]
+            if fuse:
+                return torch.addmm(xt, fused.silu_mul(gate_up), p["w_down"])
+            gate, up = gate_up.chunk(2, dim=-1)
             return torch.addmm(xt, F.silu(gate) * up, p["w_down"])
 
         return self._rows(rest, x, attn)

@@ -9,8 +9,10 @@ thread waits for device copies and writes their acks itself.
 Checks, with numpy or one C pass over whole index arrays (``ReceiverBook.accept_rows``,
 the shared rules): the transfer's token and lease, the slots (bounds, promises, each
 once, page counts), that every source row lies inside the export, that the export is
-from this host (boot id) and, for CUDA, that its GPU is visible here and its sender
-alive. A push that fails a check fails the transfer and is answered with the reason.
+from this host (boot id) and, for CUDA, that its GPU is visible here, its sender alive,
+and, when the slots are on another GPU, that peer access to it can be enabled (the copy
+kernel runs on the slots' GPU and reads the store over NVLink/PCIe). A push that fails a
+check fails the transfer and is answered with the reason.
 
 Copies (``staging``): host copies are over on return and answered at once; device
 copies are queued on the receiver thread's stream, and the landing thread lands the
@@ -45,11 +47,11 @@ import torch
 from ...protocol import ipc as wire
 from ...protocol import messages as m
 from ...protocol.errors import ProtocolError
-from .. import framed, spin
+from .. import cuda_driver, framed, spin
 from ..dataplane import TransferState
 from ..receiver import BookedReceiver, ReceiverBook, Rx
 from . import host
-from .staging import Plan, Prepared, Staging, copy_batch, device_of, indices
+from .staging import Plan, Prepared, Staging, copy_batch, device_of, indices, use_device
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +483,14 @@ class IpcReceiver(BookedReceiver):
             staged = None
             out: Any = None
             rows_at = 0
+            if dev is not None and src.is_cuda and src.device != dev:
+                why = cuda_driver.enable_peer_access(dev.index or 0, src.device.index or 0)
+                if why is not None:
+                    raise Refused(
+                        f"export {export.export_id} is on {src.device} and group {batch.group}'s page slots on {dev}, which cannot read it: {why}; put both roles on one GPU or use transport ucx or tcp"
+                    )
             if dev is not None:  # the check copies the arrays into a pinned buffer
+                use_device(dev)
                 staging = self._staging.get(dev)
                 if staging is None:
                     staging = self._staging[dev] = Staging(dev)

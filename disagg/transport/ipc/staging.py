@@ -16,6 +16,7 @@ this path: docs/design/ipc-plane.md.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -155,6 +156,18 @@ class Staging:
         del self.unsealed[keep:]
 
 
+_current = threading.local()  # per thread: the CUDA device made current by use_device
+
+
+def use_device(dev: torch.device) -> None:
+    """Make ``dev`` the calling thread's current CUDA device (a call only when it
+    changes): Triton launches on the current device, and the driver's copies need its
+    context; a thread starts on cuda:0 whatever GPU the slots are on."""
+    if getattr(_current, "device", None) != dev:
+        torch.cuda.set_device(dev)
+        _current.device = dev
+
+
 def device_of(grp: Group | None) -> torch.device | None:
     """The CUDA device every region of ``grp`` lives on, or None (host, mixed, no group)."""
     if grp is None:
@@ -170,6 +183,8 @@ def copy_batch(plan: Plan) -> set[torch.device]:
     ``copy_indexed`` over all pages of the batch. Host copies are done on return; device
     copies are queued on the current streams of the devices returned."""
     grp, b, slots, rows, n_rows, src, _, staged, dev = plan
+    if dev is not None:
+        use_device(dev)
     if staged is not None and dev is not None:
         # Both index arrays in one host-to-device copy, from pinned memory: a copy from
         # pageable memory would block this thread until the GPU finished the copies

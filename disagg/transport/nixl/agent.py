@@ -19,6 +19,7 @@ once per span, metadata, and the calls whose failures NIXL reports as exceptions
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,11 +79,14 @@ def open_agent(
     devices: str | None = None,
     transports: str | None = None,
     telemetry: bool = False,
+    error_handling: str = "peer",
 ) -> Any:
     """A ``nixl_agent`` named ``name`` with ``backend`` (its devices: ``devices``, a
     comma-separated list such as ``mlx5_0:1``; ``transports``: UCX's transport list,
-    e.g. ``tcp,self``, for this agent only). RuntimeError naming the fix when the
-    backend is not in this NIXL build or fails to start."""
+    e.g. ``tcp,self``, for this agent only; ``error_handling``: UCX's peer error handling,
+    ``peer`` (a dead peer fails the read; UCX then leaves out shared memory and cuda_ipc)
+    or ``none``). RuntimeError naming the fix when the backend is not in this NIXL build
+    or fails to start."""
     api = nixl_api()
     cfg = api.nixl_agent_config(
         enable_prog_thread=True,
@@ -105,6 +109,16 @@ def open_agent(
         if backend != "UCX":
             raise ValueError(f"transports apply to the UCX backend, not {backend!r}")
         params["engine_config"] = f"TLS={transports}"
+    if error_handling not in ("peer", "none"):
+        raise ValueError(f"nixl_error_handling: {error_handling!r}; use peer or none")
+    if backend == "UCX":
+        params["ucx_error_handling_mode"] = error_handling
+        if error_handling == "none":
+            # cuda_ipc serves the consumer's READs (GETs) only with this switch; read by
+            # UCX when the backend makes its context (docs/design/nixl-plane.md)
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    elif error_handling != "peer":
+        raise ValueError(f"nixl_error_handling applies to the UCX backend, not {backend!r}")
     try:
         agent.create_backend(backend, params)
     except Exception as exc:

@@ -63,7 +63,8 @@ class NixlDataPlane(BookedReceiver, DataPlane):
     """Both DataPlane sides over NIXL (module docstring). ``backend``: the NIXL backend
     (``UCX``); ``devices``: its devices (UCX: ``mlx5_0:1,...``, as UCX_NET_DEVICES);
     ``transports``: UCX's transport list for this plane only (tests pick ``tcp,self``);
-    ``telemetry``: count the descriptors NIXL posts (``stats['nixl_descs']``)."""
+    ``telemetry``: count the descriptors NIXL posts (``stats['nixl_descs']``);
+    ``error_handling``: UCX's peer error handling (``peer`` or ``none``, ``open_agent``)."""
 
     accepts_store_rows = True  # producers hand StoreRows: read where they lie
     abort_complete = False  # a posted NIXL read cannot be stopped (module docstring)
@@ -77,11 +78,14 @@ class NixlDataPlane(BookedReceiver, DataPlane):
         devices: str | None = None,
         transports: str | None = None,
         telemetry: bool = False,
+        error_handling: str = "peer",
     ) -> None:
         self.stats: Counter[str] = Counter()
         host = socket.gethostname().split(".")[0][:32]
         self.name = f"disagg-{host}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent = nx.open_agent(self.name, backend, devices, transports, telemetry)
+        self._agent = nx.open_agent(
+            self.name, backend, devices, transports, telemetry, error_handling
+        )
         api = nx.nixl_api()
         empty = api.nixlBind.nixlRegDList(api.nixlBind.DRAM_SEG)
         self._conn_meta = bytes(self._agent.get_partial_agent_metadata(empty, True))
