@@ -13,6 +13,7 @@ from typing import Any
 
 import xxhash
 
+from .engine.heads import HeadGeometry
 from .pages import PagePool
 from .protocol.fingerprint import Fingerprint, GroupGeometry
 from .protocol.keys import Namespace
@@ -44,7 +45,13 @@ def tp_of(llm_args: Any) -> tuple[int, int]:
     return size, runtime_rank()
 
 
-def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) -> Fingerprint:
+def fingerprint_of(
+    pool: PagePool, model_id: str, tp_size: int, tp_rank: int, heads: HeadGeometry | None = None
+) -> Fingerprint:
+    """Who ``pool`` makes us. With ``heads`` (the rank's KV heads, located in its pages)
+    each group's page bytes are the whole model's, every KV head's (the same on every TP
+    size), and the fingerprint states the model's KV head count."""
+    scale = (1, 1) if heads is None else (heads.num_kv_heads, len(heads.held))
     return Fingerprint(
         model=model_id,
         dtype=dtype_name(pool.dtype),
@@ -53,13 +60,14 @@ def fingerprint_of(pool: PagePool, model_id: str, tp_size: int, tp_rank: int) ->
             GroupGeometry(
                 group_id=g.group_id,
                 window=g.window,
-                bytes_per_page=g.page_bytes,
+                bytes_per_page=g.page_bytes * scale[0] // scale[1],
                 num_layers=len(g.layer_ids),
             )
             for g in pool.groups
         ],
         tp_size=tp_size,
         tp_rank=tp_rank,
+        num_kv_heads=0 if heads is None else heads.num_kv_heads,
     )
 
 
@@ -144,14 +152,18 @@ def _attr(request: Any, name: str) -> Any:
 
 
 def namespace_of(fp: Fingerprint, ident: RequestIdentity | None = None) -> Namespace:
+    """The key namespace of ``fp``'s pages. Where ``fp`` states the KV head count, keys do
+    not depend on the TP shard (``tp_size`` 0 in the seed): every rank of every TP size
+    stores its heads of a block under the block's one key."""
     ident = ident or RequestIdentity()
+    by_heads = fp.num_kv_heads > 0
     return Namespace(
         model_fingerprint=fp.model,
         dtype=fp.dtype,
         tokens_per_block=fp.tokens_per_block,
         group_page_bytes=tuple(g.bytes_per_page for g in fp.groups),
-        tp_size=fp.tp_size,
-        tp_rank=fp.tp_rank,
+        tp_size=0 if by_heads else fp.tp_size,
+        tp_rank=0 if by_heads else fp.tp_rank,
         cache_salt=ident.cache_salt,
         lora_id=ident.lora_id,
         mm_digest=ident.mm_digest,

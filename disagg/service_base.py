@@ -1,14 +1,17 @@
 """What the producer and consumer services share: who they are (model, TP shard, key
 namespace, fingerprint), one service per (instance id, TP rank) and process, metrics.
 
-Tensor parallelism (homogeneous: producer and consumer run the same TP size N). Every rank
-of an instance has its own service: its own page pool (the rank's KV-head shard), and on a
-producer its own store, lease table and control server. Rank r's fingerprint and key
-namespace carry ``tp_rank=r``, so its keys differ from every other rank's: a block asked of
-the wrong rank reads as a miss, and a handshake pairing consumer rank r with producer rank
-s != r is refused (``INCOMPATIBLE_PEER`` naming ``tp_rank``). The leader-only scheduler of
-rank 0 derives every rank's fingerprint and key seed from its own (``fingerprint_for``,
-``namespace_seed(..., tp_rank=r)``): shards of a homogeneous TP cache have equal geometry.
+Tensor parallelism. Every rank of an instance has its own service: its own page pool (the
+rank's KV heads), and on a producer its own store, lease table and control server. Where
+the model's KV head count is known (``engine.heads.num_kv_heads_of``) and the rank's heads
+are located in its pages, keys do not depend on the shard: every rank of every TP size
+stores its heads of a block under the block's one key, the fingerprint states the head
+count and a handshake compares no TP size or rank, so a consumer of any TP size pulls each
+rank's heads from the producer ranks holding them (docs/design/unequal-tp.md). Otherwise
+(head-blind) rank r's fingerprint and namespace carry ``tp_rank=r``, and a handshake pairing
+consumer rank r with producer rank s != r, or another TP size, is refused (``INCOMPATIBLE_PEER``
+naming the field). The leader-only scheduler of rank 0 derives every rank's fingerprint and
+key seed from its own (``fingerprint_for``, ``namespace_seed(..., tp_rank=r)``).
 
 Control endpoints per rank (``rank_endpoint``): rank 0 binds the configured endpoint, rank r
 binds the same host with port + r (``ipc://path`` becomes ``ipc://path.r``); port 0 means any
@@ -27,6 +30,7 @@ import msgspec
 
 from . import tuning
 from .config import DisaggConfig
+from .engine.heads import HeadGeometry, geometry_of, num_kv_heads_of
 from .identity import (
     RequestIdentity,
     cache_salt_id,
@@ -143,6 +147,10 @@ class ConnectorService:
         self.metrics: Counter[str] = Counter()
         self.closed = False
         self._seeds: dict[tuple[RequestIdentity, int], bytes] = {}
+        # the model's KV heads (None: unknown, pages then pair by TP rank) and, once the
+        # cache is registered, where this rank's sit in its pages (``engine.heads``)
+        self.num_kv_heads = num_kv_heads_of(llm_args)
+        self.heads: HeadGeometry | None = None
 
     def _attach_pool(self, pool: PagePool) -> None:
         """Registration: remember the engine's pages and who that makes us."""
@@ -150,7 +158,19 @@ class ConnectorService:
             raise RuntimeError(f"disagg {self.role}: KV caches were registered twice")
         self.pool = pool
         lower_switch_interval()
-        self.fingerprint = fingerprint_of(pool, self.model_id, self.tp_size, self.tp_rank)
+        if self.num_kv_heads:
+            try:
+                self.heads = geometry_of(pool.layout, self.num_kv_heads, self.tp_size, self.tp_rank)
+            except ValueError as exc:
+                log.warning(
+                    "disagg %s: KV heads not located in the pages (%s): pages move only "
+                    "between equal TP sizes",
+                    self.role,
+                    exc,
+                )
+        self.fingerprint = fingerprint_of(
+            pool, self.model_id, self.tp_size, self.tp_rank, self.heads
+        )
         if self.config.metrics.port:  # inside trtllm-serve there is no other /metrics to use
             from .metrics import serve_metrics
 
@@ -160,7 +180,7 @@ class ConnectorService:
                 log.warning("metrics.port %s: %s", self.config.metrics.port, exc)
 
     def fingerprint_for(self, tp_rank: int) -> Fingerprint:
-        """Rank ``tp_rank``'s fingerprint: ours with that rank (homogeneous TP: every shard
+        """Rank ``tp_rank``'s fingerprint: ours with that rank (one TP size: every shard
         has the same geometry). The leader uses it to speak for every rank."""
         assert self.fingerprint is not None, "no KV cache registered yet"
         if tp_rank == self.fingerprint.tp_rank:

@@ -52,12 +52,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..cliargs import Parser, positive_float, positive_int, size, size_list
-from . import ceilings, devices
+from . import ceilings, devices, transfer_tp
 from .peers import draw
 from .units import fmt_size, median
 
@@ -583,6 +584,18 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tp_kit(roles: Roles) -> SimpleNamespace:
+    """What ``transfer_tp``'s rows run on (picklable: handed to its child processes)."""
+    return SimpleNamespace(
+        make_plane=_make_plane,
+        device=roles.of,
+        store=_store,
+        result=_result,
+        unavailable=unavailable,
+        spec=SPEC,
+    )
+
+
 # Former names, refused with the one to use.
 RENAMED = {"zmq-tcp": "tcp-tcp", "zmq-ipc": "tcp-unix"}
 
@@ -625,6 +638,11 @@ def main(argv: Sequence[str]) -> int:
         "--timeout", type=positive_float, default=120, help="seconds per transport and size"
     )
     devices.add_role_devices(ap, "cuda")  # the -cuda rows' store and pool
+    ap.add_argument(
+        "--tp",
+        action="store_true",
+        help="also TP-split and TP-merge rows beside each same-TP one (transfer_tp.py)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     ap.add_argument("--plot", help="write a PNG of GB/s against page size")
     a = ap.parse_args(list(argv))
@@ -640,7 +658,13 @@ def main(argv: Sequence[str]) -> int:
             a.page_sizes = [256 << 10]
         a.timeout = min(a.timeout, 30)
     report = run(a.page_sizes, a.total, a.transports, a.repeats, a.timeout, roles=roles)
+    if a.tp:
+        report["tp"] = transfer_tp.run(
+            tp_kit(roles), a.page_sizes, a.total, a.transports, a.repeats, a.timeout, sys.stderr
+        )
     print(table(report))
+    if a.tp:
+        print(transfer_tp.table(report["tp"]))
     if a.plot:
         from .plot import plot_transfer
 

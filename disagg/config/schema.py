@@ -184,9 +184,11 @@ class ConsumerConfig(Section, frozen=True):
     producers: Annotated[
         Producers,
         Meta(
-            description="the producers' control endpoints. With TP=N, one entry per producer "
-            "instance: its rank-0 endpoint (rank r is then at port + r), or a list of its "
-            "ranks' endpoints in rank order ([[tcp://p0:5557, tcp://p0:6001]])",
+            description="the producers' control endpoints. With TP > 1, one entry per producer "
+            "instance: its rank-0 endpoint (rank r is then at port + r; the producer runs the "
+            "consumer's TP size), or a list of its ranks' endpoints in rank order "
+            "([[tcp://p0:5557, tcp://p0:6001]]), whose length is the producer's TP size (it "
+            "may differ from the consumer's)",
             examples=[["tcp://prefill-0:5557"]],
         ),
     ]

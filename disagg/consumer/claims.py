@@ -9,10 +9,11 @@ its TTL. A producer that is down or refuses us (``refusals``) is skipped without
 grant's TTL may be shorter than asked: the keepalive then renews more often
 (``Keepalive.granted``).
 
-TP > 1 (the leader: rank 0's service, which links to every rank of every producer): the
-chosen producer's ranks are claimed in parallel, rank r with rank r's keys (bounded by three
-times ``claim_timeout_s``), and a block is offered only if every rank holds it: the minimum
-of the grants. A rank granted more is claimed again for exactly that run, then its longer
+TP > 1 on either side (the leader: rank 0's service, which links to every rank of every
+producer): the chosen producer's ranks are claimed in parallel, rank r with rank r's keys
+(where the KV heads are located, ``routes``: every rank with the same keys, on however many
+ranks the producer runs; bounded by three times ``claim_timeout_s``), and a block is
+offered only if every rank holds it: the minimum of the grants. A rank granted more is claimed again for exactly that run, then its longer
 lease released (the blocks stay pinned throughout). Any rank failing makes the claim a
 miss; what the others granted is released. The returned ``Claimed`` carries the other
 ranks' leases (``Claimed.ranks``), which travel to them in the metadata.
@@ -63,9 +64,11 @@ class Claims:
             return None
         keys = KeyBlob.of(keys)
         ranks: list[KeyBlob] = []
-        if svc.tp_size > 1:
-            if svc.tp_rank != 0 or rank_keys is None or len(rank_keys) != svc.tp_size - 1:
-                raise ValueError("a TP claim needs the leader and every rank's keys")
+        if svc.tp_size > 1 and svc.tp_rank != 0:
+            raise ValueError("a TP claim is the leader's")
+        if svc.tp_size > 1 and svc.routes is None:
+            if rank_keys is None or len(rank_keys) != svc.tp_size - 1:
+                raise ValueError("a head-blind TP claim needs every rank's keys")
             ranks = [KeyBlob.of(k) for k in rank_keys]
         links = [lk for lk in svc.links if lk.usable()]
         if not links:
@@ -74,8 +77,11 @@ class Claims:
         if len(links) > 1:
             links = self._rank_by_lookup(links, keys)
         for link in links:
-            if svc.tp_size > 1:
-                got = self._claim_ranks(link.index, request_id, [keys, *ranks])
+            n = svc.tp_size if svc.routes is None else svc.producer_tps[link.index]
+            if n > 1:
+                got = self._claim_ranks(
+                    link.index, request_id, [keys, *ranks] if ranks else [keys] * n
+                )
                 if got is not None:
                     return got
                 continue
@@ -108,7 +114,7 @@ class Claims:
         granted more is re-claimed for exactly that run, then its longer lease released (the
         blocks stay pinned throughout). Any rank failing is a miss; granted leases go back."""
         svc = self.svc
-        links = [svc.rank_links[p][r] for r in range(svc.tp_size)]
+        links = [svc.rank_links[p][r] for r in range(len(keys))]
         if not all(lk.usable() for lk in links):
             svc.metrics["claims_rank_down"] += 1
             return None

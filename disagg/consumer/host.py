@@ -2,7 +2,7 @@
 
 ``ConsumerService`` satisfies ``LinkHost``; the three modules take one at construction and
 never import the service, so imports run downward (service -> claims/keepalive/refusals ->
-host -> links, loads).
+host -> links, loads, routes).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ..config import ConsumerConfig, DisaggConfig
 from ..protocol.fingerprint import Fingerprint
 from .links import ProducerLink
 from .loads import Claimed, Load, Reservation
+from .routes import Routes
 
 
 class Renewals(Protocol):
@@ -34,6 +35,8 @@ class LinkHost(Protocol):
     metrics: Counter[str]
     links: list[ProducerLink]
     rank_links: list[dict[int, ProducerLink]]
+    routes: Routes | None  # where KV heads come from (None: head-blind)
+    producer_tps: list[int]  # each configured producer's TP size
     loads: dict[int, Load]
     reservations: dict[int, Reservation]
 

@@ -99,6 +99,9 @@ class ProducerLink:
         self.transport = transport  # our data plane: the producer refuses another one
         self.index = index  # which configured producer
         self.tp_rank = tp_rank  # which of its ranks (greeted with that rank's fingerprint)
+        # TP sizes that may differ (``routes``): the producer's TP size, and the HelloOk
+        # must come from rank ``tp_rank`` of it (0: not checked, head-blind)
+        self.producer_tp = 0
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
@@ -177,6 +180,17 @@ class ProducerLink:
             incarnation=self.consumer_incarnation,
         )
         ok = ch.client.call(hello, timeout_s=_left(deadline, hello, self.endpoint))
+        theirs = getattr(ok, "fingerprint", None) or Fingerprint("", "", 1, [])
+        if self.producer_tp and (theirs.tp_size, theirs.tp_rank) != (
+            self.producer_tp,
+            self.tp_rank,
+        ):
+            raise ProtocolError(
+                ErrorCode.INCOMPATIBLE_PEER,
+                f"{self.endpoint} is rank {theirs.tp_rank} of a TP={theirs.tp_size} producer, "
+                f"but consumer.producers lists it as rank {self.tp_rank} of {self.producer_tp}: "
+                "list each producer's rank endpoints in rank order",
+            )
         if self.data_source is not None:
             try:
                 self.data_source(getattr(ok, "data_caps", None) or m.DataCaps())

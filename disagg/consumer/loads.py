@@ -138,6 +138,11 @@ class Load:
     # a prefix reservation's load (TensorRT-LLM main): its reservation id, else None
     reservation_id: int | None = None
     keys: Any = None  # the claimed blocks' keys (leader, TP = 1): to claim them elsewhere
+    # TP sizes that differ (``routes``): ranks > 0, each producer rank's lease and the part
+    # it sends (the leader derives them from ``claimed``); the parts' transfers after the
+    # first (``transfer_id``)
+    sources: list[tuple[Claimed, Any]] | None = None
+    more_transfers: list[int] = field(default_factory=list)
     failovers: int = 0  # attempts to move it to another producer (at most one)
     unplanned: int = 0  # leader: metadata built since the claim without its allocation
 
@@ -168,6 +173,11 @@ class Load:
     def started(self) -> bool:
         """A push was asked for (whatever became of it since)."""
         return self.state not in _NOT_STARTED
+
+    @property
+    def transfer_ids(self) -> list[int]:
+        """Every transfer of the load (one per producer rank it loads from)."""
+        return [self.transfer_id, *self.more_transfers] if self.transfer_id else []
 
     @property
     def blocks(self) -> int:

@@ -71,14 +71,14 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             return 0, False
         try:
             ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
-            # every rank's keys (its namespace carries its tp_rank), packed; the prompt
-            # is hashed as is (a block past `offerable` at most, cheaper than a copy)
+            # every rank's keys (head-blind, its namespace carries its tp_rank; else one
+            # for all ranks), packed; the prompt is hashed as is (a block past `offerable` at most, cheaper than a copy)
             tokens = tokens_array(prompt) if svc.tp_size > 1 else prompt  # convert once
             keys = [
                 block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
-                for r in range(svc.tp_size)
+                for r in range(1 if svc.routes is not None else svc.tp_size)
             ]
-            claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
+            claimed = svc.claim(rid, keys[0], keys[1:] if len(keys) > 1 else None)
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d failed; recomputing", rid)
             return 0, False
@@ -109,11 +109,12 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         if offerable <= first:
             return None
         ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
-        # every rank's keys (its namespace carries its tp_rank); the prompt converted once
+        # every rank's keys (head-blind, its namespace carries its tp_rank; else one for
+        # all ranks); the prompt converted once
         tokens = tokens_array(prompt) if svc.tp_size > 1 else prompt
         return first, [
             block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
-            for r in range(svc.tp_size)
+            for r in range(1 if svc.routes is not None else svc.tp_size)
         ]
 
     def reserve_prefix(
@@ -143,7 +144,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
             if got is None:
                 return 0, False
             first, keys = got
-            claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
+            claimed = svc.claim(rid, keys[0], keys[1:] if len(keys) > 1 else None)
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d (reservation %d) failed", rid, reservation_id)
             return 0, False

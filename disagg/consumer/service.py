@@ -68,6 +68,7 @@ from .links import _PEER_FAULTS, DOWN_BACKOFF_S, ProducerLink
 from .loads import Claimed, Load, LoadState, Reservation
 from .rank_bus import PEER_GRACE_S, RankBus
 from .refusals import Refusals
+from .routes import Part, Routes, status
 
 __all__ = [
     "DOWN_BACKOFF_S",
@@ -113,28 +114,44 @@ class ConsumerService(ConnectorService):
         self.incarnation = m.new_incarnation()
         curve = client_keys_from(config.security)  # one key pair for every producer
         timeout = self.ccfg.claim_timeout_s
-        # rank_links[p][r]: producer p's rank r. Every rank links to its own rank; rank 0
-        # (the leader's) links to every rank, since the scheduler claims on all of them.
-        ranks = range(self.tp_size) if self.tp_rank == 0 else [self.tp_rank]
-        self.rank_links: list[dict[int, ProducerLink]] = [
-            {
-                r: ProducerLink(
-                    self._rank_endpoint(p, ep, r),
-                    self.owner,
-                    timeout,
-                    curve,
-                    p,
-                    r,
-                    transport=config.transport,
-                )
-                for r in ranks
-            }
-            for p, ep in enumerate(self.ccfg.producers)
+        # where this rank's KV heads come from when TP sizes may differ (``routes``): each
+        # producer's TP size is the count of rank endpoints listed (one endpoint: ours)
+        self.producer_tps = [
+            len(ep) if isinstance(ep, tuple) else self.tp_size for ep in self.ccfg.producers
         ]
-        self.links = [rl[self.tp_rank] for rl in self.rank_links]
-        for rl in self.rank_links:
+        self.routes = Routes.of(self, self.producer_tps)
+        # rank_links[p][r]: producer p's rank r. Every rank links to the ranks it loads
+        # from (head-blind: its own index); rank 0 (the leader's) links to every rank,
+        # since the scheduler claims on all of them.
+        self.rank_links: list[dict[int, ProducerLink]] = []
+        for p, ep in enumerate(self.ccfg.producers):
+            if self.routes is not None:
+                ranks = self.routes.ranks_linked(p, self.tp_rank == 0)
+            else:
+                ranks = list(range(self.tp_size)) if self.tp_rank == 0 else [self.tp_rank]
+            self.rank_links.append(
+                {
+                    r: ProducerLink(
+                        self._rank_endpoint(p, ep, r),
+                        self.owner,
+                        timeout,
+                        curve,
+                        p,
+                        r,
+                        transport=config.transport,
+                    )
+                    for r in ranks
+                }
+            )
+        # the link claims go to (rank 0's), and a rank's first source
+        self.links = [
+            rl[min(rl) if self.tp_rank == 0 else next(iter(rl))] for rl in self.rank_links
+        ]
+        for p, rl in enumerate(self.rank_links):
             for link in rl.values():
                 link.consumer_incarnation = self.incarnation
+                if self.routes is not None:  # the rank must be the one routed to
+                    link.producer_tp = self.producer_tps[p]
         self.data: DataPlane | None = None
         self.loads: dict[int, Load] = {}
         # prefix reservations (reservation id -> the connector's record, with ``.load``):
@@ -144,7 +161,7 @@ class ConsumerService(ConnectorService):
         # worker reported it (polled by the bus thread's ``tick`` like ``loads``)
         self.prefix_loads: dict[int, Load] = {}
         self._transfer_ids = iter(range(1, 1 << 62))
-        self.claims = Claims(self, len(self.links) * len(ranks))
+        self.claims = Claims(self, sum(len(rl) for rl in self.rank_links))
         self.claim_seconds = 0.0  # time spent in ``claim`` (the engine's thread waits on it)
         self.refusals = Refusals(self)  # producers refusing us: skipped, retried, reported
         self.keepalive = Keepalive(self)
@@ -162,16 +179,19 @@ class ConsumerService(ConnectorService):
     def _rank_endpoint(self, p: int, ep: str | tuple[str, ...], rank: int) -> str:
         """Producer ``p``'s rank ``rank``: listed explicitly, or rank 0's port + rank."""
         if isinstance(ep, tuple):
-            if len(ep) != self.tp_size:
+            if len(ep) != self.tp_size and self.routes is None:
                 raise ValueError(
                     f"consumer.producers[{p}] lists {len(ep)} rank endpoint(s), but this "
-                    f"consumer runs tensor_parallel_size={self.tp_size}: list one per rank"
+                    f"consumer runs tensor_parallel_size={self.tp_size} and the model's KV "
+                    "head count is unknown: list one per rank"
                 )
             return ep[rank]
         return rank_endpoint(ep, rank)
 
     def attach(self, pool: PagePool) -> None:
         self._attach_pool(pool)
+        if self.routes is not None and self.heads is None:
+            self.routes = None  # heads not located in the pages: head-blind after all
         self.data = make_data_plane(
             self.config.transport,
             bind=self.ccfg.data,
@@ -184,8 +204,12 @@ class ConsumerService(ConnectorService):
             nixl_devices=self.config.nixl_devices,
             nixl_error_handling=self.config.nixl_error_handling,
         )
-        # whole group pages for async loads, and one group per layer for layer-wise ones
-        self.data.register_regions(pool.data_plane_groups())
+        # whole group pages for async loads, and one group per layer for layer-wise ones;
+        # with routes, the same for each head slice a part lands in
+        if self.routes is not None and self.heads is not None:
+            self.data.register_regions(self.routes.data_plane_groups(pool, self.heads))
+        else:
+            self.data.register_regions(pool.data_plane_groups())
         for rl in self.rank_links:  # each producer's HelloOk tells the plane how to read it
             for link in rl.values():
                 link.data_source = self.data.add_source
@@ -216,7 +240,7 @@ class ConsumerService(ConnectorService):
         if not ch.lock.acquire(timeout=timeout):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
-            fp = self.fingerprint_for(link.tp_rank)
+            fp = self.fingerprint if self.routes is not None else self.fingerprint_for(link.tp_rank)
             reply = link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)
         except ProtocolError as exc:
             self.refusals.note(link, exc)  # a refusal: skipped on the request path from now
@@ -277,45 +301,70 @@ class ConsumerService(ConnectorService):
                 counts = np.cumsum(per_layer)
                 load.layer_marks = dict(zip(self.pool.layers, counts.tolist()))
                 pages_by_group = [0] * len(load.dst_slots) + per_layer
+            parts = self._parts(load)
+            load.more_transfers = [next(self._transfer_ids) for _ in parts[1:]]
             try:
-                self.data.expect(
-                    load.transfer_id,
-                    load.claimed.lease_id,
-                    load.token,
-                    pages_by_group,
-                    self.ccfg.load_timeout_s,
-                    slots_by_group=slots_by_group,
-                )
+                for tid, (claimed, part) in zip(load.transfer_ids, parts, strict=True):
+                    base = 0 if part is None else self.routes.base_of(part)  # type: ignore[union-attr]
+                    self.data.expect(
+                        tid,
+                        claimed.lease_id,
+                        load.token,
+                        [0] * base + pages_by_group,
+                        self.ccfg.load_timeout_s,
+                        slots_by_group=[*([] for _ in range(base)), *slots_by_group],
+                    )
             except Exception as exc:
                 self.fail(load, f"the data plane refused the transfer: {exc}")
                 return
-        try:
-            self._call(
-                load.claimed.link,
-                m.Push(
-                    v=V,
-                    owner=self.owner,
-                    lease_id=load.claimed.lease_id,
-                    transfer_id=load.transfer_id,
-                    token=load.token,
-                    data_endpoint=self.data.endpoint,
-                    data_caps=self.data.capabilities,
-                    first_block=load.push_first,
-                    num_blocks=(
-                        load.claimed.num_blocks if load.push_blocks is None else load.push_blocks
+        for tid, (claimed, part) in zip(load.transfer_ids, parts, strict=True):
+            try:
+                self._call(
+                    claimed.link,
+                    m.Push(
+                        v=V,
+                        owner=self.owner,
+                        lease_id=claimed.lease_id,
+                        transfer_id=tid,
+                        token=load.token,
+                        data_endpoint=self.data.endpoint,
+                        data_caps=self.data.capabilities,
+                        first_block=load.push_first,
+                        num_blocks=(
+                            load.claimed.num_blocks
+                            if load.push_blocks is None
+                            else load.push_blocks
+                        ),
+                        dst_slots=load.dst_slots,
+                        layerwise=layerwise,
+                        incarnation=claimed.incarnation,
+                        heads=[]
+                        if part is None or part.whole_source
+                        else [
+                            part.heads.start,
+                            part.heads.stop,
+                        ],
+                        group_base=0 if part is None else self.routes.base_of(part),  # type: ignore[union-attr]
                     ),
-                    dst_slots=load.dst_slots,
-                    layerwise=layerwise,
-                    incarnation=load.claimed.incarnation,
-                ),
-            )
-            self.metrics["loads_started"] += 1
-        except Exception as exc:
-            self.fail(load, f"push request to {load.claimed.link.endpoint} failed: {exc}")
+                )
+                self.metrics["loads_started"] += 1
+            except Exception as exc:
+                self.fail(load, f"push request to {claimed.link.endpoint} failed: {exc}")
+                break
         if self.bus is not None:
             # the bus thread polls this load from its next pass: start that pass now rather
             # than after the thread's idle poll (50 ms), so peers learn the outcome early
             self.bus.wake()
+
+    def _parts(self, load: Load) -> list[tuple[Claimed, Part | None]]:
+        """The load's sources: ``(lease, part)`` per producer rank it loads from (one,
+        with no part, where head-blind: the whole page from the rank of our index)."""
+        if load.sources is not None:
+            return load.sources
+        if self.routes is None:
+            return [(load.claimed, None)]
+        every = load.claimed.all_ranks()
+        return [(every[p.rank], p) for p in self.routes.parts[load.claimed.link.index]]
 
     def fail(self, load: Load, why: str) -> None:
         """The load failed: FAILED once dispatched, else REFUSED (a no-op once it is over:
@@ -349,6 +398,7 @@ class ConsumerService(ConnectorService):
         one. False (nothing changed) when no other producer can serve them in time."""
         if (
             self.tp_size != 1
+            or load.claimed.ranks  # several producer ranks: TP sizes that differ
             or load.keys is None
             or load.failovers
             or load.layer_marks is not None
@@ -399,7 +449,7 @@ class ConsumerService(ConnectorService):
     def _abort_transfer(self, load: Load, why: str) -> None:
         if self.data is None or not load.transfer_id:
             return
-        left = self.data.abort(load.transfer_id, why)
+        left = sum(self.data.abort(tid, why) for tid in load.transfer_ids)
         if left:  # the plane cannot prove these slots are quiet: stop taking traffic
             self.stuck_writes = (
                 f"transfer {load.transfer_id} (request {load.request_id}) still had {left} "
@@ -417,7 +467,7 @@ class ConsumerService(ConnectorService):
             if load.state is not LoadState.DISPATCHED:
                 return load.over
             assert self.data is not None
-            st = self.data.poll(load.transfer_id)
+            st = status(self.data, load.transfer_ids)
             if st.state is TransferState.DONE:
                 load.transition(LoadState.LANDED)
                 self.metrics["loads_done"] += 1
@@ -531,7 +581,7 @@ class ConsumerService(ConnectorService):
             return
         delay = 0.00005
         while not load.over:
-            st = self.data.poll(load.transfer_id)
+            st = status(self.data, load.transfer_ids)
             if st.state is TransferState.FAILED or st.state is TransferState.DONE:
                 self.poll(load)
                 return

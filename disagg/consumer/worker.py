@@ -14,8 +14,9 @@ import torch
 from ..connector_common import resolve_config
 from ..engine import KvCacheConnectorWorker, runtime
 from ..pages import PagePool
-from .loads import Claimed, Load, LoadState
+from .loads import Load, LoadState
 from .metadata import ConsumerMeta, KvLoadFailedError, loads_async
+from .routes import rank_claims
 from .service import ConsumerService, service_for
 
 log = logging.getLogger("disagg.consumer")
@@ -155,8 +156,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
     def _prefix_starting(self, meta: ConsumerMeta) -> list[tuple[int, Load, bool]]:
         """This pass's reservation loads on this rank, not started yet: rank 0's are the
         scheduler's (its reservations, same process); rank r > 0 first stops the ones the
-        leader dropped, then builds its own from each plan (its lease on producer rank r,
-        the same destination slots, the load's bus uid)."""
+        leader dropped, then builds its own from each plan (its lease(s):
+        ``routes.rank_claims``; the same destination slots, the load's bus uid)."""
         svc, rank = self.service, self.service.tp_rank
         out: list[tuple[int, Load, bool]] = []
         if rank == 0:
@@ -177,11 +178,8 @@ class ConsumerWorker(KvCacheConnectorWorker):
             plan, res_id = ps.plan, ps.reservation_id
             if plan is None or res_id in self._prefix or res_id in svc.prefix_loads:
                 continue  # seen already
-            claimed = Claimed(
-                svc.links[plan.producer],
-                plan.lease_ids[rank],
-                plan.lease_blocks,
-                incarnation=plan.incarnations[rank] if plan.incarnations else 0,
+            claimed, sources = rank_claims(
+                svc, plan.producer, plan.lease_ids, plan.lease_blocks, plan.incarnations
             )
             load = Load(
                 plan.request_id,
@@ -192,14 +190,15 @@ class ConsumerWorker(KvCacheConnectorWorker):
                 push_first=plan.push_first,
                 push_blocks=plan.push_blocks,
                 reservation_id=res_id,
+                sources=sources,
             )
             out.append((res_id, load, ps.is_async))
         return out
 
     def _adopt_plans(self, meta: ConsumerMeta) -> None:
         """Ranks > 0: forget loads the leader dropped, and build this rank's ``Load`` of each
-        planned one (this rank's lease on producer rank r, the same destination slots)."""
-        svc, rank = self.service, self.service.tp_rank
+        planned one (its lease(s): ``routes.rank_claims``; the same destination slots)."""
+        svc = self.service
         for rid in meta.dropped:
             load = svc.loads.pop(rid, None)
             if load is not None:
@@ -211,22 +210,19 @@ class ConsumerWorker(KvCacheConnectorWorker):
             if plan is None:
                 continue  # not a TP plan (rank 0 builds none for itself)
             self._cancelled.discard(rid)
-            old = svc.loads.get(rid)
-            if old is not None and old.claimed.lease_id == plan.lease_ids[rank]:
-                continue  # seen already
-            link = svc.links[plan.producer]
-            claimed = Claimed(
-                link,
-                plan.lease_ids[rank],
-                plan.num_blocks,
-                incarnation=plan.incarnations[rank] if plan.incarnations else 0,
+            claimed, sources = rank_claims(
+                svc, plan.producer, plan.lease_ids, plan.num_blocks, plan.incarnations
             )
+            old = svc.loads.get(rid)
+            if old is not None and old.claimed.lease_id == claimed.lease_id:
+                continue  # seen already
             svc.loads[rid] = Load(
                 rid,
                 claimed,
                 plan.first_block,
                 [list(g) for g in plan.dst_slots],
                 uid=plan.uid,
+                sources=sources,
             )
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:

@@ -28,6 +28,7 @@ examples:
   disagg demo
   disagg demo --producers 2 --consumers 2
   disagg demo --tp 2 --sync
+  disagg demo --tp-producer 4 --tp-consumer 2 --kv-heads 4
   disagg demo --windows 64,64,full --kv-manager v2 --chunk-size 48
   disagg demo --layers 3 --tokens-per-block 16 --kv-manager v1 --num-prompts 3 --json
 """
@@ -40,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--consumers", type=positive_int, default=1, help="consumer processes")
     shape.add_argument(
         "--tp", type=positive_int, default=1, help="tensor parallel ranks of every instance"
+    )
+    shape.add_argument(
+        "--tp-producer",
+        type=positive_int,
+        default=None,
+        help="tensor parallel ranks of the producers (default: --tp)",
+    )
+    shape.add_argument(
+        "--tp-consumer",
+        type=positive_int,
+        default=None,
+        help="tensor parallel ranks of the consumers (default: --tp)",
     )
     shape.add_argument(
         "--transport", type=transport, default="tcp", help="data plane: tcp, ucx, ipc or nixl"
@@ -88,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--seed", type=non_negative_int, default=0, help="weights and prompts seed")
     eng = p.add_argument_group("reference engine (the same on every instance)")
     eng.add_argument("--layers", type=positive_int, default=4, help="model layers")
+    eng.add_argument(
+        "--kv-heads",
+        type=positive_int,
+        default=2,
+        help="KV heads of the model (each TP size must divide it, or be a multiple of it)",
+    )
     eng.add_argument("--tokens-per-block", type=positive_int, default=32, help="KV block size")
     eng.add_argument("--kv-manager", choices=["v1", "v2"], default="v2", help="KV cache manager")
     eng.add_argument(
@@ -134,7 +153,10 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         kv_manager=a.kv_manager,
         windows=windows,
         chunk_size=a.chunk_size,
-        tp=a.tp,
+        num_kv_heads=a.kv_heads,
+        # query heads: a multiple of the KV heads and of every TP size (powers of two)
+        num_heads=max(4, a.kv_heads, a.tp_producer, a.tp_consumer),
+        tp=a.tp_consumer,
         seed=a.seed,
         device=a.device,
         max_seq_len=MAX_SEQ_LEN,
@@ -142,7 +164,10 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def check(a: argparse.Namespace) -> dict[str, Any]:
-    """Refuse what cannot run (``UsageError``); returns the EngineConfig fields."""
+    """Refuse what cannot run (``UsageError``); returns the EngineConfig fields (those of
+    the consumers and the monolithic run; producers differ by ``tp_producer`` only)."""
+    a.tp_producer = a.tp_producer or a.tp
+    a.tp_consumer = a.tp_consumer or a.tp
     pairs = a.producers * a.consumers
     if a.prompts is None:
         a.prompts = max(4, pairs)
@@ -187,12 +212,16 @@ def check(a: argparse.Namespace) -> dict[str, Any]:
             )
     from ..engine.reference import EngineConfig
 
-    heads = EngineConfig.num_kv_heads
-    if heads % a.tp:
-        ok = [t for t in range(1, heads + 1) if heads % t == 0]
-        raise UsageError(
-            "--tp", a.tp, f"the model's {heads} KV heads split evenly over the ranks: use {ok}"
-        )
+    heads = a.kv_heads
+    for opt, tp in (("--tp-producer", a.tp_producer), ("--tp-consumer", a.tp_consumer)):
+        if heads % tp and tp % heads:
+            ok = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 or t % heads == 0]
+            raise UsageError(
+                opt if tp != a.tp else "--tp",
+                tp,
+                f"the model's {heads} KV heads (--kv-heads) must split evenly over the ranks, "
+                f"or each head sit on as many ranks: use one of {ok}",
+            )
     kw = engine_kwargs(a)
 
     try:

@@ -36,9 +36,14 @@ def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def page_digests(pages: dict[tuple[int, int], bytes]) -> dict[str, list[Any]]:
-    """``{"group:ordinal": [digest, bytes]}``."""
-    return {f"{g}:{o}": [digest(b), len(b)] for (g, o), b in sorted(pages.items())}
+def page_digests(pages: dict[tuple[int, int], bytes], cfg: Any) -> dict[str, list[Any]]:
+    """``{"group:ordinal": [digest, bytes]}``: the digest of the page by KV head
+    (``page_by_head``: equal across TP sizes), the bytes as held on ``cfg``'s ranks."""
+    from ..engine.reference.kv_cache import page_by_head
+
+    return {
+        f"{g}:{o}": [digest(page_by_head(cfg, g, b)), len(b)] for (g, o), b in sorted(pages.items())
+    }
 
 
 def run_requests(
@@ -206,7 +211,9 @@ def run_producer(spec: dict[str, Any], progress: Callable[[str], None]) -> None:
                 "seconds": secs,
                 "ttft_s": ttft,
                 "stored_blocks": len(store.keys()),
-                "computed_pages": [page_digests(eng.results[i].computed_pages) for i in ids],
+                "computed_pages": [
+                    page_digests(eng.results[i].computed_pages, eng.config) for i in ids
+                ],
             }
         }
     )
@@ -251,7 +258,7 @@ def run_consumer(spec: dict[str, Any], progress: Callable[[str], None]) -> None:
                 "device_matched_tokens": res.device_matched_tokens,
                 "producer": served.producer.get(rid),
                 "transfers": [f"{ep} {tid}" for ep, tid in served.transfers.get(rid, [])],
-                "loaded_pages": page_digests(res.loaded_pages),
+                "loaded_pages": page_digests(res.loaded_pages, eng.config),
             }
         )
     emit({"result": {"seconds": secs, "requests": requests, "metrics": _summed(ranks)}})

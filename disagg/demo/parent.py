@@ -111,7 +111,8 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
     prompts = make_prompts(a.prompts, a.prompt_len, a.seed)
     routes = route(a.prompts, a.producers, a.consumers)
     say(
-        f"disagg demo: {a.producers} producer(s) x {a.consumers} consumer(s), TP {a.tp}, "
+        f"disagg demo: {a.producers} producer(s) x {a.consumers} consumer(s), TP "
+        f"{a.tp_producer} -> {a.tp_consumer} ({a.kv_heads} KV heads), "
         f"{a.prompts} prompts of {a.prompt_len} tokens (half shared), {a.max_tokens} new "
         f"tokens; {a.layers} layers, {a.tokens_per_block} tokens per block, kv {a.kv_manager}, "
         f"windows {a.windows}, chunk {a.chunk_size or 'off'}, transport {a.transport}, "
@@ -142,6 +143,7 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
                 {
                     **common,
                     "role": "producer",
+                    "engine": dict(common["engine"], tp=a.tp_producer),
                     "index": i,
                     "store_size": store_size,
                     "store_device": a.store_device,
@@ -169,7 +171,10 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
                     "role": "consumer",
                     "index": i,
                     "load_mode": a.load_mode,
-                    "producers": [eps[0] if a.tp == 1 else eps for eps in endpoints],
+                    # every rank listed where there are several (the producers' TP size)
+                    "producers": [
+                        eps[0] if a.tp_producer == a.tp_consumer == 1 else eps for eps in endpoints
+                    ],
                     "producer_ranks": endpoints,
                     "prompts": [prompts[k] for k in mine["consumer"][i]],
                 }
@@ -206,7 +211,7 @@ def run(a: argparse.Namespace, kw: dict[str, Any], out: TextIO) -> dict[str, Any
         {
             "tokens": mono.results[i].tokens,
             "ttft_s": mono_ttft[n],
-            "computed_pages": page_digests(mono.results[i].computed_pages),
+            "computed_pages": page_digests(mono.results[i].computed_pages, mono.config),
         }
         for n, i in enumerate(ids)
     ]

@@ -130,7 +130,7 @@ def build(
         "config": {
             k: getattr(a, k)
             for k in (
-                "producers consumers tp transport load_mode prompts prompt_len max_tokens "
+                "producers consumers tp tp_producer tp_consumer kv_heads transport load_mode prompts prompt_len max_tokens "
                 "layers tokens_per_block kv_manager windows chunk_size cache_salt seed"
             ).split()
         },

@@ -4,11 +4,13 @@ One service per producer instance, TP rank and process; the scheduler (rank 0 on
 rank 0's worker share rank 0's (they are built concurrently, so ``service_for`` is locked).
 
 Tensor parallelism (TP=N, see ``service_base``): each rank's service holds its own shard:
-its own store (keys namespaced by its ``tp_rank``), lease table and control server, bound
-at ``rank_endpoint(producer.control, rank)`` (port + rank). The rank-0 scheduler plans every
-rank's saves (``SaveOp.keys_by_rank``); each rank's worker stores its shard under its own
-keys and accounts its own saves in flight. Consumers claim on every rank and push from rank
-r to rank r. Only rank 0 publishes store events (``producer.events``): the ranks' stores hold
+its own store (its KV heads of each block, under the block's key; head-blind: keys
+namespaced by its ``tp_rank``), lease table and control server, bound at
+``rank_endpoint(producer.control, rank)`` (port + rank). The rank-0 scheduler plans every
+rank's saves (``SaveOp.keys_by_rank``); each rank's worker stores its shard and accounts
+its own saves in flight. Consumers claim on every rank; a Push names the KV heads it wants
+(``heads``: this rank's whole pages when empty) and the receiver's groups for them
+(``group_base``), so a consumer rank of another TP size takes exactly its heads. Only rank 0 publishes store events (``producer.events``): the ranks' stores hold
 the same blocks, and one endpoint cannot be bound twice. Threads (per rank):
 
 - the control server answers peers (handshake, lookup, claim, renew, release, push:
@@ -60,6 +62,7 @@ import numpy as np
 import torch
 
 from ..config import DisaggConfig, store_device_for
+from ..engine.heads import store_columns
 from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
@@ -143,6 +146,8 @@ class ProducerService(ControlPlane, ConnectorService):
         self._in_flight_lock = threading.Lock()
         self._committer: Committer = None  # type: ignore[assignment]  # set by attach()
         self._peers: dict[bytes, str] = {}  # control identity -> owner that said Hello
+        # store columns of KV head ranges pushed (``_head_columns``), by range
+        self._head_cols: dict[range, Any] = {}
         # With CURVE on: owner name -> the client key that first said Hello as it. A Hello
         # (or any request) from another key cannot act as that owner, so one consumer
         # cannot touch another's leases by claiming its name or reusing its identity.
@@ -346,6 +351,8 @@ class ProducerService(ControlPlane, ConnectorService):
                 ErrorCode.BAD_FIELD,
                 f"dst_slots must be {groups} list(s) of {msg.num_blocks} slot(s), one per group",
             )
+        if msg.heads:
+            self._head_columns(range(*msg.heads))  # refused before anything is pinned
         # The push pins its own blocks: if the lease is freed mid-push (TTL, dead owner),
         # its rows must not be evicted and rewritten while the data plane still reads them.
         lease = self.leases.pin_for_push(owner, msg.lease_id, msg.first_block, msg.num_blocks)
@@ -551,32 +558,67 @@ class ProducerService(ControlPlane, ConnectorService):
         for job in idle:
             self._end_push(job, RuntimeError("the producer closed"))
 
+    def _head_columns(
+        self, want: range
+    ) -> tuple[list[tuple[tuple[int, int], ...]], dict[int, tuple[tuple[int, int], ...]]]:
+        """Store columns of KV heads ``want`` (a Push's ``heads``): per group, per layer
+        (``engine.heads.store_columns`` placed at each group's page offset). BAD_FIELD when
+        this rank does not hold them all."""
+        assert self.pool is not None
+        cached = self._head_cols.get(want)
+        if cached is not None:
+            return cached
+        held = self.heads.held if self.heads is not None else None
+        if held is None or want.start < held.start or want.stop > held.stop:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"push of KV heads [{want.start}, {want.stop}): this producer rank holds "
+                + ("no located heads" if held is None else f"[{held.start}, {held.stop})"),
+            )
+        assert self.heads is not None
+        per_group, per_layer = store_columns(self.pool.layout, self.heads, want)
+        offs = self.pool.page_offsets
+        out = (
+            [tuple((offs[g] + o, n) for o, n in cols) for g, cols in enumerate(per_group)],
+            {
+                layer: tuple((offs[self.pool.group_of_layer(layer)] + o, n) for o, n in cols)
+                for layer, cols in per_layer.items()
+            },
+        )
+        self._head_cols[want] = out
+        return out
+
     def _group_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
-        """Whole group pages, one entry per layer group (``-1`` destinations skipped: the
-        consumer has no page there, outside its window)."""
+        """Whole group pages (or their ``msg.heads`` slices), one entry per layer group
+        (``-1`` destinations skipped: the consumer has no page there, outside its window),
+        at the receiver's groups from ``msg.group_base``."""
         assert self.pool is not None
         slab = self.store.slab
+        sliced = self._head_columns(range(*msg.heads))[0] if msg.heads else None
         pages = []
         for g, geo in enumerate(self.pool.groups):
             dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
             keep = dst >= 0
             if keep.any():
-                cols = ((self.pool.page_offsets[g], geo.page_bytes),)
-                pages.append((g, *push_source(self.data, slab, rows[keep], cols, dst[keep])))
+                cols = sliced[g] if sliced else ((self.pool.page_offsets[g], geo.page_bytes),)
+                src = push_source(self.data, slab, rows[keep], cols, dst[keep])
+                pages.append((msg.group_base + g, *src))
         return pages
 
     def _layer_pages(self, rows: np.ndarray, msg: Any) -> list[Any]:
         """Layer by layer in the order the engine runs them, into the receiver's per-layer
-        groups (``PagePool.data_plane_groups``): layer i's bytes arrive before layer i+1's."""
+        groups (``PagePool.data_plane_groups``, from ``msg.group_base``): layer i's bytes
+        arrive before layer i+1's."""
         assert self.pool is not None
         slab = self.store.slab
-        pages, base = [], len(self.pool.groups)
+        sliced = self._head_columns(range(*msg.heads))[1] if msg.heads else None
+        pages, base = [], msg.group_base + len(self.pool.groups)
         for i, layer in enumerate(self.pool.layers):
             g = self.pool.group_of_layer(layer)
             dst = np.asarray(msg.dst_slots[g], dtype=np.int64)
             keep = dst >= 0
             if keep.any():
-                cols = tuple(self.pool.layer_store_columns(layer))
+                cols = sliced[layer] if sliced else tuple(self.pool.layer_store_columns(layer))
                 pages.append((base + i, *push_source(self.data, slab, rows[keep], cols, dst[keep])))
         return pages
 

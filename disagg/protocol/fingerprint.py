@@ -2,6 +2,12 @@
 
 Two instances may exchange pages only when every field that changes what a page's bytes
 mean is equal. `check_compatible` names the first field that differs.
+
+Where both state the model's KV head count (``num_kv_heads`` > 0), pages move by KV head
+between any TP sizes (``engine.heads``): TP size and rank are not compared, and each
+group's ``bytes_per_page`` is the whole model's page (every KV head, as at TP = 1), so it
+is the same on every rank of every TP size. Otherwise (an older or head-blind peer) a TP
+shard is served only to the same rank of the same TP size.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Fingerprint(msgspec.Struct, frozen=True):
     groups: Annotated[list[GroupGeometry], msgspec.Meta(max_length=MAX_GROUPS)]
     tp_size: _Pos = 1
     tp_rank: _NonNeg = 0
+    num_kv_heads: _NonNeg = 0  # the model's, every rank's together; 0: not stated
 
 
 _HINTS = {
@@ -44,7 +51,13 @@ _HINTS = {
     "tokens_per_block": "set the same tokens_per_block on both roles",
     "tp_size": "use the same tensor-parallel size on both roles",
     "tp_rank": "pair each consumer rank with the producer rank of the same index",
+    "num_kv_heads": "serve the same model checkpoint on both roles",
 }
+
+_HEAD_BLIND = (
+    "both roles must state the model's KV head count (the same disagg version, and a model "
+    "config that names it) to pair TP shards"
+)
 
 
 def _window(w: int | None) -> int:
@@ -60,10 +73,17 @@ def check_compatible(mine: Fingerprint, theirs: Fingerprint) -> None:
             ErrorCode.INCOMPATIBLE_PEER, f"peer's {field} is {their!r} but ours is {our!r}: {hint}"
         )
 
-    for field in ("model", "dtype", "tokens_per_block", "tp_size", "tp_rank"):
-        a, b = getattr(mine, field), getattr(theirs, field)
-        if a != b:
-            fail(field, b, a, _HINTS[field])
+    for field in ("model", "dtype", "tokens_per_block"):
+        if getattr(mine, field) != getattr(theirs, field):
+            fail(field, getattr(theirs, field), getattr(mine, field), _HINTS[field])
+    by_heads = mine.num_kv_heads > 0 and theirs.num_kv_heads > 0
+    if mine.num_kv_heads != theirs.num_kv_heads:
+        hint = _HINTS["num_kv_heads"] if by_heads else _HEAD_BLIND
+        fail("num_kv_heads", theirs.num_kv_heads, mine.num_kv_heads, hint)
+    if not by_heads:  # shards pair by rank only
+        for field in ("tp_size", "tp_rank"):
+            if getattr(mine, field) != getattr(theirs, field):
+                fail(field, getattr(theirs, field), getattr(mine, field), _HINTS[field])
     if len(mine.groups) != len(theirs.groups):
         fail(
             "number of layer groups",
@@ -83,5 +103,5 @@ def check_compatible(mine: Fingerprint, theirs: Fingerprint) -> None:
                     f"groups[{i}].{field}",
                     y,
                     x,
-                    "layer groups must match (same model config, KV dtype, TP and windows)",
+                    "layer groups must match (same model config, KV dtype and windows)",
                 )

@@ -41,7 +41,7 @@ class Namespace:
     dtype: str
     tokens_per_block: int
     group_page_bytes: tuple[int, ...]
-    tp_size: int = 1
+    tp_size: int = 1  # 0: keys of every TP shard (pages located by KV head)
     tp_rank: int = 0
     cache_salt: str | None = None
     lora_id: int | None = None

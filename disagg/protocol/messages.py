@@ -236,8 +236,15 @@ class Push(Message, frozen=True, tag="push"):
     layerwise: bool = False
     incarnation: Incarnation = 0
     data_caps: DataCaps = DataCaps()  # what the receiver at data_endpoint takes
+    # TP sizes that differ (``engine.heads``): only KV heads ``[heads[0], heads[1])`` of
+    # each page (empty: the whole page), each buffer's run in page order; the receiver's
+    # group indices start at ``group_base`` (its groups for exactly those heads)
+    heads: Annotated[list[NonNeg], msgspec.Meta(max_length=2)] = []
+    group_base: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)] = 0
 
     def __post_init__(self) -> None:
+        if self.heads and (len(self.heads) != 2 or self.heads[0] >= self.heads[1]):
+            raise ValueError(f"heads {self.heads} must be [first, end) with first < end")
         for g, slots in enumerate(self.dst_slots):
             if len(slots) != self.num_blocks:
                 raise ValueError(

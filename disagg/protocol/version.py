@@ -7,12 +7,16 @@ from __future__ import annotations
 # 2: Lookup/Claim carry their keys packed in one bin (KeyBlob), not a list.
 # 3: a receiver's data-plane capabilities travel typed (``DataCaps`` in Hello and Push),
 #    never in its endpoint address.
+# 4: keys no longer depend on the TP shard where both roles state the model's KV head
+#    count (``Fingerprint.num_kv_heads``); ``Push`` names the KV heads to move
+#    (``heads``) and where they land (``group_base``): producer and consumer may run
+#    different TP sizes.
 # Compatible additions do not bump it: a new optional field (ignored by older peers, so
 # never one that changes what an older peer would do with the message), or a new message
 # kind announced by name in ``HelloOk.features`` (an older peer refuses the kind itself
 # by name, UNKNOWN_KIND, and announces no feature). Added so: ``release_range``
 # (``ReleaseRange``: release part of a lease, for TensorRT-LLM's prefix reservations).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Largest control frame decode() accepts by default. Callers that expect big replies
 # (a SnapshotOk listing many keys) pass a larger `max_bytes`.

@@ -16,16 +16,18 @@ def _last_json(out: str) -> dict:
 
 
 def test_bench_transfer_quick_json(capsys):
-    assert (
-        main(["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "tcp-tcp", "--json"])
-        == 0
-    )
+    argv = ["transfer", "--quick", "--page-sizes", "64KiB", "--transports", "tcp-tcp", "--tp"]
+    assert main([*argv, "--json"]) == 0
     rep = _last_json(capsys.readouterr().out)
     (row,) = rep["results"]
     assert {"transport", "channel", "page_bytes", "gbps", "ceiling_gbps", "ratio"} <= set(row)
     assert row["transport"] == "tcp" and row["page_bytes"] == 65536
     assert row["gbps"] > 0 and row["ratio"] == pytest.approx(row["gbps"] / row["ceiling_gbps"])
     assert row["ceiling_paired"] is True and row["ratio_paired_median"] > 0
+    (tp,) = rep["tp"]  # TP-split and TP-merge beside the same-TP transfer, verified pages
+    assert tp["transport"] == "tcp" and "error" not in tp, tp
+    assert all(tp[f"{k}_gbps"] > 0 for k in ("same", "split", "merge"))
+    assert tp["split_ratio"] > 0 and tp["merge_ratio"] > 0
 
 
 @pytest.mark.parametrize("name", ["tcp-tcp", "ucx-tcp", "ipc-shm", "nixl"])

@@ -265,6 +265,30 @@ def test_tp2_ranks_from_the_runtime(line):
     no_lease_left(psvc)
 
 
+def test_unequal_tp_moves_each_rank_its_heads(line):
+    """Producer and consumer TP sizes that differ through the line's connector manager
+    (merge with sync loads, or split with async ones, alternating over the lines to keep
+    CI short): tokens equal a monolithic run, every loaded page the produced one head for
+    head."""
+    from disagg.engine.reference.kv_cache import page_by_head
+
+    p, d, load_mode = (2, 1, "sync") if LINES.index(line) % 2 == 0 else (1, 2, "async")
+    pcfg, ccfg = cfg_for(line, kv_manager="v1", tp=p), cfg_for(line, kv_manager="v1", tp=d)
+    ps = prompts(n=2)
+    mono = Engine(ccfg).generate(ps, max_tokens=4)
+    prod, psvc = make_producer(pcfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(ccfg, [rank_endpoints(psvc)], load_mode=load_mode)
+    consumed = run(cons, ps, max_tokens=4)
+    assert [r.tokens for r in consumed] == mono
+    for pr, cr in zip(produced, consumed, strict=True):
+        assert cr.connector_matched_tokens > 0 and cr.loaded_pages
+        for (g, b), data in cr.loaded_pages.items():
+            want = page_by_head(pcfg, g, pr.computed_pages[(g, b)])
+            assert page_by_head(ccfg, g, data) == want, f"page {(g, b)} differs by head"
+    no_lease_left(psvc)
+
+
 def test_replicated_regions_are_moved(line):
     """A layout whose groups list replicated regions apart (one line): those bytes are part
     of every page moved, or the model runs on missing KV."""

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(300)
 
 SHAPES = {
     "mxn": ["--producers", "2", "--consumers", "2"],
-    "tp-sync": ["--tp", "2", "--sync"],
+    # producer TP 4, consumer TP 2: each consumer page assembled from two producer ranks
+    "tp-sync": ["--tp-producer", "4", "--tp-consumer", "2", "--kv-heads", "4", "--sync"],
     "vswa-chunked": ["--windows", "64,64,full", "--kv-manager", "v2", "--chunk-size", "48"],
     "v1-small-blocks": [
         "--layers", "3", "--tokens-per-block", "16", "--kv-manager", "v1", "--num-prompts", "3",

@@ -16,6 +16,15 @@ def fp(**kw):
     return Fingerprint(**base)
 
 
+def test_tp_is_not_compared_where_both_state_kv_heads():
+    check_compatible(fp(num_kv_heads=8), fp(num_kv_heads=8, tp_size=4, tp_rank=3))
+    for theirs, field in ((fp(num_kv_heads=4), "num_kv_heads"), (fp(model="x"), "model")):
+        with pytest.raises(ProtocolError, match=f"peer's {field} is"):
+            check_compatible(fp(num_kv_heads=8), theirs)
+    with pytest.raises(ProtocolError, match="peer's num_kv_heads is 0 but ours is 8: both roles"):
+        check_compatible(fp(num_kv_heads=8), fp())  # a head-blind peer: shards pair by rank
+
+
 def test_equal_is_compatible():
     check_compatible(fp(), fp())
     check_compatible(

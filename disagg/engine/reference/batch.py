@@ -3,10 +3,12 @@ rows of one tensor, and the page indices every layer of the forward uses.
 
 Rows: request ``i``'s span ``[start_i, start_i + n_i)`` is rows ``[q_starts[i],
 q_starts[i + 1])``, requests in the executor's batch order. Pages: a layer group's pools
-are rows of one token's keys (or values) of the KV heads a rank holds
-(``KvCacheManager.token_rows``); position ``p`` of a request is row ``slot * stride +
-(layer_index * 2 + kv) * tokens_per_block + p % tokens_per_block``, ``slot`` its page of
-block ``p // tokens_per_block``, ``stride = 2 * tokens_per_block * layers in the group``.
+are rows of one KV head's key (or value) at one token (``KvCacheManager.head_rows``, the
+buffers head-major); position ``p`` of a request is, for the rank's first head, row
+``slot * stride + (layer_index * 2 + kv) * H * tokens_per_block + p % tokens_per_block``,
+``slot`` its page of block ``p // tokens_per_block``, ``H`` the heads per pool, ``stride
+= 2 * H * tokens_per_block * layers in the group``; head ``j`` held is ``j *
+tokens_per_block`` rows further (added by the cache manager).
 Per group and layer the batch holds the rows of the new tokens (``write``) and of every
 key they attend to (``read``: ``[lo_i, start_i + n_i)``, ``lo_i`` the window's first
 position), concatenated in batch order: one ``index_copy_`` stores a layer's new keys for
@@ -115,11 +117,12 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
         table = take(table_len)
         cu_k = take(nreq + 1).to(torch.int32)
         layers = len(kv.groups[gid].layer_ids)
-        stride = 2 * tpb * layers
+        buffer = kv.heads_per_pool * tpb  # rows of one (layer, role) buffer of a page
+        stride = 2 * buffer * layers
         pos, write = _page_rows(start_t, len_t, rows, off_t, table, stride, tpb)
         _, read = _page_rows(lo_t, span_t, k_starts[-1], off_t, table, stride, tpb)
-        # every layer's rows at once: layer l's keys are 2 * l blocks on, its values one more
-        shift = torch.arange(2 * layers, device=dev).view(layers, 2, 1) * tpb
+        # every layer's rows at once: layer l's keys are 2 * l buffers on, its values one more
+        shift = torch.arange(2 * layers, device=dev).view(layers, 2, 1) * buffer
         write, read = write + shift, read + shift
         positions = pos
         groups.append(

@@ -144,9 +144,11 @@ class EngineConfig:
             self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         )
         need(
-            self.num_kv_heads % self.tp == 0,
-            f"num_kv_heads {self.num_kv_heads} not divisible by tp {self.tp}",
+            self.num_kv_heads % self.tp == 0 or self.tp % self.num_kv_heads == 0,
+            f"tp {self.tp} neither divides num_kv_heads {self.num_kv_heads} nor is a multiple "
+            "of it",
         )
+        need(self.num_heads % self.tp == 0, f"num_heads {self.num_heads} not divisible by tp")
         need(self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
         need(
             self.kv_manager in ("v1", "v2"),
@@ -226,7 +228,8 @@ class EngineConfig:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        return self.num_kv_heads // self.tp
+        """KV heads each rank holds: one, replicated, when ``tp > num_kv_heads``."""
+        return max(1, self.num_kv_heads // self.tp)
 
 
 @dataclass(frozen=True)

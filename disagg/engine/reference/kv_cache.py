@@ -5,7 +5,11 @@ rank is its own process (``ranks=[r]``, the MPI mode). Page slots, allocation an
 rank-independent (every rank's allocator takes the same decisions from the same inputs).
 
 Pool tensor of group ``g`` on rank ``r``: ``[num_blocks, len(layer_ids), 2,
-tokens_per_block * kv_heads_per_rank * head_dim]`` in the KV dtype. In V1 mode the single
+kv_heads_per_rank * tokens_per_block * head_dim]`` in the KV dtype, each K or V buffer
+head-major (``[heads, tokens, head_dim]``, TensorRT-LLM's block layout), so one head's slice
+of a page is one contiguous run per buffer (``engine.heads``). Rank ``r`` holds the KV
+heads ``heads.rank_heads(num_kv_heads, tp, r)`` (replicated when ``tp > num_kv_heads``).
+In V1 mode the single
 group's tensor is exactly what ``register_kv_caches`` receives; in V2 mode each tensor is
 described by one ``KvCacheRegion`` (buffers ``(layer, "key"), (layer, "value")`` per layer,
 ascending) inside a ``KvCacheLayout``.
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import layout as _layout_mod
+from ..heads import rank_heads
 from .config import EngineConfig
 
 BAD = -1
@@ -91,6 +96,7 @@ class KvCacheManager:
         if not self.ranks or any(not 0 <= r < cfg.tp for r in self.ranks):
             raise ValueError(f"KvCacheManager: ranks {self.ranks} not within tp={cfg.tp}")
         width = cfg.tokens_per_block * cfg.kv_heads_per_rank * cfg.head_dim
+        self.heads = [rank_heads(cfg.num_kv_heads, cfg.tp, r) for r in self.ranks]
         self.groups: list[GroupState] = []
         self.layer_group: dict[int, int] = {}
         self.layer_index: dict[int, int] = {}
@@ -118,10 +124,12 @@ class KvCacheManager:
             for li, layer in enumerate(layer_ids):
                 self.layer_group[layer] = gid
                 self.layer_index[layer] = li
-        # every pool as rows of one token's keys or values (``token_rows``)
-        self._rows = [
-            [p.view(-1, cfg.kv_heads_per_rank * cfg.head_dim) for p in g.pools] for g in self.groups
-        ]
+        # every pool as rows of one head's key (or value) at one token (``head_rows``)
+        self._rows = [[p.view(-1, cfg.head_dim) for p in g.pools] for g in self.groups]
+        # a head's rows are ``tokens_per_block`` rows after the previous head's
+        self._head_offsets = (
+            torch.arange(cfg.kv_heads_per_rank, device=cfg.device) * cfg.tokens_per_block
+        )
 
     @property
     def device(self) -> torch.device:
@@ -296,34 +304,46 @@ class KvCacheManager:
             pages[gid] = []
 
     # ----- the forward's page access ---------------------------------------------------
-    def token_rows(self, gid: int) -> list[torch.Tensor]:
-        """Group ``gid``'s pool of each rank held here as rows of one token's keys (or
-        values) of that rank's KV heads: ``[num_blocks * layers * 2 * tokens_per_block,
-        kv_heads_per_rank * head_dim]`` views; ``batch`` says which row is which."""
+    @property
+    def heads_per_pool(self) -> int:
+        """KV heads in each rank's pool (the ``H`` of ``batch``'s row arithmetic)."""
+        return self.cfg.kv_heads_per_rank
+
+    def head_rows(self, gid: int) -> list[torch.Tensor]:
+        """Group ``gid``'s pool of each rank held here as rows of one head's key (or value)
+        at one token: ``[num_blocks * layers * 2 * heads * tokens_per_block, head_dim]``
+        views; ``batch`` says which row is which."""
         return self._rows[gid]
+
+    def _expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """Head 0's rows ``[n]`` -> every held head's ``[n * heads]`` (token-major)."""
+        return (rows[:, None] + self._head_offsets).reshape(-1)
 
     def write_layer(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a forward's new keys/values of ``layer`` ``[n, num_kv_heads * head_dim]``
-        (every KV head: each rank's pool keeps its shard) at ``rows`` (``[2, n]``: the
-        keys' and the values' rows in the group's ``token_rows``, ``batch.GroupRows``):
-        one copy each per rank held here."""
-        width = self.cfg.kv_heads_per_rank * self.cfg.head_dim
-        for r, view in zip(self.ranks, self._rows[self.layer_group[layer]], strict=True):
-            shard = slice(r * width, (r + 1) * width)
-            view.index_copy_(0, rows[0], k[:, shard].to(view.dtype))
-            view.index_copy_(0, rows[1], v[:, shard].to(view.dtype))
+        (every KV head: each rank's pool keeps its heads) at ``rows`` (``[2, n]``: the
+        keys' and the values' head-0 rows in the group's ``head_rows``,
+        ``batch.GroupRows``): one copy each per rank held here."""
+        hd, n = self.cfg.head_dim, k.shape[0]
+        kr, vr = self._expand(rows[0]), self._expand(rows[1])
+        for heads, view in zip(self.heads, self._rows[self.layer_group[layer]], strict=True):
+            shard = slice(heads.start * hd, heads.stop * hd)
+            view.index_copy_(0, kr, k[:, shard].reshape(n * len(heads), hd).to(view.dtype))
+            view.index_copy_(0, vr, v[:, shard].reshape(n * len(heads), hd).to(view.dtype))
 
     def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of ``layer`` at ``rows`` (``[2, m]``, ``batch.GroupRows.read``):
-        ``[m, kv heads held here, head_dim]``, the shards of the ranks held here side by
-        side in rank order (every KV head in the one-process simulation)."""
+        ``[m, kv heads held here, head_dim]``, the heads of the ranks held here side by
+        side in rank order (every KV head in the one-process simulation; a replicated
+        head once per rank holding it, which grouped-query attention maps right)."""
         views = self._rows[self.layer_group[layer]]
         shape = (rows.shape[1], -1, self.cfg.head_dim)
+        kr, vr = self._expand(rows[0]), self._expand(rows[1])
         if len(views) == 1:
-            return views[0][rows[0]].view(shape), views[0][rows[1]].view(shape)
-        k = torch.cat([view[rows[0]] for view in views], dim=1)
-        v = torch.cat([view[rows[1]] for view in views], dim=1)
-        return k.view(shape), v.view(shape)
+            return views[0][kr].view(shape), views[0][vr].view(shape)
+        k = torch.cat([view[kr].view(shape) for view in views], dim=1)
+        v = torch.cat([view[vr].view(shape) for view in views], dim=1)
+        return k, v
 
     # ----- byte access ----------------------------------------------------------------
     def snapshot(
@@ -348,3 +368,18 @@ class KvCacheManager:
             p[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes()
             for p in self.groups[gid].pools
         )
+
+
+def page_by_head(cfg: EngineConfig, gid: int, data: bytes) -> bytes:
+    """A group page of every rank (``KvCacheManager.page_bytes`` of the one-process
+    simulation, ranks in order) as ``[layers, 2, num_kv_heads, tokens, head_dim]`` by
+    absolute KV head, a replicated head once: the same bytes whatever the TP size."""
+    layers = len(cfg.layer_groups[gid][1])
+    ranks = np.frombuffer(data, dtype=np.uint8).reshape(cfg.tp, layers, 2, -1)
+    heads: dict[int, np.ndarray] = {}
+    for r in range(cfg.tp):
+        held = rank_heads(cfg.num_kv_heads, cfg.tp, r)
+        mine = ranks[r].reshape(layers, 2, len(held), -1)
+        for i, h in enumerate(held):
+            heads.setdefault(h, mine[:, :, i])
+    return np.stack([heads[h] for h in range(cfg.num_kv_heads)], axis=2).tobytes()

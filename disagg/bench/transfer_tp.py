@@ -1,0 +1,259 @@
+"""``disagg bench transfer --tp``: TP-split and TP-merge transfers beside the same-TP one,
+through the real data planes, in one producer / consumer process pair per transport and
+page size (docs/design/unequal-tp.md).
+
+A page of S bytes is ``BUFFERS`` (layer, role) buffers, each the heads of its rank
+head-major; the producer's store holds 2N such pages. Each repetition times, one after
+the other on fresh random rows and slots (so the three share the same conditions):
+
+- ``same``: N whole pages into the consumer's pool (equal TP sizes);
+- ``split``: the consumer rank holds half the producer rank's heads: from each of N pages
+  the first half of every buffer (``BUFFERS`` runs of S / 2 / BUFFERS bytes, the store
+  columns a Push naming those heads gathers) into a pool of S / 2-byte pages;
+- ``merge``: the consumer page holds the heads of two producer ranks: two transfers at once
+  (rank A's pages are the stores' first S / 2 bytes, rank B's the second), each landing its
+  S / 2 / BUFFERS-byte runs in place in every buffer of the consumer's S-byte pages (the
+  slice groups ``consumer.routes`` registers).
+
+GB/s are the bytes landed in the consumer's pages over the time to the last DONE; ``ratio``
+is the paired median over repetitions of a kind's GB/s against that repetition's same-TP
+GB/s. Pages are verified (each landed page starts with its source row's index).
+
+The planes, stores and process plumbing are ``transfer``'s, handed in as ``kit`` (its
+``tp_kit(roles)``: ``make_plane``, ``device`` (``Roles.of``: the ``-cuda`` rows' GPUs as
+``--producer-device`` / ``--consumer-device`` say), ``store``, ``result``, ``unavailable``,
+``spec``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .peers import draw
+from .units import fmt_size, median
+
+BUFFERS = 16  # (layer, role) buffers per page: 8 layers' keys and values
+KINDS = ("same", "split", "merge")
+
+
+def _columns(page_bytes: int) -> dict[str, list[tuple[int, tuple[tuple[int, int], ...]]]]:
+    """Per kind, its pushes: ``(receiver group, store columns)``."""
+    run, half = page_bytes // BUFFERS, page_bytes // 2
+    return {
+        "same": [(0, ((0, page_bytes),))],
+        "split": [(1, tuple((b * run, run // 2) for b in range(BUFFERS)))],
+        "merge": [(2, ((0, half),)), (3, ((half, half),))],
+    }
+
+
+def _producer(kit: Any, name: str, n: int, page_bytes: int, conn: Any) -> None:
+    """Post every push of a request ("push", endpoint, caps, [(tid, group, src, dst, cols)])
+    at once, wait for them, reply ("pushed", errors); until "stop"."""
+    import torch
+
+    from ..transport.dataplane import push_source
+
+    plane = None
+    try:
+        store = kit.store(2 * n, page_bytes)
+        plane = kit.make_plane(name)
+        rows = torch.from_numpy(store).to(kit.device(name, "producer"))
+        register = getattr(plane, "register_source", None)
+        if register is not None:  # the ipc plane shares the store (shm / CUDA IPC)
+            rows = register(rows)
+        conn.send(("ready", plane.source_caps))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, endpoint, caps, jobs = msg
+            handles = [
+                plane.post_push(
+                    endpoint,
+                    tid,
+                    1,
+                    b"bench",
+                    [(group, *push_source(plane, rows, src, cols, dst))],
+                    deadline_s=300,
+                    caps=caps,
+                )
+                for tid, group, src, dst, cols in jobs
+            ]
+            errors = [plane.wait_push(h, 300).error for h in handles]
+            conn.send(("pushed", [e for e in errors if e]))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=3)))
+    finally:
+        if plane is not None:
+            plane.close()
+
+
+def _consumer(
+    kit: Any, name: str, n: int, page_bytes: int, repeats: int, conn: Any, out: Any
+) -> None:
+    import torch
+
+    plane = None
+    try:
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"producer: {msg[1]}")
+        slots, dev = 2 * n, kit.device(name, "consumer")
+        if dev == "cpu":
+            from .. import hostmem
+
+            pool, halves = (
+                hostmem.empty((slots, page_bytes)),
+                hostmem.empty((slots, page_bytes // 2)),
+            )
+        else:
+            pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=dev)
+            halves = torch.empty(slots, page_bytes // 2, dtype=torch.uint8, device=dev)
+        pool.fill_(0)
+        halves.fill_(0)
+        run = page_bytes // BUFFERS
+        plane = kit.make_plane(name)
+        plane.register_regions(
+            [
+                [pool],
+                [halves],
+                [pool[:, b * run : b * run + run // 2] for b in range(BUFFERS)],
+                [pool[:, b * run + run // 2 : (b + 1) * run] for b in range(BUFFERS)],
+            ]
+        )
+        plane.add_source(msg[1])
+        rng = np.random.default_rng(1234)
+        pushes = _columns(page_bytes)
+        times: dict[str, list[float]] = {k: [] for k in KINDS}
+        tid = 0
+        for rep in range(repeats + 1):
+            for kind in KINDS:
+                jobs, dst = [], None
+                for group, cols in pushes[kind]:
+                    src, d = draw(rng, slots, n)
+                    dst = d if dst is None else dst  # merge: both parts land in one page
+                    tid += 1
+                    plane.expect(tid, 1, b"bench", [0] * group + [n], 300)
+                    jobs.append((tid, group, src, dst, cols))
+                t = time.perf_counter()
+                conn.send(("push", plane.endpoint, plane.capabilities, jobs))
+                for job in jobs:
+                    st = plane.wait(job[0], 300)
+                    if not st.done:
+                        raise RuntimeError(f"{kind} transfer failed: {st.error}")
+                dt = time.perf_counter() - t
+                reply = conn.recv()
+                if reply[0] != "pushed" or reply[1]:
+                    raise RuntimeError(f"producer: {reply[1]}")
+                target = halves if kind == "split" else pool
+                head = target[torch.as_tensor(np.asarray(dst), device=target.device), :8]
+                got = head.cpu().numpy().copy().view(np.int64).reshape(-1)
+                if not np.array_equal(got, np.asarray(jobs[0][2])):
+                    raise RuntimeError(f"{kind}: pages landed in the wrong slots or corrupted")
+                if rep:
+                    times[kind].append(dt)
+        conn.send(("stop",))
+        out.put((times, None, None))
+    except Exception as exc:
+        out.put((None, None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"))
+        try:
+            conn.send(("stop",))
+        except Exception:
+            pass
+    finally:
+        if plane is not None:
+            plane.close()
+
+
+def measure(
+    kit: Any, name: str, page_bytes: int, n: int, repeats: int, timeout_s: float
+) -> dict[str, Any]:
+    """One transport at one page size: the three kinds' GB/s and paired ratios."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    prod = ctx.Process(target=_producer, args=(kit, name, n, page_bytes, a), daemon=True)
+    cons = ctx.Process(
+        target=_consumer, args=(kit, name, n, page_bytes, repeats, b, out), daemon=True
+    )
+    prod.start()
+    cons.start()
+    times, _, err = kit.result(out, prod, cons, timeout_s)
+    for p in (cons, prod):
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    transport, channel, _ = kit.spec[name]
+    row: dict[str, Any] = {
+        "transport": transport,
+        "channel": channel,
+        "page_bytes": page_bytes,
+        "pages": n,
+    }
+    if times is None:
+        return {**row, "error": err}
+    landed = {"same": n * page_bytes, "split": n * page_bytes // 2, "merge": n * page_bytes}
+    for kind in KINDS:
+        row[f"{kind}_gbps"] = landed[kind] / median(times[kind]) / 1e9
+    for kind in ("split", "merge"):
+        row[f"{kind}_ratio"] = median(
+            [
+                (landed[kind] / t) / (landed["same"] / s)
+                for t, s in zip(times[kind], times["same"], strict=True)
+            ]
+        )
+    return row
+
+
+def run(
+    kit: Any,
+    page_sizes: Sequence[int],
+    total: int,
+    transports: Sequence[str],
+    repeats: int,
+    timeout_s: float,
+    log: Any,
+) -> list[dict[str, Any]]:
+    """Rows for every transport that can run here (``transfer.unavailable``) and size."""
+    import torch
+
+    rows = []
+    for name in transports:
+        if name in ("nixl-raw", "mooncake") or kit.unavailable(name, torch.cuda.is_available()):
+            continue  # peers move whole pages with their own APIs; missing planes: skipped
+        for pb in page_sizes:
+            if pb % (2 * BUFFERS):
+                continue
+            r = measure(kit, name, pb, max(1, total // pb), repeats, timeout_s)
+            rows.append(r)
+            shown = (
+                f"same {r['same_gbps']:.2f}, split {r['split_gbps']:.2f} "
+                f"({r['split_ratio']:.2f}x), merge {r['merge_gbps']:.2f} ({r['merge_ratio']:.2f}x)"
+                if "error" not in r
+                else f"ERROR {r['error']}"
+            )
+            print(f"  tp {name:9s} {fmt_size(pb):>7s}: {shown} GB/s", file=log, flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'transport':10s} {'channel':7s} {'page':>7s} {'same':>7s} {'split':>7s} {'ratio':>6s} "
+        f"{'merge':>7s} {'ratio':>6s}   (GB/s landed; ratio: paired median against same)"
+    ]
+    for r in rows:
+        head = f"{r['transport']:10s} {r['channel']:7s} {fmt_size(r['page_bytes']):>7s}"
+        if "error" in r:
+            lines.append(f"{head}  error: {r['error']}")
+            continue
+        lines.append(
+            f"{head} {r['same_gbps']:7.2f} {r['split_gbps']:7.2f} {r['split_ratio']:6.2f} "
+            f"{r['merge_gbps']:7.2f} {r['merge_ratio']:6.2f}"
+        )
+    return "\n".join(lines)
