@@ -63,7 +63,7 @@ from ..serve.bodies import (
     read_json,
 )
 from ..serve.chat import parse_chat
-from . import first_token
+from . import first_token, timeline
 from .errors import (
     _err_json,
     _json_dict,
@@ -110,6 +110,7 @@ class ProxyState(Forwarding):
         self._heartbeat: asyncio.Task[None] | None = None
         self._first_beat = asyncio.Event()
         self._seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]] = {}
+        self._prefetches: set[asyncio.Task[None]] = set()
         self.registry = reg = CollectorRegistry()
         self.m_requests = Counter(
             "disagg_proxy_requests", "Requests by outcome", ["outcome"], registry=reg
@@ -190,7 +191,8 @@ class ProxyState(Forwarding):
         self._heartbeat = asyncio.create_task(self._heartbeats())
 
     async def stop(self, app: web.Application) -> None:
-        for task in (self._discovery, self._heartbeat, *self._seed_tasks.values()):
+        tasks = (*self._seed_tasks.values(), *self._prefetches)
+        for task in (self._discovery, self._heartbeat, *tasks):
             if task is not None:
                 task.cancel()
         if self.http is not None:
@@ -388,6 +390,7 @@ def build_app(state: ProxyState) -> web.Application:
         prefix = "chatcmpl" if is_chat else "cmpl"
         rid = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex[:16]}"
         t0 = time.monotonic()
+        timeline.begin()
         try:
             body = await read_json(request)
             # the chat template gives the tokens the upstreams will see: routing needs them
@@ -400,13 +403,14 @@ def build_app(state: ProxyState) -> web.Application:
             bad.headers["X-Request-Id"] = rid
             return bad
         log.info("request", extra={"request_id": rid, "stream": stream})
+        told = state.start_prefetch(body, path, rid) if max_tokens > 1 else None
         pre = await state.prefill(body, tokens, salt, rid, path, stream)
         if isinstance(pre, web.Response):
             state.m_requests.labels("prefill_failed").inc()
             pre.headers["X-Request-Id"] = rid
             return pre
         deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.answer(request, body, pre, max_tokens, stream, rid, deadline, path)
+        resp = await state.answer(request, body, pre, max_tokens, stream, rid, deadline, path, told)
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(
@@ -415,6 +419,7 @@ def build_app(state: ProxyState) -> web.Application:
                 "request_id": rid,
                 "status": resp.status,
                 "seconds": round(time.monotonic() - t0, 4),
+                "marks": timeline.marks(),  # monotonic seconds (proxy/timeline.py)
             },
         )
         return resp
