@@ -69,6 +69,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         first = num_computed_tokens // tpb
         if offerable <= first:
             return 0, False
+        svc.stamp(rid, "claim0")
         try:
             ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
             # every rank's keys (its namespace carries its tp_rank), packed; the prompt
@@ -78,7 +79,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
                 for r in range(svc.tp_size)
             ]
-            claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
+            claimed = svc.prefetches.take(keys[0]) if first == 0 and svc.tp_size == 1 else None
+            if claimed is None:
+                claimed = svc.claim(rid, keys[0], keys[1:] if svc.tp_size > 1 else None)
+            svc.stamp(rid, "claim1")
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d failed; recomputing", rid)
             return 0, False
