@@ -160,6 +160,7 @@ def run(args: Any) -> dict[str, Any]:
                 store_device=args.store_device,
                 producer_device=args.producer_device,
                 consumer_device=args.consumer_device,
+                proxy_args=("--no-prefetch",) if args.no_prefetch else (),
             ),
         ]
         split: dict[int, dict[str, float]] = {}
@@ -193,7 +194,12 @@ def run(args: Any) -> dict[str, Any]:
                 "gap_split": split.get(n, {}),
             }
         )
-    return {"mode": "http", "results": rows, "consumer_prefetch": prefetch}
+    return {
+        "mode": "http",
+        "prefetch": not args.no_prefetch,
+        "results": rows,
+        "consumer_prefetch": prefetch,
+    }
 
 
 def _metric(url: str) -> dict[str, float]:

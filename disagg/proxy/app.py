@@ -94,8 +94,10 @@ class ProxyState(Forwarding):
         request_timeout_s: float | None = None,
         events_curve: object | None = None,
         limits: ProxyLimits | None = None,
+        prefetch: bool = True,
     ) -> None:
         limits = limits or ProxyLimits()
+        self.prefetch = prefetch  # tell the consumer about a prompt as its prefill goes out
         if request_timeout_s is not None:
             limits = dataclasses.replace(limits, request_timeout_s=request_timeout_s)
         self.limits = limits

@@ -48,6 +48,7 @@ class Forwarding:
     limits: ProxyLimits
     _seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]]
     _prefetches: set[asyncio.Task[None]]
+    prefetch: bool
     m_down: Counter
     m_route: Counter
     m_matched: Counter
@@ -241,7 +242,7 @@ class Forwarding:
         plans them, so the continuation skips its claim). Fire and forget: the consumer,
         or None if none is configured. Only one that advertises ``prefetch`` is told."""
         order = self.consumer_order()
-        if not order or order[0].prefetch is False:
+        if not self.prefetch or not order or order[0].prefetch is False:
             return None
         up = order[0]
         task = asyncio.create_task(self._prefetch(up, body, path, rid))
