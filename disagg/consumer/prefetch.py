@@ -20,7 +20,11 @@ Contract:
 - a continuation that arrives before the lease is granted claims as usual and the
   prefetch, once granted, is released at once (``abandoned``);
 - any failure (no producer, a producer that dies, a refusal) ends the prefetch with
-  nothing held: the continuation claims as usual (a miss there recomputes);
+  nothing held: the continuation claims as usual (a miss there recomputes); a lease whose
+  producer is known down (or restarted) when the continuation comes is given back and
+  claimed afresh. A producer that dies unnoticed after the grant fails the load as a
+  claim's would: moved to another producer holding the blocks, else reported for a
+  restart (runtimes that take failed-load reports) or the request fails by name;
 - TP > 1 is not prefetched (the scheduler's claim covers every rank): ``start`` says so.
 
 Matching: a prefetch is keyed by its prompt's keys; the continuation's offer (keys of the
@@ -32,7 +36,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,7 +72,6 @@ class Prefetches:
         self.svc = svc
         self._lock = threading.Lock()
         self._by_first: dict[bytes, _Entry] = {}  # the prompt's first key -> its prefetch
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="disagg-prefetch")
         self.closed = False
 
     def start(self, keys: KeyBlob) -> str | None:
@@ -91,7 +93,11 @@ class Prefetches:
                 return f"{MAX_PENDING} prefetches in flight"
             entry = self._by_first[first] = _Entry(keys)
         svc.metrics["prefetch_started"] += 1
-        self._pool.submit(self._run, entry)
+        # one daemon thread each (at most MAX_PENDING): a slow producer delays no other
+        # prefetch, and a process that exits never waits for a poll
+        threading.Thread(
+            target=self._run, args=(entry,), name="disagg-prefetch", daemon=True
+        ).start()
         return None
 
     def _run(self, entry: _Entry) -> None:
@@ -163,8 +169,13 @@ class Prefetches:
                 entry.abandoned = True
                 self.svc.metrics["prefetch_late"] += 1
                 return None
+        c = entry.claimed
+        if not c.link.usable() or c.link.stale(c.incarnation):  # its producer failed since
+            self.svc.metrics["prefetch_dropped_down"] += 1
+            self.svc.release(c)
+            return None
         self.svc.metrics["prefetch_taken"] += 1
-        return entry.claimed
+        return c
 
     def leases(self) -> list[Claimed]:
         """Leases held and not taken yet (the keepalive renews them)."""
@@ -203,4 +214,3 @@ class Prefetches:
             self._by_first.clear()
         for c in held:
             self.svc.release(c)
-        self._pool.shutdown(wait=False, cancel_futures=True)
