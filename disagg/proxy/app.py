@@ -375,6 +375,10 @@ class ProxyState(Forwarding):
         return ok, details
 
 
+async def _template(body: dict[str, Any]) -> first_token.Template:
+    return first_token.Template.of(body)
+
+
 def build_app(state: ProxyState) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[STATE_KEY] = state
@@ -405,14 +409,36 @@ def build_app(state: ProxyState) -> web.Application:
             bad.headers["X-Request-Id"] = rid
             return bad
         log.info("request", extra={"request_id": rid, "stream": stream})
-        told = state.start_prefetch(body, path, rid) if max_tokens > 1 else None
-        pre = await state.prefill(body, tokens, salt, rid, path, stream)
+        early: dict[str, Any] = {}
+
+        def on_send() -> None:  # while the producer prefills: the consumer's side
+            if max_tokens > 1:
+                early["told"] = state.start_prefetch(body, path, rid)
+                early["template"] = asyncio.create_task(_template(body))
+
+        try:
+            pre = await state.prefill(body, tokens, salt, rid, path, stream, on_send)
+        except BaseException:
+            if "template" in early:
+                early["template"].cancel()
+            raise
         if isinstance(pre, web.Response):
             state.m_requests.labels("prefill_failed").inc()
             pre.headers["X-Request-Id"] = rid
             return pre
         deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.answer(request, body, pre, max_tokens, stream, rid, deadline, path, told)
+        resp = await state.answer(
+            request,
+            body,
+            pre,
+            max_tokens,
+            stream,
+            rid,
+            deadline,
+            path,
+            prefer=early.get("told"),
+            template=early.get("template"),
+        )
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(

@@ -122,9 +122,11 @@ class Forwarding:
         rid: str,
         path: str = "/v1/completions",
         stream: bool = False,
+        on_send: Callable[[], None] | None = None,
     ) -> web.Response | Prefilled:
         """Run the prefill (one token, streamed if the client streams) on a producer: its
-        answer, or the error response."""
+        answer, or the error response. ``on_send`` is called once, as the first attempt is
+        sent: what it schedules runs while the producer prefills, never before the send."""
         assert self.http is not None
         if salt is not None:
             await self.seeds_for(salt)
@@ -147,6 +149,9 @@ class Forwarding:
                     headers={"X-Request-Id": rid},
                     timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
                 )
+                if on_send is not None:  # its tasks run at the first wait, after the send
+                    on_send()
+                    on_send = None
                 r = await ctx.__aenter__()
                 owned: Any = ctx  # closed here unless a stream's reader took it over
                 try:
@@ -270,7 +275,7 @@ class Forwarding:
     async def decode(
         self,
         request: web.Request,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         rid: str,
         deadline: float,
         path: str = "/v1/completions",
@@ -330,7 +335,7 @@ class Forwarding:
         self,
         request: web.Request,
         up: Upstream,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         rid: str,
         deadline: float,
         path: str,
@@ -340,10 +345,11 @@ class Forwarding:
         assert self.http is not None
         timeline.mark("consumer_sent")
         try:
+            encoded = body if isinstance(body, bytes) else json.dumps(body).encode()
             ctx = self.http.post(
                 f"{up.url}{path}",
-                json=body,
-                headers={"X-Request-Id": rid},
+                data=encoded,
+                headers={"X-Request-Id": rid, "Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
             )
             r = await ctx.__aenter__()
@@ -421,11 +427,13 @@ class Forwarding:
         deadline: float,
         path: str,
         prefer: Upstream | None = None,
+        template: asyncio.Task[first_token.Template] | None = None,
     ) -> web.StreamResponse:
         """The client's answer after the producer's prefill (``first_token``): the
         producer's own when it is the whole answer; else its first token at once and the
         consumer's continuation after it (``prefer`` first: the consumer told of the
-        prompt); else (a plain path, counted) the consumer's."""
+        prompt; ``template``: its request, encoded meanwhile); else (a plain path,
+        counted) the consumer's."""
         if pre.rest is not None and (max_tokens == 1 or not pre.tokens):
             await pre.rest  # the producer's answer is needed whole
         if pre.tokens and (max_tokens == 1 or pre.whole):
@@ -444,7 +452,9 @@ class Forwarding:
         if why is not None:
             self.m_first_token.labels(why).inc()
             return await self.decode(request, body, rid, deadline, path)
-        cbody = first_token.continuation(body, pre.tokens)
+        cbody: dict[str, Any] | bytes = first_token.continuation(body, pre.tokens)
+        if template is not None:  # encoded while the producer prefilled
+            cbody = (await template).fill(pre.tokens)
         if not stream:
             self.m_first_token.labels("producer").inc()
             return await self.decode(request, cbody, rid, deadline, path, order=able)

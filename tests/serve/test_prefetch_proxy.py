@@ -154,3 +154,20 @@ def test_a_stop_after_the_token_makes_the_producers_answer_the_whole_one(
     finishes = [ev["choices"][0]["finish_reason"] for ev in out if isinstance(ev, dict)]
     assert finishes[-1] == "stop" and "length" not in finishes
     assert _consumer(system, "prefetch_started") == served + 1  # the consumer was told
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [1, 2, 3], "max_tokens": 4},
+        {"disagg": {"first_tokens": [9], "x": 1}, "prompt": "a", "stream": True},
+        {"prompt": "\u0000first-tokens\u0000", "user": "\u0000first-tokens\u0000"},
+    ],
+    ids=["plain", "client-disagg", "client-holds-the-slot"],
+)
+def test_the_encoded_continuation_is_the_continuation(body: dict[str, object]):
+    from disagg.proxy.first_token import Template, continuation
+
+    got = json.loads(Template.of(body).fill([5, 6]))
+    assert got == continuation(body, [5, 6])
+    assert list(got)[-1] == "disagg"
