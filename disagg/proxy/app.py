@@ -11,6 +11,8 @@ both upstreams get the chat request itself):
    prefix, then fewest in flight) and send the request with ``max_tokens: 1, stream:
    false``; an unreachable producer, a 5xx or an expired prefill deadline moves on to the
    next one; a 4xx is the client's error and is returned as is;
+   as the prefill goes out, the consumer first in line is told of the prompt
+   (``POST /disagg/prefetch``: it leases the prompt's blocks meanwhile; ``--no-prefetch``);
 2. send the original request to the least-loaded consumer that is not down and stream its
    answer back (SSE passthrough) or return its JSON. A consumer that is unreachable,
    answers 5xx or misses its decode deadline *before the first byte reaches the client*

@@ -27,9 +27,11 @@ Routes
         computing every prompt) with the reason in ``degraded``.
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
         request counters and a latency histogram.
+    ``POST /disagg/prefetch``  (consumer) the proxy's word that a prompt is being
+        prefilled: its blocks are leased meanwhile (:mod:`disagg.consumer.prefetch`); 202.
     ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
         needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`),
-        ``continuation: true`` (this server takes ``disagg.first_tokens``);
+        ``continuation: true`` (this server takes ``disagg.first_tokens``), ``prefetch``;
         ``/disagg/info`` also carries ``engine``: the engine's shape (its ``model`` name,
         ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``).
 
