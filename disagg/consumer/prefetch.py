@@ -170,6 +170,9 @@ class Prefetches:
                 self.svc.metrics["prefetch_late"] += 1
                 return None
         c = entry.claimed
+        if c.num_blocks > len(offer):  # never more than offered (the key check implies it)
+            self.svc.release(c)
+            return None
         if not c.link.usable() or c.link.stale(c.incarnation):  # its producer failed since
             self.svc.metrics["prefetch_dropped_down"] += 1
             self.svc.release(c)

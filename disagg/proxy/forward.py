@@ -441,7 +441,7 @@ class Forwarding:
         # only consumers known to take the continuation get it: another would generate
         # from the prompt alone and repeat the first token
         able = [up for up in self.consumer_order() if await self.continues(up)]
-        if prefer is not None and prefer in able:
+        if prefer is not None and prefer in able and not prefer.known_down():
             able.remove(prefer)
             able.insert(0, prefer)
         why = None

@@ -161,3 +161,19 @@ def _keys(csvc: object, prompt: list[int]) -> object:
 
     n = len(prompt) // TPB
     return block_key_blob(csvc.namespace_seed(None), prompt[: n * TPB], TPB)  # type: ignore[attr-defined]
+
+
+def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
+    """The plain path (no first token): a prompt of whole blocks offers one block fewer
+    than its prefetch leased (the last prompt token is computed here), so the lease is not
+    taken; the request claims its own, shorter one."""
+    prompt = _prompt(7, 96)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    got = cons.generate([prompt], max_tokens=3)[0]
+    assert got == mono
+    assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
