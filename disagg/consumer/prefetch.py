@@ -37,17 +37,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
 from ..protocol.keys import KEY_BYTES, KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
+from .host import LinkHost
 from .links import ProducerLink
 from .loads import Claimed
-
-if TYPE_CHECKING:
-    from .service import ConsumerService
 
 log = logging.getLogger("disagg.consumer")
 
@@ -68,7 +65,7 @@ class _Entry:
 class Prefetches:
     """The service's prefetched leases (``ConsumerService.prefetches``)."""
 
-    def __init__(self, svc: ConsumerService):
+    def __init__(self, svc: LinkHost):
         self.svc = svc
         self._lock = threading.Lock()
         self._by_first: dict[bytes, _Entry] = {}  # the prompt's first key -> its prefetch
