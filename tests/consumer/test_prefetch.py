@@ -154,6 +154,9 @@ def test_prefetch_declines_what_it_cannot_serve():
     assert start_prefetch(csvc, _prompt(5, TPB - 1), None) == "the prompt has no whole block"
     assert start_prefetch(csvc, _prompt(5), None) is None
     assert start_prefetch(csvc, _prompt(5), None) == "this prompt is being prefetched already"
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)  # given back while the producer lives
 
 
 def _keys(csvc: object, prompt: list[int]) -> object:
@@ -177,3 +180,5 @@ def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
     got = cons.generate([prompt], max_tokens=3)[0]
     assert got == mono
     assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
+    assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)

@@ -105,8 +105,9 @@ def _consumer(urls: dict[str, str], name: str) -> float:
     return sp.metric(text, f"disagg_consumer_{name}_total") if name in text else 0.0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("chat_api", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    ("stream", "chat_api"), [(True, False), (False, True)], ids=["stream", "chat-json"]
+)
 def test_the_consumer_continues_from_its_prefetched_lease(
     system: dict[str, str], stream: bool, chat_api: bool
 ):
