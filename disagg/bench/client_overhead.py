@@ -14,11 +14,23 @@ Per prompt length, medians over ``--repeats`` prompts after a warm-up prompt: **
 **TBT** (the median time between later chunks, the consumer's decode step as the client
 sees it). Ratios: ``ttft_ratio`` = disaggregated TTFT / local TTFT; ``gap_ratio`` =
 disaggregated gap / disaggregated TBT (the hand-over's cost in decode steps).
+
+**Where the gap goes** (``gap_split``, medians, ms): every request carries an
+``X-Request-Id``; the proxy and the consumer log their moments under it
+(:mod:`disagg.proxy.timeline`, the consumer's ``completion done`` line), on the machine's
+monotonic clock, which the client reads too. From the proxy writing the first token to the
+client's second token: ``handover`` (the proxy posts the continuation), ``hop`` (it reaches
+the consumer's handler), ``parse`` (body and prompt read), ``admit`` (queued, added to the
+engine, scheduled), ``claim`` (keys and the claim, or the prefetched lease taken),
+``transfer`` (dispatch to the load seen landed), ``tail`` (the forward of the tail and the
+first token, sampling), ``back`` (the consumer's chunk through the proxy to the client).
+``prefetch_taken`` counts the requests whose claim was a prefetched lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 from statistics import median
@@ -36,7 +48,7 @@ def _prompts(lens: list[int], repeats: int, vocab: int, seed: int) -> dict[int, 
     return {n: [rng.integers(0, vocab, n).tolist() for _ in range(repeats + 1)] for n in lens}
 
 
-async def _series(url: str, prompts: list[list[int]], tokens: int) -> list[Record]:
+async def _series(url: str, prompts: list[list[int]], tokens: int, tag: str) -> list[Record]:
     import aiohttp
 
     out = []
@@ -44,11 +56,59 @@ async def _series(url: str, prompts: list[list[int]], tokens: int) -> list[Recor
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for i, p in enumerate(prompts):
             rec = Record(i, len(p), tokens, 0.0)
-            await _one(http, url, Request(0.0, p, tokens), rec)
+            await _one(http, url, Request(0.0, p, tokens), rec, f"{tag}-{i}")
             if rec.error:
                 raise RuntimeError(rec.error)
             out.append(rec)
     return out
+
+
+def _marks(log: Path, msg: str) -> dict[str, dict[str, float]]:
+    """request id -> the moments its ``msg`` line of ``log`` carries (JSON lines)."""
+    out: dict[str, dict[str, float]] = {}
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if msg not in line or '"marks"' not in line:
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("msg") == msg and isinstance(d.get("marks"), dict):
+            out[str(d.get("request_id"))] = d["marks"]
+    return out
+
+
+SPLIT = (  # (segment, from, to): proxy "p.", consumer "c." moments; the client's 2nd chunk
+    ("handover", "p.client_token", "p.consumer_sent"),
+    ("hop", "p.consumer_sent", "c.arrived"),
+    ("parse", "c.arrived", "c.parsed"),
+    ("admit", "c.parsed", "c.claim0"),
+    ("claim", "c.claim0", "c.claim1"),
+    ("transfer", "c.claim1", "c.landed"),
+    ("tail", "c.landed", "c.first_token"),
+    ("back", "c.first_token", "client.second"),
+)
+
+
+def _gap_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
+    """Medians (ms) of the gap's segments over the records but the warm-up."""
+    proxy = _marks(logdir / "proxy.log", "done")
+    cons = _marks(logdir / "consumer-0.log", "completion done")
+    seg: dict[str, list[float]] = {name: [] for name, _, _ in SPLIT}
+    for r in recs[1:]:
+        rid = f"{tag}-{r.index}"
+        at = {f"p.{k}": v for k, v in proxy.get(rid, {}).items()}
+        at.update({f"c.{k}": v for k, v in cons.get(rid, {}).items()})
+        if len(r.chunks) > 1:  # perf_counter and monotonic: the same clock on Linux
+            at["client.second"] = r.chunks[1][0]
+        for name, a, b in SPLIT:
+            if a in at and b in at:
+                seg[name].append((at[b] - at[a]) * 1000.0)
+    return {k: median(v) for k, v in seg.items() if v}
 
 
 def _figures(recs: list[Record]) -> dict[str, float]:
@@ -100,17 +160,25 @@ def run(args: Any) -> dict[str, Any]:
                 store_device=args.store_device,
                 producer_device=args.producer_device,
                 consumer_device=args.consumer_device,
+                proxy_args=("--no-prefetch",) if args.no_prefetch else (),
             ),
         ]
+        split: dict[int, dict[str, float]] = {}
+        prefetch: dict[str, float] = {}
         for d in deployments:
             d.start()
             try:
                 wait_routing(d, 1)
                 url = d.client_urls[0]
-                got[d.kind] = {
-                    n: _figures(asyncio.run(_series(url, ps, args.http_tokens)))
-                    for n, ps in prompts.items()
-                }
+                got[d.kind] = {}
+                for n, ps in prompts.items():
+                    tag = f"{d.kind[:3]}{n}"
+                    recs = asyncio.run(_series(url, ps, args.http_tokens, tag))
+                    got[d.kind][n] = _figures(recs)
+                    if d.kind == "disaggregated":
+                        split[n] = _gap_split(recs, tag, logdir)
+                if d.kind == "disaggregated":
+                    prefetch = _metric(d.engine_urls[-1])  # the consumer's
             finally:
                 d.stop()
     rows = []
@@ -123,9 +191,36 @@ def run(args: Any) -> dict[str, Any]:
                 "disaggregated": dis,
                 "ttft_ratio": dis["ttft_ms"] / loc["ttft_ms"],
                 "gap_ratio": dis["gap_ms"] / dis["tbt_ms"],
+                "gap_split": split.get(n, {}),
             }
         )
-    return {"mode": "http", "results": rows}
+    return {
+        "mode": "http",
+        "prefetch": not args.no_prefetch,
+        "results": rows,
+        "consumer_prefetch": prefetch,
+    }
+
+
+def _metric(url: str) -> dict[str, float]:
+    """The consumer's prefetch counters (``/metrics``), by outcome."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("disagg_consumer_prefetch_") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            name = name.partition("{")[0].removeprefix("disagg_consumer_")
+            try:
+                out[name.removesuffix("_total")] = float(value)
+            except ValueError:
+                pass
+    return out
 
 
 def table(rep: dict[str, Any]) -> str:
@@ -138,4 +233,10 @@ def table(rep: dict[str, Any]) -> str:
             f"{r['ttft_ratio']:>5.2f}x  {loc['gap_ms']:>7.1f}ms  {dis['gap_ms']:>8.1f}ms  "
             f"{dis['tbt_ms']:>8.1f}ms  {r['gap_ratio']:>6.2f}x"
         )
+    lines.append("where the disaggregated gap goes (medians, ms):")
+    lines.append("prompt  " + "  ".join(f"{name:>8}" for name, _, _ in SPLIT))
+    for r in rep["results"]:
+        sp = r.get("gap_split", {})
+        cells = [f"{sp[n]:>8.2f}" if n in sp else f"{'-':>8}" for n, _, _ in SPLIT]
+        lines.append(f"{r['prompt_tokens']:>6}  " + "  ".join(cells))
     return "\n".join(lines)

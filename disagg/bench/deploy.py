@@ -210,6 +210,7 @@ def disaggregated(
     store_device: str = "cpu",
     producer_device: str | None = None,
     consumer_device: str | None = None,
+    proxy_args: tuple[str, ...] = (),
 ) -> Deployment:
     """Producers' engines on ``producer_device``, consumers' on ``consumer_device`` (None:
     the shape's device); a producer's ``store_device: cuda`` is its engine's GPU."""
@@ -251,6 +252,7 @@ def disaggregated(
     port = free_port()
     cmd = [sys.executable, "-m", "disagg", "proxy", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--producers", ",".join(prod_urls), "--consumers", ",".join(cons_urls)]
+    cmd += proxy_args
     proxy = _proc("proxy", port, cmd, logdir)
     d.procs.append(proxy)
     # producers first (consumers connect to them), then consumers, then the proxy

@@ -395,6 +395,11 @@ def main(argv: Sequence[str]) -> int:
     )
     ap.add_argument("--http-tokens", type=int, default=8, help="--http: tokens per answer")
     ap.add_argument("--num-blocks", type=int, default=1024, help="--http: KV blocks per engine")
+    ap.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="--http: the proxy does not tell the consumer about a prompt at its prefill",
+    )
     args = ap.parse_args(list(argv))
     try:
         args.lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]

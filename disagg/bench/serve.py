@@ -124,13 +124,16 @@ class _Progress:
             self._bar.close()
 
 
-async def _one(http: Any, url: str, req: Request, rec: Record) -> None:
+async def _one(
+    http: Any, url: str, req: Request, rec: Record, request_id: str | None = None
+) -> None:
     import aiohttp
 
     body = {"prompt": req.tokens, "max_tokens": req.max_tokens, "stream": True}
+    headers = {"X-Request-Id": request_id} if request_id else None
     rec.sent = time.perf_counter()
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as r:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as r:
             if r.status != 200:
                 text = (await r.text())[:200].replace("\n", " ")
                 rec.error = f"HTTP {r.status} from {url}: {text}"

@@ -1,8 +1,9 @@
-"""What the consumer's claims, keepalive and refusals use of the service that owns them.
+"""What the consumer's claims, keepalive, refusals and prefetches use of the service that
+owns them.
 
-``ConsumerService`` satisfies ``LinkHost``; the three modules take one at construction and
-never import the service, so imports run downward (service -> claims/keepalive/refusals ->
-host -> links, loads, routes).
+``ConsumerService`` satisfies ``LinkHost``; those modules take one at construction and
+never import the service, so imports run downward (service -> claims/keepalive/refusals/
+prefetch -> host -> links, loads, routes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from .routes import Routes
 class Renewals(Protocol):
     def granted(self, ttl_s: float) -> None:
         """A producer granted a lease for ``ttl_s``."""
+
+
+class HeldLeases(Protocol):
+    """Leases held outside any load (prefetched): renewed and swept by the keepalive."""
+
+    def leases(self) -> list[Claimed]: ...
+
+    def sweep(self, now: float | None = None) -> int: ...
 
 
 class LinkHost(Protocol):
@@ -42,6 +51,9 @@ class LinkHost(Protocol):
 
     @property
     def keepalive(self) -> Renewals: ...
+
+    @property
+    def prefetches(self) -> HeldLeases: ...
 
     def _call(
         self,

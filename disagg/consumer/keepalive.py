@@ -102,6 +102,7 @@ class Keepalive:
             self._wake.wait(max(0.0, next_renew - time.monotonic()))
             self._wake.clear()
             try:
+                self.svc.prefetches.sweep()  # prefetched leases no continuation took
                 self.send_releases()
                 if time.monotonic() < next_renew:
                     continue
@@ -117,10 +118,10 @@ class Keepalive:
             return
         held: dict[tuple[ProducerLink, int], list[int]] = {}
         loads = [*svc.loads.values(), *(r.load for r in list(svc.reservations.values()))]
-        for load in loads:
-            if load.claimed.released:
+        for claimed in [load.claimed for load in loads] + svc.prefetches.leases():
+            if claimed.released:
                 continue
-            for c in load.claimed.all_ranks():
+            for c in claimed.all_ranks():
                 held.setdefault((c.link, c.incarnation), []).append(c.lease_id)
         for (link, inc), ids in held.items():
             if link.stale(inc):  # the producer restarted: these ids mean nothing there

@@ -69,6 +69,7 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
         first = num_computed_tokens // tpb
         if offerable <= first:
             return 0, False
+        svc.stamp(rid, "claim0")
         try:
             ident = request_identity(request)  # salt, LoRA adapter, multimodal inputs
             # every rank's keys (head-blind, its namespace carries its tp_rank; else one
@@ -78,7 +79,13 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
                 for r in range(1 if svc.routes is not None else svc.tp_size)
             ]
-            claimed = svc.claim(rid, keys[0], keys[1:] if len(keys) > 1 else None)
+            # a lease the proxy's prefetch took while the prompt was prefilled (TP=1 and
+            # equal TP only: the prefetch claims on one producer rank)
+            plain = svc.tp_size == 1 and svc.routes is None
+            claimed = svc.prefetches.take(keys[0]) if first == 0 and plain else None
+            if claimed is None:
+                claimed = svc.claim(rid, keys[0], keys[1:] if len(keys) > 1 else None)
+            svc.stamp(rid, "claim1")
         except Exception:  # a miss, never an engine failure
             log.exception("claim for request %d failed; recomputing", rid)
             return 0, False

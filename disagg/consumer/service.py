@@ -46,6 +46,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,7 @@ from .claims import Claims
 from .keepalive import Keepalive
 from .links import _PEER_FAULTS, DOWN_BACKOFF_S, ProducerLink
 from .loads import Claimed, Load, LoadState, Reservation
+from .prefetch import Prefetches
 from .rank_bus import PEER_GRACE_S, RankBus
 from .refusals import Refusals
 from .routes import Part, Routes, status
@@ -165,6 +167,9 @@ class ConsumerService(ConnectorService):
         self.claim_seconds = 0.0  # time spent in ``claim`` (the engine's thread waits on it)
         self.refusals = Refusals(self)  # producers refusing us: skipped, retried, reported
         self.keepalive = Keepalive(self)
+        self.prefetches = Prefetches(self)  # leases taken while the producer prefills
+        # request id -> moments of its load (monotonic s): claim0/claim1, landed; bounded
+        self.timeline: OrderedDict[int, dict[str, float]] = OrderedDict()
         self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
         # A failed load stops the engine instead of failing its request (set by the worker
         # at registration, from ``on_load_failure``): the engine publishes freed pages.
@@ -283,6 +288,7 @@ class ConsumerService(ConnectorService):
         slots_by_group = list(load.dst_slots)
         # under the load lock: the bus thread (TP) polls a load only once it is dispatched,
         # which it is only once the plane expects it
+        self.stamp(load.request_id, "dispatched")
         with self._load_lock:
             load.transition(LoadState.DISPATCHED)
             load.transfer_id = next(self._transfer_ids)
@@ -470,6 +476,7 @@ class ConsumerService(ConnectorService):
             st = status(self.data, load.transfer_ids)
             if st.state is TransferState.DONE:
                 load.transition(LoadState.LANDED)
+                self.stamp(load.request_id, "landed")
                 self.metrics["loads_done"] += 1
                 self.metrics["pages_loaded"] += sum(_pages(g) for g in load.dst_slots or [])
                 self._publish(load)
@@ -629,7 +636,18 @@ class ConsumerService(ConnectorService):
             return False, self.stuck_writes
         return self.data.health() if self.data is not None else (False, "no data plane")
 
+    def stamp(self, request_id: int, what: str) -> None:
+        """Note when ``what`` happened to ``request_id``'s load (``disagg bench overhead
+        --http`` reads them through the server's log); the last 1024 requests are kept."""
+        marks = self.timeline.get(request_id)
+        if marks is None:
+            marks = self.timeline[request_id] = {}
+            while len(self.timeline) > 1024:
+                self.timeline.popitem(last=False)
+        marks[what] = time.monotonic()
+
     def close(self) -> None:
+        self.prefetches.close()
         self.keepalive.stop()
         self.refusals.stop()
         if self.bus is not None:

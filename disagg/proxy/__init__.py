@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a producer holding the longest prefix is preferred while it has at most this "
         "many more prefills in flight than the least loaded one",
     )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not tell the consumer about a prompt when its prefill is sent (it then "
+        "claims the prompt's blocks only once the continuation arrives)",
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument(
         "--events-secret-key-file",
@@ -158,7 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     from .app import ProxyState, build_app
 
     logs.setup(args.log_level)
-    state = ProxyState(producers, consumers, events, events_curve=curve, limits=limits)
+    state = ProxyState(
+        producers,
+        consumers,
+        events,
+        events_curve=curve,
+        limits=limits,
+        prefetch=not args.no_prefetch,
+    )
     print(f"disagg proxy: on http://{args.host}:{args.port}", flush=True)
     run_app(build_app(state), host=args.host, port=args.port)
     return 0

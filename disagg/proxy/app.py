@@ -11,6 +11,8 @@ both upstreams get the chat request itself):
    prefix, then fewest in flight) and send the request with ``max_tokens: 1, stream:
    false``; an unreachable producer, a 5xx or an expired prefill deadline moves on to the
    next one; a 4xx is the client's error and is returned as is;
+   as the prefill goes out, the consumer first in line is told of the prompt
+   (``POST /disagg/prefetch``: it leases the prompt's blocks meanwhile; ``--no-prefetch``);
 2. send the original request to the least-loaded consumer that is not down and stream its
    answer back (SSE passthrough) or return its JSON. A consumer that is unreachable,
    answers 5xx or misses its decode deadline *before the first byte reaches the client*
@@ -63,7 +65,7 @@ from ..serve.bodies import (
     read_json,
 )
 from ..serve.chat import parse_chat
-from . import first_token
+from . import first_token, timeline
 from .errors import (
     _err_json,
     _json_dict,
@@ -94,8 +96,10 @@ class ProxyState(Forwarding):
         request_timeout_s: float | None = None,
         events_curve: object | None = None,
         limits: ProxyLimits | None = None,
+        prefetch: bool = True,
     ) -> None:
         limits = limits or ProxyLimits()
+        self.prefetch = prefetch  # tell the consumer about a prompt as its prefill goes out
         if request_timeout_s is not None:
             limits = dataclasses.replace(limits, request_timeout_s=request_timeout_s)
         self.limits = limits
@@ -110,6 +114,7 @@ class ProxyState(Forwarding):
         self._heartbeat: asyncio.Task[None] | None = None
         self._first_beat = asyncio.Event()
         self._seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]] = {}
+        self._prefetches: set[asyncio.Task[None]] = set()
         self.registry = reg = CollectorRegistry()
         self.m_requests = Counter(
             "disagg_proxy_requests", "Requests by outcome", ["outcome"], registry=reg
@@ -190,7 +195,8 @@ class ProxyState(Forwarding):
         self._heartbeat = asyncio.create_task(self._heartbeats())
 
     async def stop(self, app: web.Application) -> None:
-        for task in (self._discovery, self._heartbeat, *self._seed_tasks.values()):
+        tasks = (*self._seed_tasks.values(), *self._prefetches)
+        for task in (self._discovery, self._heartbeat, *tasks):
             if task is not None:
                 task.cancel()
         if self.http is not None:
@@ -371,6 +377,10 @@ class ProxyState(Forwarding):
         return ok, details
 
 
+async def _template(body: dict[str, Any]) -> first_token.Template:
+    return first_token.Template.of(body)
+
+
 def build_app(state: ProxyState) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[STATE_KEY] = state
@@ -388,6 +398,7 @@ def build_app(state: ProxyState) -> web.Application:
         prefix = "chatcmpl" if is_chat else "cmpl"
         rid = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex[:16]}"
         t0 = time.monotonic()
+        timeline.begin()
         try:
             body = await read_json(request)
             # the chat template gives the tokens the upstreams will see: routing needs them
@@ -400,13 +411,36 @@ def build_app(state: ProxyState) -> web.Application:
             bad.headers["X-Request-Id"] = rid
             return bad
         log.info("request", extra={"request_id": rid, "stream": stream})
-        pre = await state.prefill(body, tokens, salt, rid, path, stream)
+        early: dict[str, Any] = {}
+
+        def on_send() -> None:  # while the producer prefills: the consumer's side
+            if max_tokens > 1:
+                early["told"] = state.start_prefetch(body, path, rid)
+                early["template"] = asyncio.create_task(_template(body))
+
+        try:
+            pre = await state.prefill(body, tokens, salt, rid, path, stream, on_send)
+        except BaseException:
+            if "template" in early:
+                early["template"].cancel()
+            raise
         if isinstance(pre, web.Response):
             state.m_requests.labels("prefill_failed").inc()
             pre.headers["X-Request-Id"] = rid
             return pre
         deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.answer(request, body, pre, max_tokens, stream, rid, deadline, path)
+        resp = await state.answer(
+            request,
+            body,
+            pre,
+            max_tokens,
+            stream,
+            rid,
+            deadline,
+            path,
+            prefer=early.get("told"),
+            template=early.get("template"),
+        )
         state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
         state.m_latency.observe(time.monotonic() - t0)
         log.info(
@@ -415,6 +449,7 @@ def build_app(state: ProxyState) -> web.Application:
                 "request_id": rid,
                 "status": resp.status,
                 "seconds": round(time.monotonic() - t0, 4),
+                "marks": timeline.marks(),  # monotonic seconds (proxy/timeline.py)
             },
         )
         return resp

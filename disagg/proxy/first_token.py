@@ -16,15 +16,20 @@ does not take continuations (its ``/disagg/info`` has no ``continuation: true``,
 ``trtllm-serve`` one), the request takes the plain path: the consumer computes the first
 token again and its answer goes to the client; each such request is counted by reason.
 
-Wire: a streamed prefill is read to its ``[DONE]`` as SSE events; the event carrying the
-token (``choices[0].token_ids``) is forwarded to the client byte for byte, so its text is
-the producer's (a UTF-8 character split across the first and second token comes out whole
-in the consumer's next chunk).
+Wire: a streamed prefill is read as SSE events; the event carrying the token
+(``choices[0].token_ids``) is forwarded to the client byte for byte as soon as it is read,
+so its text is the producer's (a UTF-8 character split across the first and second token
+comes out whole in the consumer's next chunk). The rest of the producer's stream is read
+in the background (:func:`drain`) while the consumer already continues; the consumer's
+bytes reach the client only once it is read, so a stop condition it reports still makes
+the producer's answer the whole one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +49,9 @@ class Prefilled:
     body: bytes = b""  # a JSON answer as received
     events: list[bytes] = field(default_factory=list)  # a stream's SSE events, raw
     first_event: bytes | None = None  # the streamed event carrying the tokens
+    # a stream whose token event was read: the task reading the rest (None: read whole)
+    rest: asyncio.Task[None] | None = None
+    rest_error: str | None = None  # why the rest could not be read (the token stands)
 
     @property
     def whole(self) -> bool:
@@ -79,7 +87,19 @@ def from_json(data: bytes) -> Prefilled:
 async def from_stream(content: aiohttp.StreamReader) -> Prefilled:
     """A streamed prefill answer, read to its end (``[DONE]`` or the stream's close)."""
     out = Prefilled()
+    await read_events(content, out, None)
+    return out
+
+
+async def read_events(
+    content: aiohttp.StreamReader,
+    out: Prefilled,
+    on_token: Callable[[], None] | None,
+) -> None:
+    """Read SSE events into ``out`` until ``[DONE]`` or the stream's close; call
+    ``on_token`` once, right after the event carrying the token ids (or a stop) is read."""
     buf = b""
+    told = on_token is None
     async for line in content:
         buf += line
         if line not in (b"\n", b"\r\n"):
@@ -101,7 +121,19 @@ async def from_stream(content: aiohttp.StreamReader) -> Prefilled:
         finish = c.get("finish_reason")
         if isinstance(finish, str):
             out.finish = finish
-    return out
+        if not told and (out.first_event is not None or out.whole):
+            told = True
+            assert on_token is not None
+            on_token()
+
+
+async def drain(out: Prefilled, rest: Awaitable[None]) -> None:
+    """Wait for the rest of a stream whose token was read; a failure there is recorded
+    (``rest_error``), never raised: the client has the token, the consumer continues."""
+    try:
+        await rest
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out.rest_error = f"{type(e).__name__}: {e}"
 
 
 def continuation(body: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
@@ -109,3 +141,31 @@ def continuation(body: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
     ext = body.get("disagg")
     extra: dict[str, Any] = ext if isinstance(ext, dict) else {}
     return {**body, "disagg": {**extra, "first_tokens": list(tokens)}}
+
+
+_SLOT = "\u0000first-tokens\u0000"  # stands for the ids while the body is encoded
+
+
+@dataclass(frozen=True)
+class Template:
+    """The consumer's request encoded while the producer prefills (a long prompt's JSON
+    costs ~1 ms, off the first-to-second-token gap this way): the ids go between
+    ``head`` and ``tail``. ``disagg`` is the body's last key and ``first_tokens`` its
+    last, so the slot is the encoding's last string, whatever the client's body holds."""
+
+    head: bytes
+    tail: bytes
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Template:
+        ext = body.get("disagg")
+        extra = {k: v for k, v in (ext if isinstance(ext, dict) else {}).items()}
+        extra.pop("first_tokens", None)
+        out = {k: v for k, v in body.items() if k != "disagg"}
+        out["disagg"] = {**extra, "first_tokens": _SLOT}
+        head, slot, tail = json.dumps(out).rpartition(json.dumps(_SLOT))
+        assert slot, "the slot is in the encoding"
+        return cls(head.encode(), tail.encode())
+
+    def fill(self, tokens: list[int]) -> bytes:
+        return self.head + json.dumps(list(tokens)).encode() + self.tail

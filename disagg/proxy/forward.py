@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -19,13 +20,22 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from . import first_token
+from . import first_token, timeline
 from .errors import UpstreamError, _all_failed, _err_json, _upstream_message, _why
 from .first_token import Prefilled
 from .limits import SEED_WAIT_S, ProxyLimits
 from .routing import PrefixIndex, Upstream, choose, prompt_keys
 
 log = logging.getLogger("disagg.proxy")
+
+# the consumer answers a prefetch at once (its work runs in the background); past this
+# the proxy stops waiting for that answer, which costs only the prefetch
+PREFETCH_POST_S = 2.0
+
+
+class Superseded(Exception):
+    """The producer's stream said, after the continuation was sent, that its answer is the
+    whole one (a stop condition met by the first token): the consumer's is not used."""
 
 
 class Forwarding:
@@ -37,6 +47,8 @@ class Forwarding:
     index: PrefixIndex
     limits: ProxyLimits
     _seed_tasks: dict[tuple[str, str | None], asyncio.Task[None]]
+    _prefetches: set[asyncio.Task[None]]
+    prefetch: bool
     m_down: Counter
     m_route: Counter
     m_matched: Counter
@@ -110,9 +122,11 @@ class Forwarding:
         rid: str,
         path: str = "/v1/completions",
         stream: bool = False,
+        on_send: Callable[[], None] | None = None,
     ) -> web.Response | Prefilled:
         """Run the prefill (one token, streamed if the client streams) on a producer: its
-        answer, or the error response."""
+        answer, or the error response. ``on_send`` is called once, as the first attempt is
+        sent: what it schedules runs while the producer prefills, never before the send."""
         assert self.http is not None
         if salt is not None:
             await self.seeds_for(salt)
@@ -127,19 +141,30 @@ class Forwarding:
         for up in order:
             t0 = time.monotonic()
             up.in_flight += 1
+            timeline.mark("prefill_sent")
             try:
-                async with self.http.post(
+                ctx = self.http.post(
                     f"{up.url}{path}",
                     json=pbody,
                     headers={"X-Request-Id": rid},
                     timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
-                ) as r:
+                )
+                if on_send is not None:  # its tasks run at the first wait, after the send
+                    on_send()
+                    on_send = None
+                r = await ctx.__aenter__()
+                owned: Any = ctx  # closed here unless a stream's reader took it over
+                try:
                     status = r.status
                     pre: Prefilled | None = None
                     if status == 200 and r.content_type == "text/event-stream":
-                        pre, data = await first_token.from_stream(r.content), b""
+                        pre, data = await self._until_token(r, ctx), b""
+                        owned = None if pre.rest is not None else ctx
                     else:
                         data = await r.read()
+                finally:
+                    if owned is not None:
+                        await owned.__aexit__(None, None, None)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 up.failures += 1
                 if isinstance(e, asyncio.TimeoutError):
@@ -185,21 +210,85 @@ class Forwarding:
         assert last is not None
         return _all_failed("producer", last)
 
+    async def _until_token(self, r: aiohttp.ClientResponse, ctx: Any) -> Prefilled:
+        """Read a streamed prefill until its token event; the rest is read by a task
+        (``Prefilled.rest``) that then closes ``ctx``. A stream that ends or fails before
+        the token is read whole here (its failure raises: the next producer is tried)."""
+        pre = Prefilled()
+        got = asyncio.Event()
+        reader = asyncio.create_task(first_token.read_events(r.content, pre, got.set))
+        waiter = asyncio.create_task(got.wait())
+        try:
+            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            reader.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if not got.is_set():
+            reader.result()  # raises what broke the stream before its token
+            timeline.mark("producer_done")
+            return pre
+        timeline.mark("producer_token")
+
+        async def rest() -> None:
+            try:
+                await first_token.drain(pre, reader)
+                timeline.mark("producer_done")
+            finally:
+                await ctx.__aexit__(None, None, None)
+
+        pre.rest = asyncio.create_task(rest())
+        return pre
+
+    def start_prefetch(self, body: dict[str, Any], path: str, rid: str) -> Upstream | None:
+        """Tell the consumer first in line about the prompt now, while the producer
+        prefills (``POST /disagg/prefetch``: it leases the prompt's blocks as the producer
+        plans them, so the continuation skips its claim). Fire and forget: the consumer,
+        or None if none is configured. Only one that advertises ``prefetch`` is told."""
+        order = self.consumer_order()
+        if not self.prefetch or not order or order[0].prefetch is False:
+            return None
+        up = order[0]
+        task = asyncio.create_task(self._prefetch(up, body, path, rid))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+        return up
+
+    async def _prefetch(self, up: Upstream, body: dict[str, Any], path: str, rid: str) -> None:
+        assert self.http is not None
+        if not await self.continues(up) or not up.prefetch:
+            return
+        query = "?chat=1" if path == "/v1/chat/completions" else ""
+        timeline.mark("prefetch_sent")
+        try:
+            async with self.http.post(
+                f"{up.url}/disagg/prefetch{query}",
+                json=body,
+                headers={"X-Request-Id": rid},
+                timeout=aiohttp.ClientTimeout(total=PREFETCH_POST_S),
+            ) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # it only costs the claim
+            log.debug("prefetch not taken", extra={"upstream": up.url, "error": _why(e)})
+
     async def decode(
         self,
         request: web.Request,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         rid: str,
         deadline: float,
         path: str = "/v1/completions",
         resp: web.StreamResponse | None = None,
         order: list[Upstream] | None = None,
+        gate: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         """Run the request on a consumer, retrying others until the consumer's bytes reach
         the client; each attempt bounded by ``deadline`` seconds. ``resp``: a stream
         already begun (the producer's first token sent): the consumer's events follow,
         and a failure of every consumer ends it with an error event. ``order``: the
-        consumers to try (default: every one, best first)."""
+        consumers to try (default: every one, best first). ``gate``: awaited before the
+        consumer's first bytes go to the client; False raises ``Superseded``."""
         assert self.http is not None
         order = self.consumer_order() if order is None else order
         last: UpstreamError | None = None
@@ -208,7 +297,7 @@ class Forwarding:
                 self.m_retries.inc()
             up.in_flight += 1
             try:
-                return await self._decode_on(request, up, body, rid, deadline, path, resp)
+                return await self._decode_on(request, up, body, rid, deadline, path, resp, gate)
             except UpstreamError as e:
                 up.failures += 1
                 last = e
@@ -246,18 +335,21 @@ class Forwarding:
         self,
         request: web.Request,
         up: Upstream,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         rid: str,
         deadline: float,
         path: str,
         begun: web.StreamResponse | None = None,
+        gate: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         assert self.http is not None
+        timeline.mark("consumer_sent")
         try:
+            encoded = body if isinstance(body, bytes) else json.dumps(body).encode()
             ctx = self.http.post(
                 f"{up.url}{path}",
-                json=body,
-                headers={"X-Request-Id": rid},
+                data=encoded,
+                headers={"X-Request-Id": rid, "Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
             )
             r = await ctx.__aenter__()
@@ -293,6 +385,9 @@ class Forwarding:
                 raise self._decode_failed(up, e, deadline, "stream broke before any data: ") from e
             if not first:
                 raise UpstreamError(up.url, 200, "stream ended before any data", True)
+            timeline.mark("consumer_first")
+            if gate is not None and not await gate():
+                raise Superseded()
             resp = begun if begun is not None else await self.begin_stream(request, rid)
             await resp.write(first)
             try:
@@ -331,24 +426,24 @@ class Forwarding:
         rid: str,
         deadline: float,
         path: str,
+        prefer: Upstream | None = None,
+        template: asyncio.Task[first_token.Template] | None = None,
     ) -> web.StreamResponse:
         """The client's answer after the producer's prefill (``first_token``): the
         producer's own when it is the whole answer; else its first token at once and the
-        consumer's continuation after it; else (a plain path, counted) the consumer's."""
+        consumer's continuation after it (``prefer`` first: the consumer told of the
+        prompt; ``template``: its request, encoded meanwhile); else (a plain path,
+        counted) the consumer's."""
+        if pre.rest is not None and (max_tokens == 1 or not pre.tokens):
+            await pre.rest  # the producer's answer is needed whole
         if pre.tokens and (max_tokens == 1 or pre.whole):
-            self.m_first_token.labels("producer").inc()
-            if not stream:
-                return web.Response(
-                    body=pre.body, content_type="application/json", headers={"X-Request-Id": rid}
-                )
-            resp = await self.begin_stream(request, rid)
-            for event in pre.events:
-                await resp.write(event)
-            await resp.write_eof()
-            return resp
+            return await self._producer_answer(request, pre, stream, rid)
         # only consumers known to take the continuation get it: another would generate
         # from the prompt alone and repeat the first token
         able = [up for up in self.consumer_order() if await self.continues(up)]
+        if prefer is not None and prefer in able and not prefer.known_down():
+            able.remove(prefer)
+            able.insert(0, prefer)
         why = None
         if not pre.tokens or (stream and pre.first_event is None):
             why = first_token.NO_TOKEN_IDS
@@ -357,14 +452,47 @@ class Forwarding:
         if why is not None:
             self.m_first_token.labels(why).inc()
             return await self.decode(request, body, rid, deadline, path)
-        self.m_first_token.labels("producer").inc()
-        cbody = first_token.continuation(body, pre.tokens)
+        cbody: dict[str, Any] | bytes = first_token.continuation(body, pre.tokens)
+        if template is not None:  # encoded while the producer prefilled
+            cbody = (await template).fill(pre.tokens)
         if not stream:
+            self.m_first_token.labels("producer").inc()
             return await self.decode(request, cbody, rid, deadline, path, order=able)
         resp = await self.begin_stream(request, rid)
         assert pre.first_event is not None
         await resp.write(pre.first_event)
-        return await self.decode(request, cbody, rid, deadline, path, resp, able)
+        timeline.mark("client_token")
+
+        async def gate() -> bool:  # the producer's stream read to its end
+            if pre.rest is not None:
+                await pre.rest
+            return not pre.whole
+
+        try:
+            out = await self.decode(request, cbody, rid, deadline, path, resp, able, gate)
+        except Superseded:  # its first token ended the answer: the rest of its stream
+            self.m_first_token.labels("producer").inc()
+            for event in pre.events[pre.events.index(pre.first_event) + 1 :]:
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
+        self.m_first_token.labels("producer").inc()
+        return out
+
+    async def _producer_answer(
+        self, request: web.Request, pre: Prefilled, stream: bool, rid: str
+    ) -> web.StreamResponse:
+        """The producer's answer is the whole answer: sent as is."""
+        self.m_first_token.labels("producer").inc()
+        if not stream:
+            return web.Response(
+                body=pre.body, content_type="application/json", headers={"X-Request-Id": rid}
+            )
+        resp = await self.begin_stream(request, rid)
+        for event in pre.events:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
 
     async def begin_stream(self, request: web.Request, rid: str) -> web.StreamResponse:
         resp = web.StreamResponse(
@@ -391,9 +519,11 @@ class Forwarding:
         taking them this time (asked again next time)."""
         if up.continuation is None:
             try:
-                up.continuation = bool((await self._info(up)).get("continuation"))
+                info = await self._info(up)
+                up.continuation = bool(info.get("continuation"))
+                up.prefetch = bool(info.get("prefetch"))
             except ValueError:  # it answered, without that route: it never will
-                up.continuation = False
+                up.continuation = up.prefetch = False
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return False
         return up.continuation

@@ -66,6 +66,7 @@ class Upstream:
     beaten: bool = False  # a heartbeat has completed (answered or not)
     incarnation: int | None = None  # producer: the process's, from /health
     continuation: bool | None = None  # consumer: takes disagg.first_tokens (None: unknown)
+    prefetch: bool | None = None  # consumer: answers POST /disagg/prefetch (None: unknown)
     # producer: the index's seq of its stream when a heartbeat last found it behind
     behind_at: int | None = None
     # consumer: why it serves without producers (every one refuses it), from its /health;

@@ -27,9 +27,11 @@ Routes
         computing every prompt) with the reason in ``degraded``.
     ``GET /metrics``  Prometheus text: :class:`disagg.metrics.DisaggCollector` plus
         request counters and a latency histogram.
+    ``POST /disagg/prefetch``  (consumer) the proxy's word that a prompt is being
+        prefilled: its blocks are leased meanwhile (:mod:`disagg.consumer.prefetch`); 202.
     ``GET /disagg/info``, ``GET /disagg/seed``, ``GET /disagg/snapshot``  what the proxy
         needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`),
-        ``continuation: true`` (this server takes ``disagg.first_tokens``);
+        ``continuation: true`` (this server takes ``disagg.first_tokens``), ``prefetch``;
         ``/disagg/info`` also carries ``engine``: the engine's shape (its ``model`` name,
         ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``).
 
@@ -116,6 +118,7 @@ def build_app(
         return await serve(request, is_chat=True)
 
     async def serve(request: web.Request, is_chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
         prefix = "chatcmpl" if is_chat else "cmpl"
         rid = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex[:16]}"
         try:
@@ -146,6 +149,7 @@ def build_app(
             on_tokens=lambda new: post("tokens", new, None),
             on_done=lambda err, info: post("done", err, info),
         )
+        job.marks.update(arrived=arrived, parsed=job.t0)
         try:
             engine_loop.submit(job)
         except RuntimeError as e:
@@ -237,6 +241,9 @@ def build_app(
                 await resp.write_eof()
                 return resp
             requests_total.labels("ok").inc()
+            svc = _service(role) if role == "consumer" else None
+            loads = svc.timeline.pop(job.rid, {}) if svc is not None else {}
+            extra["marks"] = {**job.marks, **loads}  # monotonic s: where its time went
             log.info("completion done", extra=extra)
             if not stream:
                 body_out = chunk(out, "length", True)
@@ -276,6 +283,7 @@ def build_app(
             "instance_id": instance_id,
             "model": model_name,
             "continuation": True,
+            "prefetch": role == "consumer",
         }
         cfg = getattr(engine_loop.engine, "config", None)
         if cfg is not None and hasattr(cfg, "model_name"):
@@ -296,6 +304,25 @@ def build_app(
                 incarnation=svc.incarnation,
             )
         return web.json_response(out)
+
+    async def prefetch(request: web.Request) -> web.Response:
+        """The proxy's word that this prompt is being prefilled (its continuation will come
+        here): lease its blocks as the producer plans them (:mod:`disagg.consumer.prefetch`).
+        Answers at once (202), saying whether a prefetch started."""
+        svc = _service(role)
+        if role != "consumer" or svc is None:
+            return _error("only a consumer prefetches", 404)
+        try:
+            body = await read_json(request)
+            parse = chat.parse_chat if request.query.get("chat") == "1" else parse_completion
+            tokens, _, _, salt, _ = parse(body)
+        except BadRequest as e:
+            return _error(str(e), 400)
+        why = await asyncio.to_thread(start_prefetch, svc, tokens, salt)
+        out: dict[str, Any] = {"prefetch": why is None}
+        if why is not None:
+            out["why"] = why
+        return web.json_response(out, status=202)
 
     async def seed(request: web.Request) -> web.Response:
         svc = _service(role)
@@ -323,6 +350,7 @@ def build_app(
     app.router.add_get("/v1/models", _models(model_name))
     app.router.add_get("/disagg/info", info)
     app.router.add_get("/disagg/seed", seed)
+    app.router.add_post("/disagg/prefetch", prefetch)
     app.router.add_get("/disagg/snapshot", snapshot)
     return app
 
@@ -345,6 +373,23 @@ async def _start_sse(request: web.Request, headers: dict[str, str]) -> web.Strea
     )
     await resp.prepare(request)
     return resp
+
+
+def start_prefetch(svc: Any, tokens: list[int], salt: str | None) -> str | None:
+    """Prefetch the whole blocks of ``tokens`` (every one is offerable to a continuation,
+    which has at least one token more); None when started, else why not."""
+    from ..protocol.keys import block_key_blob
+
+    pool = svc.pool
+    if pool is None or svc.fingerprint is None:
+        return "no KV cache registered yet"
+    tpb = pool.tokens_per_block
+    n = len(tokens) // tpb
+    if n == 0:
+        return "the prompt has no whole block"
+    keys = block_key_blob(svc.namespace_seed(salt), tokens[: n * tpb], tpb)
+    why: str | None = svc.prefetches.start(keys)
+    return why
 
 
 def _service(role: str) -> Any:

@@ -42,6 +42,8 @@ class Job:
     sent: int = 0
     rid: int = -1
     t0: float = field(default_factory=time.monotonic)
+    # monotonic moments: "added" (to the engine), "first_token" (its first tokens reported)
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -134,6 +136,7 @@ class EngineLoop:
         except ValueError as e:  # bad prompt/max_tokens: the client's error, not the engine's
             job.on_done(f"invalid request: {e}", {"client_error": True})
             return
+        job.marks["added"] = time.monotonic()
         self._jobs[job.rid] = job
         self.in_flight = len(self._jobs)
 
@@ -142,6 +145,8 @@ class EngineLoop:
         for rid, job in list(self._jobs.items()):
             res = eng.results[rid]
             if len(res.tokens) > job.sent:
+                if not job.sent:
+                    job.marks["first_token"] = time.monotonic()
                 job.on_tokens(list(res.tokens[job.sent :]))
                 job.sent = len(res.tokens)
             if res.finished:

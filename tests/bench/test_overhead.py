@@ -49,3 +49,13 @@ def test_overhead_at_the_client_over_http(capsys: pytest.CaptureFixture[str]) ->
     for side in ("local", "disaggregated"):
         assert row[side]["ttft_ms"] > 0 and row[side]["gap_ms"] > 0 and row[side]["tbt_ms"] > 0
     assert row["ttft_ratio"] > 0 and row["gap_ratio"] > 0
+    # where the gap goes: every segment found in the proxy's and the consumer's logs; the
+    # consumer was told of every prompt, and each continuation took its prefetched lease
+    # or came before it was granted (one that came late claimed as usual)
+    split = row["gap_split"]
+    assert set(split) == {"handover", "hop", "parse", "admit", "claim", "transfer", "tail", "back"}
+    assert all(v >= 0 for v in split.values()), split
+    assert split["transfer"] > 0 and split["tail"] > 0
+    pre = rep["consumer_prefetch"]
+    assert pre.get("prefetch_started") == 2, pre  # the warm-up prompt and the measured one
+    assert pre.get("prefetch_taken", 0) + pre.get("prefetch_late", 0) == 2, pre

@@ -1,0 +1,216 @@
+"""Prefetch: lease a prompt's blocks while the producer still prefills it.
+
+The proxy tells the consumer about a request when it sends the prefill (``POST
+/disagg/prefetch``, :mod:`disagg.serve.app`); the continuation (prompt + the producer's
+first token) arrives once the producer's first token is back. Between the two, this
+module waits for a producer to hold every whole block of the prompt (a block is held from
+the moment the producer plans its save, at the start of the forward that computes it:
+``Lookup`` answers for planned, staging and stored blocks alike) and leases them
+(``Claim``). When the continuation reaches the scheduler, ``take`` hands that lease over,
+so the engine's thread skips the claim's round trip; the push itself still waits, on the
+producer, until the blocks are stored.
+
+Contract:
+- nothing here runs on the engine's thread; nothing writes a page (a lease only pins the
+  producer's blocks), so the fence and the load states are untouched: a lease taken is
+  one more ``Claimed`` for an ordinary ``Load``;
+- the wait for the producer is bounded by ``PREFETCH_WAIT_S`` (polls back off to
+  ``POLL_MAX_S``); a lease no continuation takes is released ``PREFETCH_HOLD_S`` after its
+  grant (``sweep``, from the keepalive thread, which also renews it meanwhile);
+- a continuation that arrives before the lease is granted claims as usual and the
+  prefetch, once granted, is released at once (``abandoned``);
+- any failure (no producer, a producer that dies, a refusal) ends the prefetch with
+  nothing held: the continuation claims as usual (a miss there recomputes); a lease whose
+  producer is known down (or restarted) when the continuation comes is given back and
+  claimed afresh. A producer that dies unnoticed after the grant fails the load as a
+  claim's would: moved to another producer holding the blocks, else reported for a
+  restart (runtimes that take failed-load reports) or the request fails by name;
+- TP > 1 is not prefetched (the scheduler's claim covers every rank): ``start`` says so.
+
+Matching: a prefetch is keyed by its prompt's keys; the continuation's offer (keys of the
+prompt + first token's whole blocks, from block 0) must start with exactly those keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ..protocol import messages as m
+from ..protocol.errors import ProtocolError
+from ..protocol.keys import KEY_BYTES, KeyBlob
+from ..protocol.version import PROTOCOL_VERSION
+from .host import LinkHost
+from .links import ProducerLink
+from .loads import Claimed
+
+log = logging.getLogger("disagg.consumer")
+
+PREFETCH_WAIT_S = 60.0  # longest wait for a producer to hold the prompt's blocks
+PREFETCH_HOLD_S = 10.0  # a granted lease no continuation took is released after this
+POLL_MIN_S, POLL_MAX_S = 0.001, 0.02  # Lookup polls back off between these
+MAX_PENDING = 256  # prefetches in flight or held at once; more are declined
+
+
+@dataclass
+class _Entry:
+    keys: KeyBlob
+    claimed: Claimed | None = None
+    granted_at: float = 0.0
+    abandoned: bool = False  # a continuation came first, or the service closes
+
+
+class Prefetches:
+    """The service's prefetched leases (``ConsumerService.prefetches``)."""
+
+    def __init__(self, svc: LinkHost):
+        self.svc = svc
+        self._lock = threading.Lock()
+        self._by_first: dict[bytes, _Entry] = {}  # the prompt's first key -> its prefetch
+        self.closed = False
+
+    def start(self, keys: KeyBlob) -> str | None:
+        """Begin prefetching ``keys`` (a prompt's whole blocks, from block 0) in the
+        background; None when started, else why not."""
+        svc = self.svc
+        if svc.tp_size > 1:
+            return "tensor parallelism: the continuation's claim covers every rank"
+        if svc.fingerprint is None or not len(keys):
+            return "no KV cache registered yet" if svc.fingerprint is None else "no whole block"
+        first = keys.blob[:KEY_BYTES]
+        with self._lock:
+            if self.closed:
+                return "closing"
+            if first in self._by_first:
+                return "this prompt is being prefetched already"
+            if len(self._by_first) >= MAX_PENDING:
+                svc.metrics["prefetch_declined_full"] += 1
+                return f"{MAX_PENDING} prefetches in flight"
+            entry = self._by_first[first] = _Entry(keys)
+        svc.metrics["prefetch_started"] += 1
+        # one daemon thread each (at most MAX_PENDING): a slow producer delays no other
+        # prefetch, and a process that exits never waits for a poll
+        threading.Thread(
+            target=self._run, args=(entry,), name="disagg-prefetch", daemon=True
+        ).start()
+        return None
+
+    def _run(self, entry: _Entry) -> None:
+        svc = self.svc
+        try:
+            claimed = self._lease(entry)
+        except Exception:  # a miss: the continuation claims as usual
+            log.exception("prefetch failed")
+            claimed = None
+        with self._lock:
+            entry.claimed, entry.granted_at = claimed, time.monotonic()
+            drop = claimed is None or entry.abandoned or self.closed
+            if drop:
+                self._forget(entry)
+        if claimed is None:
+            svc.metrics["prefetch_missed"] += 1
+        elif drop:
+            svc.metrics["prefetch_abandoned"] += 1
+            svc.release(claimed)
+        else:
+            svc.metrics["prefetch_granted"] += 1
+
+    def _lease(self, entry: _Entry) -> Claimed | None:
+        """Poll the producers until one holds every key (or the wait ends), then claim."""
+        svc = self.svc
+        keys, want = entry.keys, len(entry.keys)
+        deadline = time.monotonic() + PREFETCH_WAIT_S
+        pause = POLL_MIN_S
+        msg = m.Lookup(v=PROTOCOL_VERSION, owner=svc.owner, keys=keys)
+        while not entry.abandoned and not self.closed and time.monotonic() < deadline:
+            for link in [lk for lk in svc.links if lk.usable()]:
+                try:
+                    held = svc._call(link, msg, background=True).num_blocks
+                except ProtocolError:
+                    continue  # that producer is down or refuses us: the others may hold it
+                if held >= want:
+                    return self._claim(link, keys)
+            time.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 2)
+        return None
+
+    def _claim(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
+        """Lease ``keys`` on ``link``'s background channel (the engine's claims use the
+        other one); None on a miss."""
+        svc = self.svc
+        claim = m.Claim(
+            v=PROTOCOL_VERSION,
+            owner=svc.owner,
+            request_id="prefetch",
+            keys=keys,
+            ttl_s=svc.ccfg.lease_ttl_s,
+        )
+        ok = svc._call(link, claim, background=True)
+        if ok.num_blocks <= 0:
+            return None
+        svc.keepalive.granted(ok.ttl_s)
+        return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
+
+    def take(self, offer: KeyBlob) -> Claimed | None:
+        """The lease prefetched for a prompt whose keys start ``offer`` (taken: the caller
+        owns it now), or None. A prefetch still waiting is abandoned: the caller claims."""
+        first = offer.blob[:KEY_BYTES]
+        with self._lock:
+            entry = self._by_first.get(first)
+            if entry is None or offer.blob[: len(entry.keys.blob)] != entry.keys.blob:
+                return None
+            self._forget(entry)
+            if entry.claimed is None:
+                entry.abandoned = True
+                self.svc.metrics["prefetch_late"] += 1
+                return None
+        c = entry.claimed
+        if c.num_blocks > len(offer):  # never more than offered (the key check implies it)
+            self.svc.release(c)
+            return None
+        if not c.link.usable() or c.link.stale(c.incarnation):  # its producer failed since
+            self.svc.metrics["prefetch_dropped_down"] += 1
+            self.svc.release(c)
+            return None
+        self.svc.metrics["prefetch_taken"] += 1
+        return c
+
+    def leases(self) -> list[Claimed]:
+        """Leases held and not taken yet (the keepalive renews them)."""
+        with self._lock:
+            return [e.claimed for e in self._by_first.values() if e.claimed is not None]
+
+    def sweep(self, now: float | None = None) -> int:
+        """Release leases no continuation took within ``PREFETCH_HOLD_S``; how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [
+                e
+                for e in self._by_first.values()
+                if e.claimed is not None and now - e.granted_at >= PREFETCH_HOLD_S
+            ]
+            for e in old:
+                self._forget(e)
+        for e in old:
+            assert e.claimed is not None
+            self.svc.metrics["prefetch_expired"] += 1
+            self.svc.release(e.claimed)
+        return len(old)
+
+    def _forget(self, entry: _Entry) -> None:
+        first = entry.keys.blob[:KEY_BYTES]
+        if self._by_first.get(first) is entry:
+            del self._by_first[first]
+
+    def close(self) -> None:
+        """Stop polling and give back every lease held (queued on the keepalive)."""
+        with self._lock:
+            self.closed = True
+            held = [e.claimed for e in self._by_first.values() if e.claimed is not None]
+            for e in self._by_first.values():
+                e.abandoned = True
+            self._by_first.clear()
+        for c in held:
+            self.svc.release(c)

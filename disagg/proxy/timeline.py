@@ -1,0 +1,40 @@
+"""Where one request's time goes in the proxy: named moments, logged once at its end.
+
+``begin()`` (the request handler, first thing) starts a request's record in a context
+variable, so every coroutine and task the request runs marks into its own record with
+``mark(name)`` (no argument threading; a mark outside a request is ignored). ``marks()``
+gives them as ``time.monotonic()`` seconds: that clock is the machine's, so ``disagg bench
+overhead --http`` lines them up with the consumer's and the client's own (the same host).
+
+Moments (each set once, the first time): ``received``; ``prefill_sent``; ``producer_token``
+(the producer's first token read); ``producer_done`` (its answer read to the end);
+``client_token`` (the first token written to the client); ``prefetch_sent`` (the consumer
+told of the prompt); ``consumer_sent`` (the continuation posted); ``consumer_first`` (the
+consumer's first bytes read).
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+
+_marks: ContextVar[dict[str, float] | None] = ContextVar("disagg_proxy_marks", default=None)
+
+
+def begin() -> dict[str, float]:
+    """A new record for the request running in this context, ``received`` marked."""
+    d = {"received": time.monotonic()}
+    _marks.set(d)
+    return d
+
+
+def mark(name: str) -> None:
+    """Mark ``name`` now in this request's record (once; no record: nothing)."""
+    d = _marks.get()
+    if d is not None and name not in d:
+        d[name] = time.monotonic()
+
+
+def marks() -> dict[str, float]:
+    """This request's moments (empty outside a request)."""
+    return dict(_marks.get() or {})

@@ -1,0 +1,184 @@
+"""Prefetch (disagg/consumer/prefetch.py): a consumer told of a prompt while the producer
+prefills it leases the prompt's blocks; the continuation (prompt + the producer's first
+token) takes that lease instead of claiming. In-process producer and consumer engines:
+tokens equal the monolithic run's; a lease no continuation takes is released by its named
+timeout; a producer that dies while the consumer prefetches costs a recompute, never a
+wrong token or a failed request."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from harness import SHAPE, close_all_services, make_consumer, make_producer, wait_for
+
+from disagg.consumer import prefetch
+from disagg.engine.reference import Engine, EngineConfig
+from disagg.serve.app import start_prefetch
+
+CFG = EngineConfig(**{**SHAPE, "num_blocks": 128, "capture_pages": True, "kv_manager": "v2"})
+TPB = CFG.tokens_per_block
+
+
+@pytest.fixture(autouse=True)
+def _close_services():
+    yield
+    close_all_services()
+
+
+def _prompt(seed: int, n: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def _continue(cons: Engine, prompt: list[int], first: int, max_tokens: int) -> object:
+    """The continuation the proxy sends: prompt + the producer's token, the rest to go."""
+    rid = cons.add_request(prompt + [first], max_tokens - 1)
+    while not cons.results[rid].finished or cons.has_work():
+        cons.step()
+    return cons.results[rid]
+
+
+@pytest.mark.parametrize("length", [96, 100], ids=["whole-blocks", "partial-block"])
+def test_the_continuation_takes_the_prefetched_lease(length: int):
+    prompt = _prompt(1, length)
+    mono = Engine(CFG).generate([prompt], max_tokens=6)[0]
+    prod, psvc = make_producer(CFG)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, prompt, None) is None  # told before the prefill ran
+    rid = prod.add_request(prompt, 1)
+    while not prod.results[rid].finished or prod.has_work():
+        prod.step()
+    produced = prod.results[rid]
+    assert produced.tokens == mono[:1]
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert psvc.leases.active() == 1
+    got = _continue(cons, prompt, produced.tokens[0], 6)
+    assert got.error is None and [produced.tokens[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 1
+    assert csvc.metrics["claims_hit"] == 0, "the engine thread claimed despite the prefetch"
+    assert got.connector_matched_tokens == length // TPB * TPB
+    for where, data in got.loaded_pages.items():  # page for page the producer's bytes
+        assert data == produced.computed_pages[where], f"page {where} differs"
+    assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
+def test_a_prefetch_no_continuation_takes_is_released_after_its_hold(monkeypatch):
+    monkeypatch.setattr(prefetch, "PREFETCH_HOLD_S", 0.4)
+    prompt = _prompt(2)
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], heartbeat_s=0.1)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert psvc.leases.active() == 1 and psvc.store.pinned_blocks() == len(prompt) // TPB
+    assert wait_for(lambda: psvc.leases.active() == 0, timeout=5)
+    assert psvc.store.pinned_blocks() == 0
+    assert csvc.metrics["prefetch_expired"] == 1 and not csvc.prefetches.leases()
+    # a continuation after the release claims as usual
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    got = _continue(cons, prompt, mono[0], 3)
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
+
+
+def test_a_producer_dying_mid_prefill_while_the_consumer_prefetches(monkeypatch):
+    """Chunked prefill: the first chunk's blocks are saved, the rest not yet planned, when
+    the producer stops. The prefetch gets no lease (bounded by its wait); the continuation
+    finds no producer and computes the prompt itself: the monolithic tokens."""
+    monkeypatch.setattr(prefetch, "PREFETCH_WAIT_S", 1.0)
+    prompt = _prompt(3)
+    mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(EngineConfig(**{**CFG.__dict__, "chunk_size": 2 * TPB}))
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=0.5)
+    prod.add_request(prompt, 1)
+    prod.step()  # the first chunk
+    assert 0 < psvc.store.longest_prefix(_keys(csvc, prompt)) < len(prompt) // TPB
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_started"] == 1)
+    psvc.close()  # the producer dies mid-prefill
+    assert wait_for(lambda: csvc.metrics["prefetch_missed"] == 1, timeout=8)
+    assert not csvc.prefetches.leases()
+    got = _continue(cons, prompt, mono[0], 4)
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert got.connector_matched_tokens == 0  # computed here
+
+
+@pytest.mark.parametrize("line", [None, "cancel"], ids=["no-failed-load-reports", "reports"])
+def test_a_producer_dying_after_the_prefetch_leased_its_blocks(line: str | None):
+    """The lease is granted, then the producer stops unnoticed before any push: the
+    continuation's load fails as a claim's would. A runtime that takes failed-load reports
+    computes the request here (the monolithic tokens); another fails it naming the load,
+    without a token."""
+    prompt = _prompt(4)
+    mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    ccfg = EngineConfig(**{**CFG.__dict__, "runtime": line})
+    cons, csvc = make_consumer(ccfg, [psvc.endpoint], claim_timeout_s=0.5, load_timeout_s=2.0)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    psvc.close()
+    got = _continue(cons, prompt, mono[0], 4)
+    assert csvc.metrics["prefetch_taken"] == 1
+    if line == "cancel":
+        assert got.error is None and [mono[0], *got.tokens] == mono
+    else:
+        assert got.tokens == [] and "KV cache load failed" in (got.error or "")
+        assert psvc.endpoint in got.error
+
+
+def test_a_lease_whose_producer_is_known_down_is_claimed_afresh():
+    prompt = _prompt(6)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    link = csvc.links[0]
+    link.down_until = time.monotonic() + 30  # a call to it failed meanwhile
+    got = _continue(cons, prompt, mono[0], 3)
+    link.down_until = 0.0
+    assert csvc.metrics["prefetch_dropped_down"] == 1 and csvc.metrics["prefetch_taken"] == 0
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert got.connector_matched_tokens == 0  # its only producer is down: computed here
+    assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+def test_prefetch_declines_what_it_cannot_serve():
+    prod, psvc = make_producer(CFG)
+    prod.generate([_prompt(5)], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, _prompt(5, TPB - 1), None) == "the prompt has no whole block"
+    assert start_prefetch(csvc, _prompt(5), None) is None
+    assert start_prefetch(csvc, _prompt(5), None) == "this prompt is being prefetched already"
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)  # given back while the producer lives
+
+
+def _keys(csvc: object, prompt: list[int]) -> object:
+    from disagg.protocol.keys import block_key_blob
+
+    n = len(prompt) // TPB
+    return block_key_blob(csvc.namespace_seed(None), prompt[: n * TPB], TPB)  # type: ignore[attr-defined]
+
+
+def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
+    """The plain path (no first token): a prompt of whole blocks offers one block fewer
+    than its prefetch leased (the last prompt token is computed here), so the lease is not
+    taken; the request claims its own, shorter one."""
+    prompt = _prompt(7, 96)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    got = cons.generate([prompt], max_tokens=3)[0]
+    assert got == mono
+    assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
+    assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
+    assert wait_for(lambda: psvc.leases.active() == 0)
