@@ -126,12 +126,10 @@ class KvCacheManager:
                 self.layer_index[layer] = li
         # every pool as rows of one head's key (or value) at one token (``head_rows``)
         self._rows = [[p.view(-1, cfg.head_dim) for p in g.pools] for g in self.groups]
-        # ... and as ``[buffers, heads, tokens_per_block, head_dim]``: a token's keys of
-        # every head held are one advanced index (buffer, :, token) away, one kernel each
-        self._bufs = [
-            [p.view(-1, cfg.kv_heads_per_rank, cfg.tokens_per_block, cfg.head_dim) for p in g.pools]
-            for g in self.groups
-        ]
+        # a head's rows are ``tokens_per_block`` rows after the previous head's
+        self._head_offsets = (
+            torch.arange(cfg.kv_heads_per_rank, device=cfg.device) * cfg.tokens_per_block
+        )
 
     @property
     def device(self) -> torch.device:
@@ -317,10 +315,9 @@ class KvCacheManager:
         views; ``batch`` says which row is which."""
         return self._rows[gid]
 
-    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head-0 rows ``[2, n]`` -> (buffer, token in block) ``[2, n]`` each."""
-        per = self.cfg.kv_heads_per_rank * self.cfg.tokens_per_block
-        return torch.div(rows, per, rounding_mode="floor"), rows % self.cfg.tokens_per_block
+    def _expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """Head 0's rows ``[n]`` -> every held head's ``[n * heads]`` (token-major)."""
+        return (rows[:, None] + self._head_offsets).reshape(-1)
 
     def write_layer(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a forward's new keys/values of ``layer`` ``[n, num_kv_heads * head_dim]``
@@ -328,23 +325,24 @@ class KvCacheManager:
         keys' and the values' head-0 rows in the group's ``head_rows``,
         ``batch.GroupRows``): one copy each per rank held here."""
         hd, n = self.cfg.head_dim, k.shape[0]
-        buf, tok = self._split(rows)
-        for heads, view in zip(self.heads, self._bufs[self.layer_group[layer]], strict=True):
+        kr, vr = self._expand(rows[0]), self._expand(rows[1])
+        for heads, view in zip(self.heads, self._rows[self.layer_group[layer]], strict=True):
             shard = slice(heads.start * hd, heads.stop * hd)
-            view[buf[0], :, tok[0]] = k[:, shard].view(n, len(heads), hd).to(view.dtype)
-            view[buf[1], :, tok[1]] = v[:, shard].view(n, len(heads), hd).to(view.dtype)
+            view.index_copy_(0, kr, k[:, shard].reshape(n * len(heads), hd).to(view.dtype))
+            view.index_copy_(0, vr, v[:, shard].reshape(n * len(heads), hd).to(view.dtype))
 
     def read_layer(self, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of ``layer`` at ``rows`` (``[2, m]``, ``batch.GroupRows.read``):
         ``[m, kv heads held here, head_dim]``, the heads of the ranks held here side by
         side in rank order (every KV head in the one-process simulation; a replicated
         head once per rank holding it, which grouped-query attention maps right)."""
-        views = self._bufs[self.layer_group[layer]]
-        buf, tok = self._split(rows)
+        views = self._rows[self.layer_group[layer]]
+        shape = (rows.shape[1], -1, self.cfg.head_dim)
+        kr, vr = self._expand(rows[0]), self._expand(rows[1])
         if len(views) == 1:
-            return views[0][buf[0], :, tok[0]], views[0][buf[1], :, tok[1]]
-        k = torch.cat([view[buf[0], :, tok[0]] for view in views], dim=1)
-        v = torch.cat([view[buf[1], :, tok[1]] for view in views], dim=1)
+            return views[0][kr].view(shape), views[0][vr].view(shape)
+        k = torch.cat([view[kr].view(shape) for view in views], dim=1)
+        v = torch.cat([view[vr].view(shape) for view in views], dim=1)
         return k, v
 
     # ----- byte access ----------------------------------------------------------------
