@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -82,6 +83,7 @@ def _marks(log: Path, msg: str) -> dict[str, dict[str, float]]:
     return out
 
 
+LOG_WAIT_S = 10.0
 SPLIT = (  # (segment, from, to): proxy "p.", consumer "c." moments; the client's 2nd chunk
     ("handover", "p.client_token", "p.consumer_sent"),
     ("hop", "p.consumer_sent", "c.arrived"),
@@ -95,9 +97,17 @@ SPLIT = (  # (segment, from, to): proxy "p.", consumer "c." moments; the client'
 
 
 def _gap_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
-    """Medians (ms) of the gap's segments over the records but the warm-up."""
-    proxy = _marks(logdir / "proxy.log", "done")
-    cons = _marks(logdir / "consumer-0.log", "completion done")
+    """Medians (ms) of the gap's segments over the records but the warm-up. The proxy and
+    the consumer log a request's moments once they have sent its last byte, possibly after
+    the client read it: their lines are waited for (at most ``LOG_WAIT_S``)."""
+    want = {f"{tag}-{r.index}" for r in recs[1:]}
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        proxy = _marks(logdir / "proxy.log", "done")
+        cons = _marks(logdir / "consumer-0.log", "completion done")
+        if (want <= proxy.keys() and want <= cons.keys()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     seg: dict[str, list[float]] = {name: [] for name, _, _ in SPLIT}
     for r in recs[1:]:
         rid = f"{tag}-{r.index}"

@@ -243,10 +243,13 @@ def _main(case_json: str, outdir: Path) -> int:
     world = MPI.COMM_WORLD
     wrank, tp = world.Get_rank(), int(case.get("tp", 2))
     roles = case.get("roles", ["producer", "consumer"])
-    if world.Get_size() != tp * len(roles):
-        raise SystemExit(f"launch {tp * len(roles)} processes, not {world.Get_size()}")
-    role = roles[wrank // tp]
-    comm = MpiComm(world.Split(wrank // tp, wrank), hang_timeout_s=case.get("hang_s", HANG_S))
+    # each role's TP size ("tps": unequal TP), its ranks after the previous role's
+    sizes = [int(case.get("tps", {}).get(r, tp)) for r in roles]
+    if world.Get_size() != sum(sizes):
+        raise SystemExit(f"launch {sum(sizes)} processes, not {world.Get_size()}")
+    which = next(i for i in range(len(roles)) if wrank < sum(sizes[: i + 1]))
+    role = roles[which]
+    comm = MpiComm(world.Split(which, wrank), hang_timeout_s=case.get("hang_s", HANG_S))
     if case.get("kind") == "diverge":
         return _diverge(case, comm, outdir)
     result: dict[str, Any] = {"role": role, "rank": comm.rank, "phases": []}
@@ -371,9 +374,9 @@ def _mpirun(case: dict[str, Any], outdir: Path, nprocs: int = 4) -> tuple[int, s
     return proc.returncode, output, results
 
 
-def _ok(rc: int, output: str, results: dict) -> dict:
+def _ok(rc: int, output: str, results: dict, nprocs: int = 4) -> dict:
     bad = {k: v["status"] for k, v in results.items() if v["status"] != "ok"}
-    assert rc == 0 and not bad and len(results) == 4, f"rc={rc} {bad}\n{output[-4000:]}"
+    assert rc == 0 and not bad and len(results) == nprocs, f"rc={rc} {bad}\n{output[-4000:]}"
     return results
 
 
@@ -575,3 +578,27 @@ def test_bus_wait_polls_a_load_dispatched_while_the_bus_idles():
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: harness
     sys.exit(_main(sys.argv[1], Path(sys.argv[2])))
+
+
+@needs_mpi
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_unequal_tp_rank_processes_match_monolithic(tmp_path, tps):
+    """A producer of TP P and a consumer of TP D, every rank its own process: each consumer
+    rank loads its KV heads from the producer rank(s) holding them (D < P: both producer
+    ranks' halves of its page; D > P: its half of the producer's page)."""
+    p, d = tps
+    case = {
+        "tps": {"producer": p, "consumer": d},
+        "phases": [{"kv_manager": "v2", "load_mode": "async"}],
+    }
+    res = _ok(*_mpirun(case, tmp_path, nprocs=p + d), nprocs=p + d)
+    mono = _mono("v2")
+    for r in range(d):
+        c = res[f"consumer{r}"]["phases"][0]
+        assert c["errors"] == [None] * 3 and c["tokens"] == mono, r
+        assert all(n > 0 for n in c["matched"]), f"consumer rank {r} recomputed"
+        assert c["metrics"]["pages_loaded"] > 0
+    for r in range(p):
+        prod = res[f"producer{r}"]["phases"][0]
+        assert prod["metrics"]["pages_pushed"] > 0, f"producer rank {r} pushed nothing"
+        assert prod["leases_back"] and prod["pins_back"], f"producer rank {r} leases/pins"
