@@ -20,11 +20,11 @@ Contract:
 - a continuation that arrives before the lease is granted claims as usual and the
   prefetch, once granted, is released at once (``abandoned``);
 - any failure (no producer, a producer that dies, a refusal) ends the prefetch with
-  nothing held: the continuation claims as usual (a miss there recomputes); a lease whose
-  producer is known down (or restarted) when the continuation comes is given back and
-  claimed afresh. A producer that dies unnoticed after the grant fails the load as a
-  claim's would: moved to another producer holding the blocks, else reported for a
-  restart (runtimes that take failed-load reports) or the request fails by name;
+  nothing held: the continuation claims as usual (a miss there recomputes). ``take``
+  confirms the lease with one ``Renew`` on the engine's thread (bounded as a claim is,
+  and cheaper); a lease whose producer is down, restarted or no longer knows it is given
+  back and claimed afresh, so a producer that died after the grant costs a miss, as a
+  plain claim on it would;
 - TP > 1 is not prefetched (the scheduler's claim covers every rank): ``start`` says so.
 
 Matching: a prefetch is keyed by its prompt's keys; the continuation's offer (keys of the
@@ -170,12 +170,28 @@ class Prefetches:
         if c.num_blocks > len(offer):  # never more than offered (the key check implies it)
             self.svc.release(c)
             return None
-        if not c.link.usable() or c.link.stale(c.incarnation):  # its producer failed since
-            self.svc.metrics["prefetch_dropped_down"] += 1
+        if not c.link.usable() or c.link.stale(c.incarnation) or not self._confirm(c):
+            self.svc.metrics["prefetch_dropped_down"] += 1  # its producer failed since
             self.svc.release(c)
             return None
         self.svc.metrics["prefetch_taken"] += 1
         return c
+
+    def _confirm(self, c: Claimed) -> bool:
+        """Whether ``c``'s producer still holds the lease (one ``Renew``, within the
+        claim's budget)."""
+        svc = self.svc
+        renew = m.Renew(
+            v=PROTOCOL_VERSION, owner=svc.owner, lease_ids=[c.lease_id], incarnation=c.incarnation
+        )
+        try:
+            ok = svc._call(c.link, renew)
+        except ProtocolError as exc:
+            log.info(
+                "prefetched lease on %s not confirmed (claiming afresh): %s", c.link.endpoint, exc
+            )
+            return False
+        return c.lease_id not in ok.unknown
 
     def leases(self) -> list[Claimed]:
         """Leases held and not taken yet (the keepalive renews them)."""

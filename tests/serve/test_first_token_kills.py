@@ -53,12 +53,15 @@ def _consumer_yaml(d: Path, name: str, control: str) -> Path:
 class Victim:
     """A server that stops at its first forward's layer-1 save hook, to be SIGKILLed."""
 
-    def __init__(self, d: Path, name: str, role: str, cfg: Path) -> None:
+    def __init__(self, d: Path, name: str, role: str, cfg: Path, layer: int = 1, **env_: str):
         self.port = sp.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stalled = d / f"{name}.stalled"
         self.log = d / f"{name}.log"
-        env = dict(sp.env(), DISAGG_TEST_STALL_LAYER="1", DISAGG_TEST_STALL_FILE=str(self.stalled))
+        env = dict(
+            sp.env(), DISAGG_TEST_STALL_LAYER=str(layer), DISAGG_TEST_STALL_FILE=str(self.stalled)
+        )
+        env.update(env_)
         args = sp.serve_args(role, cfg, "127.0.0.1", self.port)
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(
@@ -74,6 +77,32 @@ class Victim:
         assert int(self.stalled.read_text()) == self.proc.pid
         os.kill(self.proc.pid, signal.SIGKILL)
         assert self.proc.wait(timeout=10) == -signal.SIGKILL
+
+
+class Pausing(Victim):
+    """A consumer that stops at its first scheduler query (a continuation, before its
+    claim) until ``resume``."""
+
+    def __init__(self, d: Path, name: str, cfg: Path) -> None:
+        self.resume_file = d / f"{name}.resume"
+        super().__init__(
+            d,
+            name,
+            "consumer",
+            cfg,
+            DISAGG_TEST_STALL_HOOK="get_num_new_matched_tokens",
+            DISAGG_TEST_RESUME_FILE=str(self.resume_file),
+        )
+
+    def wait_stalled(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.stalled.exists():
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the consumer never reached its claim"
+            time.sleep(0.02)
+
+    def resume(self) -> None:
+        self.resume_file.write_text("go")
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +133,20 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             sp.wait_healthy(url, proc, d / f"{name}.log")
         for v in victims.values():
             sp.wait_healthy(v.url, v.proc, v.log)
+        # a producer killed after its first token: the consumer stops before its claim
+        # (its prefetch has leased the victim's blocks meanwhile) until the kill is done
+        late_cfg, late_control = _producer_yaml(d, "prefill-late")
+        late = Victim(d, "prefill-late", "producer", late_cfg, layer=99)
+        pausing = Pausing(d, "decode-pausing", _consumer_yaml(d, "decode-pausing", late_control))
+        victims["late_producer"] = late
+        procs += [late.proc, pausing.proc]
+        sp.wait_healthy(late.url, late.proc, late.log)
+        sp.wait_healthy(pausing.url, pausing.proc, pausing.log)
         proxies = {  # each tries its victim first (ties keep the order given)
             "producer": ([victims["producer"].url, urls["producer"]], [urls["consumer"]]),
             "consumer": ([urls["producer"]], [victims["consumer"].url, urls["consumer"]]),
             "last_consumer": ([urls["producer"]], [victims["last_consumer"].url]),
+            "late_producer": ([late.url, urls["producer"]], [pausing.url]),
         }
         proxy_urls = {}
         for name, (producers, consumers) in proxies.items():
@@ -118,7 +157,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             procs.append(sp.spawn(args, d / f"proxy-{name}.log"))
             proxy_urls[name] = f"http://127.0.0.1:{port}"
             sp.wait_healthy(proxy_urls[name], procs[-1], d / f"proxy-{name}.log")
-        yield {"proxies": proxy_urls, "victims": victims}
+        yield {"proxies": proxy_urls, "victims": victims, "pausing": pausing}
     finally:
         sp.stop(procs)
 
@@ -187,3 +226,28 @@ def test_the_last_decode_instance_killed_ends_the_stream_with_an_error(
     assert status == 503 and "consumer" in health, health
     status, out = sp.post(f"{url}/v1/completions", {"prompt": tokens, "max_tokens": 2})
     assert status == 502 and victim.url in out["error"]["message"], out
+
+
+def test_a_producer_killed_after_its_first_token_costs_a_recompute(
+    system: dict[str, Any],
+) -> None:
+    """The producer answers the first token and dies before the consumer claims; the
+    consumer's prefetched lease on it is found dead when taken, its fresh claim misses, and
+    it computes the prompt itself: the client's tokens are the monolithic run's."""
+    url = system["proxies"]["late_producer"]
+    victim, pausing = system["victims"]["late_producer"], system["pausing"]
+    tokens = sp.prompt(seed=331)
+    body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "stream": True}
+    t, out = _in_background(f"{url}/v1/completions", body)
+    pausing.wait_stalled()  # the continuation reached the consumer: the first token is out
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+    pausing.resume()
+    t.join(90)
+    assert out, "the client got no answer"
+    status, events = out[0]
+    assert status == 200, events
+    assert sp.streamed_tokens(events) == sp.monolithic(tokens, MAX_TOKENS)
+    _, metrics = sp.get(f"{pausing.url}/metrics")
+    assert sp.metric(metrics, "disagg_consumer_prefetch_dropped_down_total") == 1
+    _still_serves(url, seed=332)
