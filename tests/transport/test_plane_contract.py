@@ -259,8 +259,18 @@ def test_a_sender_killed_mid_push_ends_the_transfer_by_its_deadline(
     kill (bytes in the kernel's socket buffers, or, on the ipc plane, a push that reached
     its receiver: it copies from the sender's /dev/shm export, which outlives the
     sender): DONE only with every page exact. After ``abort`` no byte of it is
-    written."""
+    written. A streamed push that completes before the kill lands (a quiet host moves the
+    64 MiB in milliseconds) did not test a death: it is run again, up to three times."""
     streams = plane_kind[0] != "ipc" and plane_kind != ("nixl", "shm")
+    for attempt in range(3):
+        if _kill_mid_push(make, plane_kind, children, tmp_path / str(attempt), streams):
+            return
+    pytest.fail("the push ended before its sender was killed, three times")
+
+
+def _kill_mid_push(make, plane_kind, children, tmp_path, streams) -> bool:
+    """One run of the case above; False when a streamed push finished before the kill."""
+    tmp_path.mkdir()
     rx = make()
     pool = _pool(rx, DEATH_PAGES)
     q_in, q_out = children.Queue(), children.Queue()
@@ -280,18 +290,21 @@ def test_a_sender_killed_mid_push_ends_the_transfer_by_its_deadline(
                 time.sleep(0.0002)
             child.kill()
             st = rx.poll(20)
-            assert not st.final, f"the push ended before its sender was killed: {st}"
+            if st.final:
+                assert st.done and torch.equal(pool, rand(DEATH_PAGES, WIDTH, 5)), st
+                return False
         st = rx.wait(20, deadline_s + 5.0)
         assert st.final and time.monotonic() - t0 < deadline_s + 5.0, st
         child.join(10)
         assert child.exitcode == -signal.SIGKILL
         if st.done:
             assert torch.equal(pool, rand(DEATH_PAGES, WIDTH, 5)), "DONE with wrong pages"
-            return
+            return True
         assert rx.abort(20, "sender gone") == 0
         after = pool.clone()
         time.sleep(0.3)
         assert torch.equal(pool, after), "bytes landed after abort"
+        return True
     finally:
         if child.is_alive():
             child.kill()
