@@ -437,23 +437,43 @@ def measure(
     """``repeats`` pushes of one transport at one page size, each paired with a run of its
     ceiling, in one fresh producer / consumer process pair (``-cuda`` rows: on ``roles``'
     GPUs)."""
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    prod = ctx.Process(target=_producer, args=(name, n, page_bytes, a, roles), daemon=True)
-    cons = ctx.Process(
-        target=_consumer, args=(name, n, page_bytes, repeats, b, out, roles), daemon=True
+    times, ctimes, err = _pair(
+        _producer,
+        (name, n, page_bytes),
+        _consumer,
+        (name, n, page_bytes, repeats),
+        timeout_s,
+        (roles,),
     )
-    prod.start()
-    cons.start()
-    times, ctimes, err = _result(out, prod, cons, timeout_s)
-    for p in (cons, prod):
-        p.join(10)
-        if p.is_alive():
-            p.kill()
     if times is None:
         return Row(n * page_bytes, error=err)
     return Row(n * page_bytes, times, ctimes)
+
+
+def _pair(
+    producer: Any,
+    pargs: tuple[Any, ...],
+    consumer: Any,
+    cargs: tuple[Any, ...],
+    timeout_s: float,
+    tail: tuple[Any, ...] = (),
+) -> tuple[Any, Any, str | None]:
+    """Run ``producer(*pargs, conn, *tail)`` and ``consumer(*cargs, conn, out, *tail)`` as
+    one fresh spawned process pair joined by a pipe; the consumer's result (``_result``)."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    prod = ctx.Process(target=producer, args=(*pargs, a, *tail), daemon=True)
+    cons = ctx.Process(target=consumer, args=(*cargs, b, out, *tail), daemon=True)
+    prod.start()
+    cons.start()
+    try:
+        return _result(out, prod, cons, timeout_s)
+    finally:
+        for p in (cons, prod):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
 def _result(out: Any, prod: Any, cons: Any, timeout_s: float) -> tuple[Any, Any, str | None]:
@@ -590,7 +610,7 @@ def tp_kit(roles: Roles) -> SimpleNamespace:
         make_plane=_make_plane,
         device=roles.of,
         store=_store,
-        result=_result,
+        pair=_pair,
         unavailable=unavailable,
         spec=SPEC,
     )

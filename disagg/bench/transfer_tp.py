@@ -27,7 +27,6 @@ The planes, stores and process plumbing are ``transfer``'s, handed in as ``kit``
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 from collections.abc import Sequence
@@ -175,20 +174,13 @@ def measure(
     kit: Any, name: str, page_bytes: int, n: int, repeats: int, timeout_s: float
 ) -> dict[str, Any]:
     """One transport at one page size: the three kinds' GB/s and paired ratios."""
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    prod = ctx.Process(target=_producer, args=(kit, name, n, page_bytes, a), daemon=True)
-    cons = ctx.Process(
-        target=_consumer, args=(kit, name, n, page_bytes, repeats, b, out), daemon=True
+    times, _, err = kit.pair(
+        _producer,
+        (kit, name, n, page_bytes),
+        _consumer,
+        (kit, name, n, page_bytes, repeats),
+        timeout_s,
     )
-    prod.start()
-    cons.start()
-    times, _, err = kit.result(out, prod, cons, timeout_s)
-    for p in (cons, prod):
-        p.join(10)
-        if p.is_alive():
-            p.kill()
     transport, channel, _ = kit.spec[name]
     row: dict[str, Any] = {
         "transport": transport,
