@@ -163,3 +163,44 @@ def wait_prefix_route(proxy_url: str, tokens: list[int], timeout_s: float = 15.0
             return
         assert time.monotonic() < deadline, "the proxy never routed by prefix"
         time.sleep(0.2)
+
+
+class ThreadedApp:
+    """An aiohttp application on its own thread and event loop, on a free loopback port
+    (``url``), for stand-in upstreams; subclasses add their routes in ``routes``."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def routes(self, app: Any) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        self.routes(app)
+        self._runner = runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

@@ -6,10 +6,8 @@ consumer failing before its first byte) keep it so."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from disagg.serve import chat, tokenizer
 pytestmark = pytest.mark.timeout(180)
 
 
-class Relay:
+class Relay(sp.ThreadedApp):
     """An upstream in front of a real server, standing for one without our extension:
     ``no_info`` answers 404 to ``/disagg/info`` (a consumer that takes no continuation, as
     ``trtllm-serve``); ``no_ids`` strips ``token_ids`` from the answers (a producer that
@@ -32,13 +30,7 @@ class Relay:
 
     def __init__(self, target: str, mode: str) -> None:
         self.target, self.mode, self.forwarded = target, mode, 0
-        self.port = sp.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10)
+        super().__init__()
 
     def _strip(self, data: bytes) -> bytes:
         if self.mode != "no_ids":
@@ -75,20 +67,8 @@ class Relay:
                 body=data, status=r.status, headers={"Content-Type": r.headers["Content-Type"]}
             )
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -23,21 +22,12 @@ from disagg.serve import chat, tokenizer
 pytestmark = pytest.mark.timeout(180)
 
 
-class StoppingProducer:
+class StoppingProducer(sp.ThreadedApp):
     """A producer whose streamed answer is token ``TOKEN``, then, a moment later, a last
     event whose finish reason is ``stop`` (TensorRT-LLM may end an answer at its first
     token that way)."""
 
     TOKEN = 7
-
-    def __init__(self) -> None:
-        self.port = sp.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -55,21 +45,9 @@ class StoppingProducer:
         await resp.write_eof()
         return resp
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @pytest.fixture(scope="module")
