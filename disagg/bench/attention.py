@@ -13,6 +13,8 @@ context plus a 4k-token chunk over 4k cached tokens). Kernels:
   explicit mask (``attention.per_request``: the engine before batching, and its fallback);
 - ``padded-sdpa``: the keys gathered into a ``[S, max keys]`` padded batch, one PyTorch
   fused-attention call with a padding mask (decode rows only);
+- ``paged``: what the engine runs when ``paged.py`` serves (CUDA, Triton): spans of a few
+  tokens straight over the pages, the others gathered then FlashAttention varlen;
 - ``flex``: FlexAttention (compiled) over the compact keys with a document mask built per
   call (``create_block_mask``: its time is ``flex-mask``; the kernel alone ``flex``), on
   the ``mixed`` row (each shape compiles anew).
@@ -39,7 +41,7 @@ class _Req:
         self.request_id, self.tokens, self.pages, self.adapter = rid, tokens, pages, None
 
 
-def _batch(engine: Any, spans: list[tuple[int, int]]) -> Batch:
+def _batch(engine: Any, spans: list[tuple[int, int]], paged_max_n: int = 0) -> Batch:
     """A batch of fresh page slots for ``(start, n)`` spans, over the engine's pools."""
     kv, tpb = engine.kv, engine.config.tokens_per_block
     slots = iter(range(engine.config.num_blocks))
@@ -47,7 +49,7 @@ def _batch(engine: Any, spans: list[tuple[int, int]]) -> Batch:
     for i, (s, n) in enumerate(spans):
         pages = [[next(slots) for _ in range(-(-(s + n) // tpb))] for _ in kv.groups]
         reqs.append((_Req(i, [0] * (s + n), pages), s, n))
-    return build(reqs, kv)
+    return build(reqs, kv, paged_max_n)
 
 
 def _time(fn: Any, cuda: bool, reps: int = 20) -> float:
@@ -161,6 +163,10 @@ def compare(
 
         for kname, fn in kernels.items():
             row[kname] = _time(lambda fn=fn: call(fn), cuda)
+        paged_n = engine.model.paged_max_n(engine.kv)
+        if paged_n:  # the engine's path: short spans over the pages, the rest gathered
+            pb = _batch(engine, spans, paged_n)
+            row["paged"] = _time(lambda pb=pb, q=q: engine.model.attend(0, q, pb, engine.kv), cuda)
         if name.startswith("decode") and cuda:
             padded = _padded(engine, b)
             row["padded-sdpa"] = _time(lambda padded=padded, q=q: padded(q), cuda)

@@ -282,6 +282,11 @@ def table(rep: dict[str, Any]) -> str:
     lines = [
         f"{rep['model']} {rep['dtype']} on {rep['device']}; attention {rep['attention']}"
         + (f" ({rep['attention_reason']})" if rep["attention_reason"] else "")
+        + (
+            f"; spans of <= {rep['paged_max_n']} tokens over the pages"
+            if rep["paged_max_n"]
+            else f"; no paged attention ({rep['paged_reason']})"
+        )
         + f"; max_num_tokens {rep['max_num_tokens']}, max_batch_size {rep['max_batch_size']}",
         f"ceilings: copy {c['copy_gbps']:.0f} GB/s, matrix {c['matmul_tflops']:.3g} TFLOP/s",
         f"{'row':<22} {'step/TTFT ms':>12} {'tokens/s':>10} {'roofline':>8} {'peak GiB':>9} "
@@ -395,6 +400,8 @@ def main(argv: Sequence[str]) -> int:
         "device": cfg.device,
         "attention": att.name,
         "attention_reason": att.reason,
+        "paged_max_n": b.eng.model.paged_max_n(b.eng.kv),
+        "paged_reason": b.eng.model.paged_reason,
         "batch_invariant": cfg.exact_batching,
         "max_num_tokens": cfg.max_num_tokens,
         "max_batch_size": cfg.max_batch_size,

@@ -18,6 +18,10 @@ varlen attention kernel takes them (``k_starts`` their offsets).
 Built once per forward: a few host ints per request and the page slots its spans touch,
 one host-to-device copy, a few vectorised ops on the device (no per-token Python). A span
 reaching a block without a page is refused here (``RuntimeError``), failing the batch.
+
+Short spans (``paged_max_n``: at most that many tokens, decode steps; 0 = none) attend
+straight over the pages (``paged``): their keys are not gathered, and ``read``, ``lo``,
+``k_starts`` and the ``long`` sub-batch cover the other requests only.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class GroupRows:
     k_starts: list[int]  # offsets of each request's keys in ``read``, and the total
     cu_k: torch.Tensor  # k_starts as int32 on the device
     max_k: int
+    table: torch.Tensor | None = None  # every request's page slots used, concatenated
+    offsets: torch.Tensor | None = None  # [requests]: table[offsets[i] + b] is block b's page
+    lo_t: torch.Tensor | None = None  # [requests] first key position, on the device
 
 
 @dataclass
@@ -56,6 +63,11 @@ class Batch:
     cu_q: torch.Tensor  # q_starts as int32 on the device
     max_q: int
     groups: list[GroupRows]
+    start_t: torch.Tensor | None = None  # [requests] int64 on the device
+    len_t: torch.Tensor | None = None
+    short: torch.Tensor | None = None  # [short requests] their indices (paged attention)
+    long: Batch | None = None  # the other requests' sub-batch, rows compacted
+    long_rows: torch.Tensor | None = None  # their rows in this batch
 
     @property
     def rows(self) -> int:
@@ -66,22 +78,28 @@ class Batch:
         return self.q_starts[i + 1] - 1
 
 
-def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
+def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager, paged_max_n: int = 0) -> Batch:
     """The batch of ``spans`` (``(request, start, n)``, batch order); each request's page
-    lists must cover ``[lo, start + n)`` in every group."""
+    lists must cover ``[lo, start + n)`` in every group. Spans of at most ``paged_max_n``
+    tokens are short (module docstring)."""
     tpb = kv.tpb
     starts = [s for _, s, _ in spans]
     lens = [n for _, _, n in spans]
     ends = [s + n for s, n in zip(starts, lens, strict=True)]
     q_starts = [0, *accumulate(lens)]
+    nreq = len(spans)
+    short = [i for i, n in enumerate(lens) if n <= paged_max_n]
+    longs = [i for i, n in enumerate(lens) if n > paged_max_n] if short else list(range(nreq))
     host: list[int] = []
     for req, s, n in spans:
         host += req.tokens[s : s + n]
     host += starts + lens + q_starts
+    if short:
+        host += short + longs
     per_group: list[tuple[list[int], list[int], int]] = []
     for gid, g in enumerate(kv.groups):
         lo = [0 if g.window is None else max(0, s - g.window + 1) for s in starts]
-        k_starts = [0, *accumulate(e - b for b, e in zip(lo, ends, strict=True))]
+        k_starts = [0, *accumulate(ends[i] - lo[i] for i in longs)]
         offsets: list[int] = []
         pages_used: list[int] = []
         for (req, _, _), b, e in zip(spans, lo, ends, strict=True):
@@ -95,12 +113,12 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
                 )
             offsets.append(len(pages_used) - b0)
             pages_used += pages
-        per_group.append((lo, k_starts, len(pages_used)))
+        per_group.append(([lo[i] for i in longs], k_starts, len(pages_used)))
         host += lo + [e - b for b, e in zip(lo, ends, strict=True)] + offsets + pages_used
         host += k_starts
     dev = kv.device
     flat = torch.tensor(host, dtype=torch.int64).to(dev)
-    rows, nreq = q_starts[-1], len(spans)
+    rows = q_starts[-1]
     at = 0
 
     def take(count: int) -> torch.Tensor:
@@ -109,18 +127,27 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
         return flat[at - count : at]
 
     ids = take(rows)
-    start_t, len_t, cu_q = take(nreq), take(nreq), take(nreq + 1).to(torch.int32)
+    start_t, len_t, q_start_t = take(nreq), take(nreq), take(nreq + 1)
+    cu_q = q_start_t.to(torch.int32)
+    short_t = long_t = None
+    if short:
+        short_t, long_t = take(len(short)), take(len(longs))
     positions = torch.empty(0, dtype=torch.int64, device=dev)
     groups = []
     for gid, (lo, k_starts, table_len) in enumerate(per_group):
         lo_t, span_t, off_t = take(nreq), take(nreq), take(nreq)
         table = take(table_len)
-        cu_k = take(nreq + 1).to(torch.int32)
+        cu_k = take(len(longs) + 1).to(torch.int32)
         layers = len(kv.groups[gid].layer_ids)
         buffer = kv.heads_per_pool * tpb  # rows of one (layer, role) buffer of a page
         stride = 2 * buffer * layers
         pos, write = _page_rows(start_t, len_t, rows, off_t, table, stride, tpb)
-        _, read = _page_rows(lo_t, span_t, k_starts[-1], off_t, table, stride, tpb)
+        if long_t is None:
+            _, read = _page_rows(lo_t, span_t, k_starts[-1], off_t, table, stride, tpb)
+        else:
+            _, read = _page_rows(
+                lo_t[long_t], span_t[long_t], k_starts[-1], off_t[long_t], table, stride, tpb
+            )
         # every layer's rows at once: layer l's keys are 2 * l buffers on, its values one more
         shift = torch.arange(2 * layers, device=dev).view(layers, 2, 1) * buffer
         write, read = write + shift, read + shift
@@ -132,10 +159,13 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
                 lo,
                 k_starts,
                 cu_k,
-                max(b - a for a, b in zip(k_starts, k_starts[1:], strict=False)),
+                max((b - a for a, b in zip(k_starts, k_starts[1:], strict=False)), default=0),
+                table,
+                off_t,
+                lo_t,
             )
         )
-    return Batch(
+    batch = Batch(
         starts,
         lens,
         [req.adapter for req, _, _ in spans],
@@ -145,7 +175,38 @@ def build(spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
         cu_q,
         max(lens),
         groups,
+        start_t,
+        len_t,
     )
+    if short_t is not None:
+        batch.short = short_t
+        if longs:
+            l_lens = [lens[i] for i in longs]
+            l_q = [0, *accumulate(l_lens)]
+            batch.long = Batch(
+                [starts[i] for i in longs],
+                l_lens,
+                [batch.adapters[i] for i in longs],
+                ids,
+                positions,
+                l_q,
+                torch.tensor(l_q, dtype=torch.int32).to(dev),
+                max(l_lens),
+                groups,
+            )
+            batch.long_rows = _ranges(q_start_t[long_t], len_t[long_t], l_q[-1])[0]
+    return batch
+
+
+def _ranges(
+    first: torch.Tensor, count: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[first_i, first_i + count_i)`` of every i, concatenated (``total`` values), and
+    which i each value belongs to."""
+    dev = first.device
+    req = torch.repeat_interleave(torch.arange(first.numel(), device=dev), count, output_size=total)
+    done = torch.cumsum(count, 0) - count
+    return first[req] + torch.arange(total, device=dev) - done[req], req
 
 
 def _page_rows(
@@ -159,9 +220,6 @@ def _page_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``[lo_i, lo_i + count_i)`` of every request, concatenated, and their base
     page rows (``table[offsets_i + p // tpb]`` is request i's page of block p)."""
-    dev = lo.device
-    req = torch.repeat_interleave(torch.arange(lo.numel(), device=dev), count, output_size=total)
-    first = torch.cumsum(count, 0) - count
-    pos = lo[req] + torch.arange(total, device=dev) - first[req]
+    pos, req = _ranges(lo, count, total)
     slot = table[offsets[req] + torch.div(pos, tpb, rounding_mode="floor")]
     return pos, slot * stride + pos % tpb

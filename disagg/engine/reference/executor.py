@@ -507,7 +507,9 @@ class Engine:
         stream = drv.stream if drv is not None else None
         spans = {r.request_id: self._span(r) for r in batch}
         try:
-            plan = build_batch([(r, *spans[r.request_id]) for r in batch], self.kv)
+            plan = build_batch(
+                [(r, *spans[r.request_id]) for r in batch], self.kv, model.paged_max_n(self.kv)
+            )
             x = model.embed_batch(plan)
             rope = model.rope_tables(plan)
             for i in range(self.config.num_layers):

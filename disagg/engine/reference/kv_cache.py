@@ -315,6 +315,14 @@ class KvCacheManager:
         views; ``batch`` says which row is which."""
         return self._rows[gid]
 
+    def layer_rows(self, layer: int) -> tuple[int, int]:
+        """``(base, stride)`` of ``layer`` in its group's ``head_rows``: a page's first row
+        of the layer's keys (its values are ``heads_per_pool * tokens_per_block`` rows on)
+        and the rows of one page."""
+        buffer = self.heads_per_pool * self.tpb
+        layers = len(self.groups[self.layer_group[layer]].layer_ids)
+        return 2 * buffer * self.layer_index[layer], 2 * buffer * layers
+
     def _expand(self, rows: torch.Tensor) -> torch.Tensor:
         """Head 0's rows ``[n]`` -> every held head's ``[n * heads]`` (token-major)."""
         return (rows[:, None] + self._head_offsets).reshape(-1)

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, paged
 from .attention import Attention
 from .batch import Batch
 from .config import EngineConfig
@@ -115,6 +116,24 @@ class TinyLlama:
         self.attention = Attention(
             cfg.device, dt, self.exact, any(w is not None for w in cfg.layer_windows)
         )
+        # decode spans attend over the pages (paged.py) where the batched kernel runs
+        self._paged_n, self.paged_reason = 0, ""
+        local_heads = cfg.num_heads // (tp.size if tp is not None else 1)
+        if os.environ.get("DISAGG_PAGED_ATTENTION", "1") == "0":
+            self.paged_reason = "DISAGG_PAGED_ATTENTION=0"
+        elif self.attention.name != "flash-varlen":
+            self.paged_reason = "needs the batched attention (flash-varlen)"
+        elif not paged.available(dev, hd, cfg.tokens_per_block):
+            self.paged_reason = "needs Triton on CUDA, head_dim and tokens_per_block powers of 2"
+        elif not paged.max_rows(local_heads, cfg.kv_heads_per_rank):
+            self.paged_reason = "more than 16 query heads per KV head"
+        else:
+            try:
+                self.paged_reason = paged.probe(cfg, local_heads)
+            except Exception as exc:  # a Triton that cannot build the kernel here
+                self.paged_reason = f"failed its probe: {type(exc).__name__}: {exc}"
+            if not self.paged_reason:
+                self._paged_n = paged.max_rows(local_heads, cfg.kv_heads_per_rank)
 
     def _rows(self, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
         """``fn`` over the rows of ``xs`` (same row count), returning a tensor or a tuple of
@@ -182,12 +201,11 @@ class TinyLlama:
         group = batch.groups[kv.layer_group[i]]
         li = kv.layer_index[i]
         kv.write_layer(i, group.write[li], roped[:, heads:].reshape(n, kvh * hd), v)
-        keys, vals = kv.read_layer(group.read[li], i)
         q = roped[:, :heads]
         if self.tp is not None:  # this rank's query heads: those of its KV heads
             per = heads // self.tp.size
             q = q[:, self.tp.rank * per : (self.tp.rank + 1) * per]
-        attn = self.attention(q, keys, vals, batch, group, cfg.layer_windows[i]).reshape(n, -1)
+        attn = self.attend(i, q, batch, kv).reshape(n, -1)
         if self.tp is not None:
             attn = self.tp.allgather_heads(attn, f"layer {i} attention heads")
 
@@ -200,6 +218,48 @@ class TinyLlama:
             return torch.addmm(xt, F.silu(gate) * up, p["w_down"])
 
         return self._rows(rest, x, attn)
+
+    def attend(self, i: int, q: torch.Tensor, batch: Batch, kv: KvCacheManager) -> torch.Tensor:
+        """Layer ``i``'s attention ``[rows, q heads, head_dim]``: the gathered keys through
+        ``self.attention``; with short spans (``batch.short``) those over the pages
+        (``paged``) and the rest gathered."""
+        gid, window = kv.layer_group[i], self.cfg.layer_windows[i]
+        group, li = batch.groups[gid], kv.layer_index[i]
+        if batch.short is None:
+            keys, vals = kv.read_layer(group.read[li], i)
+            return self.attention(q, keys, vals, batch, group, window)
+        out = q.new_empty(q.shape)
+        if batch.long is not None:
+            keys, vals = kv.read_layer(group.read[li], i)
+            rows = batch.long_rows
+            out[rows] = self.attention(q[rows], keys, vals, batch.long, group, window)
+        base, stride = kv.layer_rows(i)
+        assert group.table is not None and group.offsets is not None and group.lo_t is not None
+        assert batch.start_t is not None and batch.len_t is not None
+        paged.attend(
+            q,
+            out,
+            kv.head_rows(gid)[0],
+            base,
+            stride,
+            kv.heads_per_pool,
+            kv.tpb,
+            group.table,
+            group.offsets,
+            group.lo_t,
+            batch.start_t,
+            batch.len_t,
+            batch.cu_q,
+            batch.short,
+            window,
+        )
+        return out
+
+    def paged_max_n(self, kv: KvCacheManager) -> int:
+        """Spans of at most this many tokens attend over the pages (``paged``; 0: none):
+        CUDA with Triton, the batched attention, one pool (not the one-process TP
+        simulation)."""
+        return self._paged_n if len(kv.ranks) == 1 else 0
 
     def sample(self, x: torch.Tensor, rows: list[int]) -> list[int]:
         """Greedy: the argmax of the logits of each of ``rows`` (one host sync)."""
