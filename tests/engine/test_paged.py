@@ -104,3 +104,33 @@ def test_the_engine_decodes_over_the_pages():
     eng = Engine(cfg)
     assert eng.model.paged_reason == ""
     assert eng.model.paged_max_n(eng.kv) == paged.max_rows(8, 4)
+
+
+def _generate(monkeypatch, graphs: str, windows=(None,)):
+    monkeypatch.setenv("DISAGG_CUDA_GRAPHS", graphs)
+    cfg = EngineConfig(
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden_size=512,
+        tokens_per_block=16,
+        windows=windows,
+        kv_manager="v2",
+        dtype="bfloat16",
+        device="cuda",
+    )
+    eng = Engine(cfg)
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(cfg.vocab_size) for _ in range(n)] for n in (150, 33, 7, 64, 90)]
+    # different lengths: the decode batch shrinks as requests finish (a capture per size)
+    return eng, eng.generate(prompts, [40, 12, 25, 3, 30])
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 40)])
+def test_decode_graphs_give_the_eager_tokens(monkeypatch, windows):
+    eng, replayed = _generate(monkeypatch, "1", windows)
+    assert eng.model.graphs is not None and eng.model.graphs.reason == ""
+    assert len(eng.model.graphs._sizes) >= 3
+    eager_eng, eager = _generate(monkeypatch, "0", windows)
+    assert eager_eng.model.graphs is None
+    assert replayed == eager

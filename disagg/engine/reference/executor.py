@@ -511,11 +511,11 @@ class Engine:
                 [(r, *spans[r.request_id]) for r in batch], self.kv, model.paged_max_n(self.kv)
             )
             x = model.embed_batch(plan)
-            rope = model.rope_tables(plan)
+            layer = model.layer_runner(plan, x, model.rope_tables(plan), self.kv)
             for i in range(self.config.num_layers):
                 if drv is not None:
                     drv.each_worker("wait_for_layer_load", i, stream)
-                x = model.layer(i, x, plan, rope, self.kv)
+                x = layer(i, x)
                 if drv is not None:
                     drv.each_worker("save_kv_layer", i, stream)
             if drv is not None:

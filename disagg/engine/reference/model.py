@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import fused, paged
+from . import fused, graphs, paged
 from .attention import Attention
 from .batch import Batch
 from .config import EngineConfig
@@ -134,6 +134,12 @@ class TinyLlama:
                 self.paged_reason = f"failed its probe: {type(exc).__name__}: {exc}"
             if not self.paged_reason:
                 self._paged_n = paged.max_rows(local_heads, cfg.kv_heads_per_rank)
+        # decode steps over the pages replay CUDA graphs (graphs.py); not across processes
+        self.graphs: graphs.DecodeGraphs | None = None
+        if self._paged_n and tp is None and os.environ.get("DISAGG_CUDA_GRAPHS", "1") != "0":
+            self.graphs = graphs.DecodeGraphs(
+                self.layer, cfg.num_layers, cfg.max_seq_len, cfg.tokens_per_block, dt
+            )
 
     def _rows(self, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
         """``fn`` over the rows of ``xs`` (same row count), returning a tensor or a tuple of
@@ -175,6 +181,16 @@ class TinyLlama:
         if self.fused and batch.positions.shape[0] >= FUSED_MIN_ROWS:
             return batch.positions
         return self.rope[batch.positions][:, None]
+
+    def layer_runner(
+        self, batch: Batch, x: torch.Tensor, rope: torch.Tensor, kv: KvCacheManager
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """How this forward runs its layers: ``fn(i, x)`` is layer ``i``'s output, called
+        for i = 0, 1, ... in order (a decode step's replayed graphs, or ``layer``)."""
+        bound = self.graphs.bind(batch, x, rope, kv) if self.graphs is not None else None
+        if bound is not None:
+            return bound
+        return lambda i, xi: self.layer(i, xi, batch, rope, kv)
 
     def layer(
         self, i: int, x: torch.Tensor, batch: Batch, rope: torch.Tensor, kv: KvCacheManager
