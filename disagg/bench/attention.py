@@ -13,6 +13,8 @@ context plus a 4k-token chunk over 4k cached tokens). Kernels:
   explicit mask (``attention.per_request``: the engine before batching, and its fallback);
 - ``padded-sdpa``: the keys gathered into a ``[S, max keys]`` padded batch, one PyTorch
   fused-attention call with a padding mask (decode rows only);
+- ``cudnn-whole``: cuDNN's fused attention over each whole prompt padded to its length
+  bucket (prefill rows; the engine's path for whole prompts of 1,024+ tokens);
 - ``paged``: what the engine runs when ``paged.py`` serves (CUDA, Triton): spans of a few
   tokens straight over the pages, the others gathered then FlashAttention varlen;
 - ``flex``: FlexAttention (compiled) over the compact keys with a document mask built per
@@ -155,12 +157,14 @@ def compare(
         keys, vals = gather()
         row: dict[str, Any] = {"shape": name, "gather": _time(gather, cuda)}
         kernels = {"per-request": att.per_request}
-        if engine.model.attention.name == "flash-varlen":
+        if engine.model.attention.batched:
             kernels["flash-varlen"] = att.flash_varlen
 
         def call(fn: Any, q: Any = q, b: Any = b, g: Any = g) -> Any:
             return fn(q, *gather(g), b, g, None)
 
+        if name.startswith("prefill") and not engine.model.attention.whole_reason:
+            kernels["cudnn-whole"] = att.cudnn_whole
         for kname, fn in kernels.items():
             row[kname] = _time(lambda fn=fn: call(fn), cuda)
         paged_n = engine.model.paged_max_n(engine.kv)

@@ -134,3 +134,21 @@ def test_decode_graphs_give_the_eager_tokens(monkeypatch, windows):
     eager_eng, eager = _generate(monkeypatch, "0", windows)
     assert eager_eng.model.graphs is None
     assert replayed == eager
+
+
+def test_whole_prompts_take_cudnn_padded_to_their_bucket():
+    att = attention.Attention("cuda", torch.bfloat16, exact=False, windows=False)
+    assert att.whole_reason == "" and att.batched
+    lens = [3000, attention.WHOLE_MIN]
+    q_starts = [0, lens[0], sum(lens)]
+    cu = torch.tensor(q_starts, dtype=torch.int32, device="cuda")
+    b = attention.Batch([0, 0], lens, [None] * 2, None, None, q_starts, cu, max(lens), [])
+    g = attention.GroupRows(None, None, [0, 0], q_starts, cu, max(lens))
+    q = torch.randn(sum(lens), 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    assert attention._whole(b, g, None) and not attention._whole(b, g, 64)
+    got = att(q, k, v, b, g, None).float()
+    torch.testing.assert_close(
+        got, attention.flash_varlen(q, k, v, b, g, None).float(), atol=2e-2, rtol=2e-2
+    )
+    assert attention.bucket(3000) == 3072 and attention.bucket(1000) == 1024

@@ -17,6 +17,12 @@ Kernels (docs/design/reference-engine.md has the measurements behind the choice)
 - ``per-request``: a loop over the batch's requests, each with the shapes of its own span
   alone: in float32 on the CPU (explicit scores, softmax, the exact path of the tests),
   PyTorch's fused attention with an explicit mask on CUDA.
+- ``cudnn-whole`` (beside ``flash-varlen``): a batch whose every request is a whole prompt
+  from position 0 of at least ``WHOLE_MIN`` tokens, without a sliding window, runs each
+  through cuDNN's fused attention (twice FlashAttention 2's speed on an H200). cuDNN plans
+  on the host for every new shape (~40 ms), so each prompt is zero-padded at the end to a
+  length bucket (``bucket``), which causal attention never lets a real query see. Probed
+  like ``flash-varlen``; where cuDNN is absent or disagrees, ``flash-varlen`` serves.
 """
 
 from __future__ import annotations
@@ -107,12 +113,58 @@ def flash_varlen(
     return out[0]
 
 
+WHOLE_MIN = 1024  # shorter prompts: FlashAttention's varlen call (launch-bound sizes)
+
+
+def bucket(n: int) -> int:
+    """The padded length cuDNN plans for an ``n``-token prompt: a multiple of 256 up to 2k
+    tokens, of 1,024 up to 16k, of 4,096 beyond (at most 33 plans up to 32k tokens)."""
+    step = 256 if n <= 2048 else 1024 if n <= 16384 else 4096
+    return -(-n // step) * step
+
+
+def cudnn_whole(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    batch: Batch,
+    group: GroupRows,
+    window: int | None,
+) -> torch.Tensor:
+    """Every request a whole prompt from position 0 (module docstring): one cuDNN call
+    each, over its rows padded to ``bucket``; ``[rows, heads, head_dim]``."""
+    heads, kvh, hd = q.shape[1], keys.shape[1], q.shape[2]
+    out = q.new_empty(q.shape)
+    for i, n in enumerate(batch.lens):
+        r0 = batch.q_starts[i]
+        padded = bucket(n)
+        qp = q.new_zeros(1, heads, padded, hd)
+        kp, vp = qp.new_zeros(qp.shape), qp.new_zeros(qp.shape)
+        qp[0, :, :n] = q[r0 : r0 + n].transpose(0, 1)
+        for src, dst in ((keys, kp), (vals, vp)):  # each KV head once per query head it serves
+            part = src[group.k_starts[i] : group.k_starts[i] + n].transpose(0, 1)
+            dst[0, :, :n].view(kvh, heads // kvh, n, hd).copy_(part[:, None])
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+        out[r0 : r0 + n] = o[0, :, :n].transpose(0, 1)
+    return out
+
+
+def _whole(batch: Batch, group: GroupRows, window: int | None) -> bool:
+    """Whether every request of the batch is a whole prompt ``cudnn_whole`` serves."""
+    return window is None and all(
+        s == 0 and lo == 0 and n >= WHOLE_MIN
+        for s, lo, n in zip(batch.starts, group.lo, batch.lens, strict=True)
+    )
+
+
 class Attention:
     """The kernel one engine uses (module docstring): ``name`` and, when the batched kernel
     was wanted and not taken, ``reason``. ``exact``: per request, always."""
 
     def __init__(self, device: str, dtype: torch.dtype, exact: bool, windows: bool) -> None:
         self.reason = ""
+        self.whole_reason = "needs flash-varlen"  # why whole prompts do not take cuDNN
         self.fn = per_request
         self.name = "per-request"
         if exact:
@@ -126,6 +178,12 @@ class Attention:
             self.reason = f"flash-varlen failed its probe: {type(exc).__name__}: {exc}"
         if not self.reason:
             self.fn, self.name = flash_varlen, "flash-varlen"
+            try:
+                self.whole_reason = _probe_whole(torch.device(device), dtype)
+            except Exception as exc:  # no cuDNN attention in this build, or other arguments
+                self.whole_reason = f"cudnn-whole failed its probe: {type(exc).__name__}: {exc}"
+            if not self.whole_reason:
+                self.name = "flash-varlen + cudnn-whole"
 
     def __call__(
         self,
@@ -136,7 +194,14 @@ class Attention:
         group: GroupRows,
         window: int | None,
     ) -> torch.Tensor:
+        if not self.whole_reason and _whole(batch, group, window):
+            return cudnn_whole(q, keys, vals, batch, group, window)
         return self.fn(q, keys, vals, batch, group, window)
+
+    @property
+    def batched(self) -> bool:
+        """Whether the batch's attention is one call (not the per-request loop)."""
+        return self.fn is flash_varlen
 
 
 def _probe(device: torch.device, dtype: torch.dtype, windows: bool) -> str:
@@ -182,4 +247,26 @@ def _probe(device: torch.device, dtype: torch.dtype, windows: bool) -> str:
         err = (got - want).abs().max().item()
         if not err < 2e-2:
             return f"flash-varlen differs from per-request attention by {err:.3g} (window {window})"
+    return ""
+
+
+def _probe_whole(device: torch.device, dtype: torch.dtype) -> str:
+    """``cudnn_whole`` on two whole prompts (one a bucket's exact length, one padded)
+    against ``flash_varlen``: ``""`` if they agree, else why not."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    lens = [WHOLE_MIN, WHOLE_MIN + 37]
+    heads, kv_heads, hd = 8, 2, 64
+    q_starts = [0, *accumulate(lens)]
+    cu = torch.tensor(q_starts, dtype=torch.int32, device=device)
+    batch = Batch([0, 0], lens, [None] * 2, torch.empty(0), torch.empty(0), q_starts, cu,
+                  max(lens), [])  # fmt: skip
+    group = GroupRows(torch.empty(0), torch.empty(0), [0, 0], q_starts, cu, max(lens))
+    q = torch.randn(q_starts[-1], heads, hd, generator=g).to(device, dtype)
+    k = torch.randn(q_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+    v = torch.randn(q_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+    got = cudnn_whole(q, k, v, batch, group, None).float()
+    want = flash_varlen(q, k, v, batch, group, None).float()
+    err = (got - want).abs().max().item()
+    if not err < 2e-2:
+        return f"cudnn-whole differs from flash-varlen by {err:.3g}"
     return ""

@@ -121,7 +121,7 @@ class TinyLlama:
         local_heads = cfg.num_heads // (tp.size if tp is not None else 1)
         if os.environ.get("DISAGG_PAGED_ATTENTION", "1") == "0":
             self.paged_reason = "DISAGG_PAGED_ATTENTION=0"
-        elif self.attention.name != "flash-varlen":
+        elif not self.attention.batched:
             self.paged_reason = "needs the batched attention (flash-varlen)"
         elif not paged.available(dev, hd, cfg.tokens_per_block):
             self.paged_reason = "needs Triton on CUDA, head_dim and tokens_per_block powers of 2"
