@@ -124,6 +124,18 @@ def lower_switch_interval() -> None:
         log.info("thread switch interval set to %d us (tuning.gil_switch_us)", want)
 
 
+def _kv_heads(llm_args: Any, configured: int | None) -> int | None:
+    """The model's KV heads: the config's ``num_kv_heads`` where set (checked against the
+    engine's model config where that says it too), else the engine's (None: unknown)."""
+    engine = num_kv_heads_of(llm_args)
+    if configured is not None and engine is not None and configured != engine:
+        raise ValueError(
+            f"num_kv_heads: the disagg config says {configured} but the model config says "
+            f"{engine}: set it to {engine} or remove it"
+        )
+    return configured if configured is not None else engine
+
+
 class ConnectorService:
     """Identity and bookkeeping common to both roles; ``role`` names the subclass's."""
 
@@ -141,6 +153,12 @@ class ConnectorService:
                 f"disagg {self.role}: tp rank {self.tp_rank} is outside "
                 f"tensor_parallel_size={self.tp_size}"
             )
+        want_tp = config.tensor_parallel_size
+        if want_tp is not None and want_tp != self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: the disagg config says {want_tp} but the engine runs "
+                f"tensor_parallel_size={self.tp_size}: set it to {self.tp_size} or remove it"
+            )
         self.key = (self.name, self.tp_rank)  # the registry's key
         self.pool: PagePool | None = None
         self.fingerprint: Fingerprint | None = None
@@ -149,7 +167,7 @@ class ConnectorService:
         self._seeds: dict[tuple[RequestIdentity, int], bytes] = {}
         # the model's KV heads (None: unknown, pages then pair by TP rank) and, once the
         # cache is registered, where this rank's sit in its pages (``engine.heads``)
-        self.num_kv_heads = num_kv_heads_of(llm_args)
+        self.num_kv_heads = _kv_heads(llm_args, config.num_kv_heads)
         self.heads: HeadGeometry | None = None
 
     def _attach_pool(self, pool: PagePool) -> None:
@@ -163,8 +181,9 @@ class ConnectorService:
                 self.heads = geometry_of(pool.layout, self.num_kv_heads, self.tp_size, self.tp_rank)
             except ValueError as exc:
                 log.warning(
-                    "disagg %s: KV heads not located in the pages (%s): pages move only "
-                    "between equal TP sizes",
+                    "disagg %s: KV heads not located in the pages (%s; num_kv_heads in the "
+                    "disagg config, where set, must be the model's): pages move only between "
+                    "equal TP sizes",
                     self.role,
                     exc,
                 )

@@ -183,6 +183,20 @@ def test_wrong_section_for_role():
     assert e.field == "consumer" and "role is 'producer'" in str(e)
 
 
+def test_kv_heads_and_tp_size_keys():
+    cfg = DisaggConfig.from_dict(dict(CONSUMER, num_kv_heads=8, tensor_parallel_size=2))
+    assert (cfg.num_kv_heads, cfg.tensor_parallel_size) == (8, 2)
+    assert DisaggConfig.from_dict(cfg.to_dict()) == cfg
+    assert "num_kv_heads" not in DisaggConfig.from_dict(CONSUMER).to_dict()  # null: left out
+    for key in ("num_kv_heads", "tensor_parallel_size"):
+        e = err(dict(PRODUCER, **{key: 0}))
+        assert e.field == key and str(e).startswith(f"{key}: ") and "\n" not in str(e)
+    e = err(dict(PRODUCER, num_kv_heads=4, tensor_parallel_size=3))
+    assert e.field == "tensor_parallel_size"
+    assert "3 neither divides num_kv_heads (4) nor is a multiple of it" in str(e)
+    assert DisaggConfig.from_dict(dict(PRODUCER, num_kv_heads=2, tensor_parallel_size=8))
+
+
 @pytest.mark.parametrize(
     "data,field,suggestion",
     [

@@ -371,6 +371,36 @@ class DisaggConfig(Section, frozen=True, dict=True):
         ]
         | None
     ) = None
+    num_kv_heads: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="the model's KV head count, every TP rank's together (the "
+                "checkpoint's num_key_value_heads): pages move by KV head between producer "
+                "and consumer TP sizes that differ only where it is known. Set it where the "
+                "connector cannot read it from the engine (a TensorRT-LLM model given by hub "
+                "name, not a local checkpoint); equal on both roles; null: from the engine's "
+                "model config (the reference engine's, or the checkpoint's config.json)",
+                examples=[8],
+            ),
+        ]
+        | None
+    ) = None
+    tensor_parallel_size: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="this instance's TP size: `disagg serve` runs the reference engine "
+                "with that many ranks in its process (as --tp) and passes it to trtllm-serve "
+                "(--tp_size); a connector whose runtime runs another size refuses to start; "
+                "null: the engine's",
+                examples=[2],
+            ),
+        ]
+        | None
+    ) = None
     transport: Annotated[
         Transport,
         Meta(
@@ -511,6 +541,13 @@ class DisaggConfig(Section, frozen=True, dict=True):
                     f"is {what} data plane setting; transport is '{self.transport}' "
                     f"(remove {name} or set transport: {plane})",
                 )
+        kv, tp = self.num_kv_heads, self.tensor_parallel_size
+        if kv is not None and tp is not None and kv % tp and tp % kv:
+            raise err(
+                "tensor_parallel_size",
+                f"{tp} neither divides num_kv_heads ({kv}) nor is a multiple of it: use a TP "
+                "size that does (KV heads are sharded over the ranks)",
+            )
         other = "consumer" if self.role == "producer" else "producer"
         if getattr(self, other) is not None:
             raise err(
@@ -581,7 +618,9 @@ class DisaggConfig(Section, frozen=True, dict=True):
         """Normalised plain data (sizes in bytes, endpoints canonical, defaults filled in);
         ``from_dict(to_dict())`` gives an equal config. Unused sections are left out."""
         data = _lists(msgspec.to_builtins(self))
-        names = ["role", "instance_id", "model_id", "transport", "transport_checksum"]
+        names = ["role", "instance_id", "model_id"]
+        names += [n for n in ("num_kv_heads", "tensor_parallel_size") if data[n] is not None]
+        names += ["transport", "transport_checksum"]
         if self.transport == "ucx":
             names += ["ucx_channel", "ucx_rma_readers"]
         if self.transport == "ipc":

@@ -186,9 +186,10 @@ class ConsumerService(ConnectorService):
         if isinstance(ep, tuple):
             if len(ep) != self.tp_size and self.routes is None:
                 raise ValueError(
-                    f"consumer.producers[{p}] lists {len(ep)} rank endpoint(s), but this "
-                    f"consumer runs tensor_parallel_size={self.tp_size} and the model's KV "
-                    "head count is unknown: list one per rank"
+                    f"num_kv_heads: consumer.producers[{p}] lists {len(ep)} rank endpoint(s), "
+                    f"a TP size other than this consumer's ({self.tp_size}), and the model's "
+                    "KV head count is unknown here: set num_kv_heads in the disagg config of "
+                    "both roles (the checkpoint's num_key_value_heads)"
                 )
             return ep[rank]
         return rank_endpoint(ep, rank)
@@ -197,6 +198,14 @@ class ConsumerService(ConnectorService):
         self._attach_pool(pool)
         if self.routes is not None and self.heads is None:
             self.routes = None  # heads not located in the pages: head-blind after all
+            for p, tp in enumerate(self.producer_tps):
+                if tp != self.tp_size:
+                    raise ValueError(
+                        f"consumer.producers[{p}] lists {tp} rank endpoints, a TP size other "
+                        f"than this consumer's ({self.tp_size}), but the KV heads were not "
+                        "located in the pages (logged above): list one endpoint per rank of "
+                        "a producer of this TP size, or fix num_kv_heads"
+                    )
         self.data = make_data_plane(
             self.config.transport,
             bind=self.ccfg.data,

@@ -55,8 +55,8 @@ _HINTS = {
 }
 
 _HEAD_BLIND = (
-    "both roles must state the model's KV head count (the same disagg version, and a model "
-    "config that names it) to pair TP shards"
+    "both roles must state the model's KV head count to pair TP shards (the same disagg "
+    "version, and a model config that names it, or num_kv_heads in the disagg config)"
 )
 
 

@@ -289,6 +289,34 @@ def test_unequal_tp_moves_each_rank_its_heads(line):
     no_lease_left(psvc)
 
 
+def test_a_hub_named_model_pairs_unequal_tp_through_num_kv_heads(line):
+    """A model TensorRT-LLM loads by hub name: its ``llm_args`` carry the name and no model
+    config, so the connector cannot derive the KV head count. With ``num_kv_heads`` in both
+    roles' disagg config, producer TP 2 moves each consumer rank its heads (TP 1: merged
+    from both producer ranks); without it, a consumer listing a TP=2 producer refuses to
+    start, naming the key and the fix."""
+    from disagg.engine.reference.kv_cache import page_by_head
+
+    kw = dict(kv_manager="v1", hub_model="Qwen/Qwen2.5-0.5B-Instruct")
+    pcfg, ccfg = cfg_for(line, tp=2, **kw), cfg_for(line, tp=1, **kw)
+    heads = {"num_kv_heads": SHAPE["num_kv_heads"]}
+    ps = prompts(n=1)
+    prod, psvc = make_producer(pcfg, top=heads)
+    assert psvc.num_kv_heads == SHAPE["num_kv_heads"] and psvc.fingerprint.num_kv_heads
+    produced = run(prod, ps, max_tokens=1)
+    with pytest.raises(ValueError, match=r"^num_kv_heads: consumer.producers\[0\] lists 2 "):
+        make_consumer(ccfg, [rank_endpoints(psvc)])
+    cons, _ = make_consumer(ccfg, [rank_endpoints(psvc)], top=heads, load_mode="sync")
+    consumed = run(cons, ps, max_tokens=4)
+    assert [r.tokens for r in consumed] == Engine(ccfg).generate(ps, max_tokens=4)
+    for pr, cr in zip(produced, consumed, strict=True):
+        assert cr.connector_matched_tokens > 0 and cr.loaded_pages
+        for (g, b), data in cr.loaded_pages.items():
+            want = page_by_head(pcfg, g, pr.computed_pages[(g, b)])
+            assert page_by_head(ccfg, g, data) == want, f"page {(g, b)} differs by head"
+    no_lease_left(psvc)
+
+
 def test_replicated_regions_are_moved(line):
     """A layout whose groups list replicated regions apart (one line): those bytes are part
     of every page moved, or the model runs on missing KV."""

@@ -116,6 +116,11 @@ class EngineConfig:
     # Snapshot page bytes as they are loaded by a connector and as blocks complete, for
     # byte comparisons in tests (costs memory; off by default).
     capture_pages: bool = False
+    # Stand for TensorRT-LLM serving a model given by hub name: ``llm_args.model`` is this
+    # name and ``llm_args`` carries no model config, so a connector cannot read the KV head
+    # count from it (only the disagg config's ``num_kv_heads`` says it). None: the engine's
+    # own name and config.
+    hub_model: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "windows", tuple(self.windows))
@@ -270,7 +275,7 @@ class LlmArgs(_Obj):
 def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
     windows = [cfg.max_seq_len if w is None else w for w in cfg.layer_windows]
     return LlmArgs(
-        model=cfg.model_name,
+        model=cfg.hub_model or cfg.model_name,
         backend="pytorch",
         kv_cache_config=KvCacheConfigLike(
             tokens_per_block=cfg.tokens_per_block,
@@ -301,7 +306,7 @@ def build_llm_args(cfg: EngineConfig, spec: ConnectorSpec | None) -> LlmArgs:
         disable_overlap_scheduler=not cfg.overlap,
         dtype=cfg.dtype,
         disagg=dict(spec.extra) if spec is not None else {},
-        engine_config=cfg,
+        engine_config=None if cfg.hub_model else cfg,
     )
 
 
