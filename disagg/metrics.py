@@ -33,6 +33,9 @@ engine (``disagg_engine_*``, only when an engine-stats function is given)
 Transfer durations are not measured by the services yet; ``disagg serve`` adds its own
 request-latency histogram (``disagg_request_seconds``) to the same registry.
 
+The TP ranks of one instance in one process (``disagg serve --tp``: ranks simulated in
+it) are summed under its ``instance`` label (a store's blocks count once per rank).
+
 Any other key a service counts is exported as ``disagg_<role>_<key>_total`` too, so a new
 counter shows up without touching this module.
 """
@@ -110,6 +113,19 @@ def _services(role: str) -> list[Any]:
     return live() if live is not None else []
 
 
+def _summed(family: Metric) -> Metric:
+    """``family`` with the samples of equal labels added up: the TP ranks of one instance
+    in one process (``disagg serve --tp``) each count their own, under one ``instance``."""
+    merged: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+    for sample in family.samples:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        had = merged.get(key)
+        merged[key] = sample if had is None else had._replace(value=had.value + sample.value)
+    if len(merged) < len(family.samples):
+        family.samples = list(merged.values())
+    return family
+
+
 class DisaggCollector(Collector):
     """Reads producer/consumer services (and optionally engine stats) at scrape time.
 
@@ -125,10 +141,13 @@ class DisaggCollector(Collector):
         return []  # dynamic families; no up-front description (avoids an extra collect)
 
     def collect(self) -> Iterable[Metric]:
-        yield from self._counters("producer", PRODUCER_COUNTERS, _services("producer"))
-        yield from self._producer_state(_services("producer"))
-        yield from self._counters("consumer", CONSUMER_COUNTERS, _services("consumer"))
-        yield from self._consumer_state(_services("consumer"))
+        families = [
+            *self._counters("producer", PRODUCER_COUNTERS, _services("producer")),
+            *self._producer_state(_services("producer")),
+            *self._counters("consumer", CONSUMER_COUNTERS, _services("consumer")),
+            *self._consumer_state(_services("consumer")),
+        ]
+        yield from map(_summed, families)
         if self._engine_stats is not None:
             yield from self._engine()
 

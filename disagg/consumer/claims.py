@@ -57,7 +57,7 @@ class Claims:
         """Lease the longest run of ``keys`` any producer holds; None on a miss or on any
         failure (a miss: the engine recomputes). TP > 1 (leader only): ``keys`` are rank 0's
         and ``rank_keys[r - 1]`` rank r's keys of the same blocks; every rank of the chosen
-        producer is claimed and the run every rank holds is leased (``_claim_ranks``).
+        producer is claimed and the run every rank holds is leased (``claim_ranks``).
         Keys travel packed (``KeyBlob``, e.g. from ``block_key_blob``); a list is packed."""
         svc = self.svc
         if svc.fingerprint is None or not keys:
@@ -79,7 +79,7 @@ class Claims:
         for link in links:
             n = svc.tp_size if svc.routes is None else svc.producer_tps[link.index]
             if n > 1:
-                got = self._claim_ranks(
+                got = self.claim_ranks(
                     link.index, request_id, [keys, *ranks] if ranks else [keys] * n
                 )
                 if got is not None:
@@ -108,24 +108,32 @@ class Claims:
         svc.metrics["claims_miss"] += 1
         return None
 
-    def _claim_ranks(self, p: int, request_id: int, keys: list[KeyBlob]) -> Claimed | None:
+    def claim_ranks(
+        self, p: int, request_id: int | str, keys: list[KeyBlob], background: bool = False
+    ) -> Claimed | None:
         """TP: claim ``keys[r]`` on producer ``p``'s rank r, all ranks in parallel; lease the
         shortest run granted (a block is offered only if every rank holds it). A rank that
         granted more is re-claimed for exactly that run, then its longer lease released (the
-        blocks stay pinned throughout). Any rank failing is a miss; granted leases go back."""
+        blocks stay pinned throughout). Any rank failing is a miss; granted leases go back.
+        ``background``: on the links' background channels, counted as ``prefetch_claims_*``
+        (a prefetch's, off the engine's thread)."""
         svc = self.svc
+        tag = "prefetch_claims" if background else "claims"
         links = [svc.rank_links[p][r] for r in range(len(keys))]
         if not all(lk.usable() for lk in links):
-            svc.metrics["claims_rank_down"] += 1
+            svc.metrics[f"{tag}_rank_down"] += 1
             return None
-        grants = self._claim_all(links, request_id, keys)
+        grants = self._claim_all(links, request_id, keys, background)
         if grants is not None:
             n = min(g.num_blocks for g in grants)
             if 0 < n < max(g.num_blocks for g in grants):
-                svc.metrics["claims_rank_short"] += 1
+                svc.metrics[f"{tag}_rank_short"] += 1
                 longer = [r for r, g in enumerate(grants) if g.num_blocks > n]
                 again = self._claim_all(
-                    [links[r] for r in longer], request_id, [keys[r][:n] for r in longer]
+                    [links[r] for r in longer],
+                    request_id,
+                    [keys[r][:n] for r in longer],
+                    background,
                 )
                 for r in longer:  # the longer lease: its blocks are pinned by the new one
                     svc.release(grants[r])
@@ -134,7 +142,7 @@ class Claims:
                     for r, g in zip(longer, again):
                         grants[r] = g
             if all(g.num_blocks == n > 0 for g in grants):
-                svc.metrics["claims_hit"] += 1
+                svc.metrics[f"{tag}_hit"] += 1
                 ttl = min(g.ttl_s for g in grants)
                 svc.keepalive.granted(ttl)
                 first = grants[0]
@@ -144,11 +152,15 @@ class Claims:
             for g in grants:
                 if g.lease_id:
                     svc.release(g)
-        svc.metrics["claims_miss"] += 1
+        svc.metrics[f"{tag}_miss"] += 1
         return None
 
     def _claim_all(
-        self, links: list[ProducerLink], request_id: int, keys: list[KeyBlob]
+        self,
+        links: list[ProducerLink],
+        request_id: int | str,
+        keys: list[KeyBlob],
+        background: bool = False,
     ) -> list[Claimed] | None:
         """``Claim(keys[i])`` on ``links[i]``, in parallel, each bounded by its own deadline
         (and the whole by three times ``claim_timeout_s``: lock, Hello, call). None if any
@@ -165,6 +177,7 @@ class Claims:
                     keys=k,
                     ttl_s=svc.ccfg.lease_ttl_s,
                 ),
+                background=background,
             )
             for lk, k in zip(links, keys)
         ]
@@ -178,7 +191,7 @@ class Claims:
                 grants.append(Claimed(lk, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation))
                 continue
             failed = True
-            svc.metrics["claims_failed"] += 1
+            svc.metrics["prefetch_claims_failed" if background else "claims_failed"] += 1
             if lk.refusal is None:  # a refusal is said once, by ``refusals``
                 log.info("claim on %s failed (a miss): %s", lk.endpoint, exc)
         if failed:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from ..config import ConsumerConfig, DisaggConfig
 from ..protocol.fingerprint import Fingerprint
+from ..protocol.keys import KeyBlob
 from .links import ProducerLink
 from .loads import Claimed, Load, Reservation
 from .routes import Routes
@@ -29,6 +30,13 @@ class HeldLeases(Protocol):
     def leases(self) -> list[Claimed]: ...
 
     def sweep(self, now: float | None = None) -> int: ...
+
+
+class RankClaims(Protocol):
+    def claim_ranks(
+        self, p: int, request_id: int | str, keys: list[KeyBlob], background: bool = False
+    ) -> Claimed | None:
+        """Lease ``keys[r]`` on producer ``p``'s rank r, the run every rank holds."""
 
 
 class LinkHost(Protocol):
@@ -54,6 +62,9 @@ class LinkHost(Protocol):
 
     @property
     def prefetches(self) -> HeldLeases: ...
+
+    @property
+    def claims(self) -> RankClaims: ...
 
     def _call(
         self,

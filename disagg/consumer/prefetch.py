@@ -25,7 +25,12 @@ Contract:
   and cheaper); a lease whose producer is down, restarted or no longer knows it is given
   back and claimed afresh, so a producer that died after the grant costs a miss, as a
   plain claim on it would;
-- TP > 1 is not prefetched (the scheduler's claim covers every rank): ``start`` says so.
+- TP on either side, where the model's KV head count is known (``routes``: every rank's
+  keys are the same): the prefetch leases every rank of the producer as the scheduler's
+  claim does (``Claims.claim_ranks``, on the background channels) and the continuation
+  takes all of them; ``take`` confirms every rank's lease. Head-blind TP (each rank's
+  keys differ) is not prefetched: ``start`` says why (``why_not``), counted
+  ``prefetch_declined_tp``, and the continuation claims as usual.
 
 Matching: a prefetch is keyed by its prompt's keys; the continuation's offer (keys of the
 prompt + first token's whole blocks, from block 0) must start with exactly those keys.
@@ -75,8 +80,10 @@ class Prefetches:
         """Begin prefetching ``keys`` (a prompt's whole blocks, from block 0) in the
         background; None when started, else why not."""
         svc = self.svc
-        if svc.tp_size > 1:
-            return "tensor parallelism: the continuation's claim covers every rank"
+        why = self.why_not
+        if why is not None:
+            svc.metrics["prefetch_declined_tp"] += 1
+            return why
         if svc.fingerprint is None or not len(keys):
             return "no KV cache registered yet" if svc.fingerprint is None else "no whole block"
         first = keys.blob[:KEY_BYTES]
@@ -95,6 +102,18 @@ class Prefetches:
         threading.Thread(
             target=self._run, args=(entry,), name="disagg-prefetch", daemon=True
         ).start()
+        return None
+
+    @property
+    def why_not(self) -> str | None:
+        """Why this service does not prefetch (None: it does)."""
+        svc = self.svc
+        tp = svc.tp_size > 1 or any(n > 1 for n in svc.producer_tps)
+        if tp and svc.routes is None:
+            return (
+                "TP without the model's KV head count (each rank's keys differ): the "
+                "continuation's claim covers every rank"
+            )
         return None
 
     def _run(self, entry: _Entry) -> None:
@@ -138,8 +157,11 @@ class Prefetches:
 
     def _claim(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
         """Lease ``keys`` on ``link``'s background channel (the engine's claims use the
-        other one); None on a miss."""
+        other one), on every rank of a TP producer; None on a miss."""
         svc = self.svc
+        ranks = svc.producer_tps[link.index] if svc.routes is not None else 1
+        if ranks > 1:
+            return svc.claims.claim_ranks(link.index, "prefetch", [keys] * ranks, True)
         claim = m.Claim(
             v=PROTOCOL_VERSION,
             owner=svc.owner,
@@ -170,7 +192,8 @@ class Prefetches:
         if c.num_blocks > len(offer):  # never more than offered (the key check implies it)
             self.svc.release(c)
             return None
-        if not c.link.usable() or c.link.stale(c.incarnation) or not self._confirm(c):
+        down = any(not r.link.usable() or r.link.stale(r.incarnation) for r in c.all_ranks())
+        if down or not self._confirm(c):
             self.svc.metrics["prefetch_dropped_down"] += 1  # its producer failed since
             self.svc.release(c)
             return None
@@ -178,20 +201,28 @@ class Prefetches:
         return c
 
     def _confirm(self, c: Claimed) -> bool:
-        """Whether ``c``'s producer still holds the lease (one ``Renew``, within the
-        claim's budget)."""
+        """Whether ``c``'s producer still holds the lease, every rank's (one ``Renew`` per
+        producer rank, each within the claim's budget)."""
         svc = self.svc
-        renew = m.Renew(
-            v=PROTOCOL_VERSION, owner=svc.owner, lease_ids=[c.lease_id], incarnation=c.incarnation
-        )
-        try:
-            ok = svc._call(c.link, renew)
-        except ProtocolError as exc:
-            log.info(
-                "prefetched lease on %s not confirmed (claiming afresh): %s", c.link.endpoint, exc
+        for r in c.all_ranks():
+            renew = m.Renew(
+                v=PROTOCOL_VERSION,
+                owner=svc.owner,
+                lease_ids=[r.lease_id],
+                incarnation=r.incarnation,
             )
-            return False
-        return c.lease_id not in ok.unknown
+            try:
+                ok = svc._call(r.link, renew)
+            except ProtocolError as exc:
+                log.info(
+                    "prefetched lease on %s not confirmed (claiming afresh): %s",
+                    r.link.endpoint,
+                    exc,
+                )
+                return False
+            if r.lease_id in ok.unknown:
+                return False
+        return True
 
     def leases(self) -> list[Claimed]:
         """Leases held and not taken yet (the keepalive renews them)."""

@@ -79,10 +79,10 @@ class ConsumerScheduler(KvCacheConnectorScheduler):
                 block_key_blob(svc.namespace_seed(ident, tp_rank=r), tokens, tpb)[first:offerable]
                 for r in range(1 if svc.routes is not None else svc.tp_size)
             ]
-            # a lease the proxy's prefetch took while the prompt was prefilled (TP=1 on
-            # both sides only: the prefetch claims on one producer rank)
-            plain = svc.tp_size == 1 and all(tp == 1 for tp in svc.producer_tps)
-            claimed = svc.prefetches.take(keys[0]) if first == 0 and plain else None
+            # a lease the proxy's prefetch took while the prompt was prefilled (every
+            # producer rank's; not where TP is head-blind: ``prefetch.why_not``)
+            fetched = first == 0 and svc.prefetches.why_not is None
+            claimed = svc.prefetches.take(keys[0]) if fetched else None
             if claimed is None:
                 claimed = svc.claim(rid, keys[0], keys[1:] if len(keys) > 1 else None)
             svc.stamp(rid, "claim1")

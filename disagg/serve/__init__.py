@@ -27,6 +27,7 @@ names the field and the fix), 3 when TensorRT-LLM is not installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from typing import Any
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=8000, help="HTTP port")
     p.add_argument("--model", default=None, help="model name/path (trtllm; echoed by reference)")
     add_shape_args(p)
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        help="tensor-parallel size: reference: ranks simulated in this process; trtllm: "
+        "trtllm-serve's --tp_size (default: the config's tensor_parallel_size, else 1)",
+    )
     p.add_argument("--windows", default="full", help="reference: per-layer windows, e.g. 64,full")
     p.add_argument("--kv-manager", choices=("v1", "v2"), default="v2", help="reference")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="debug adds tracebacks")
@@ -131,7 +139,7 @@ def shape_error(e: ValueError) -> str:
     """EngineConfig's ``ValueError`` as one line that names the flag to change."""
     msg = str(e).removeprefix("EngineConfig: ")
     fields = {field: flag for flag, (field, _) in SHAPE_FLAGS.items()}
-    fields.update(dtype="--dtype", device="--device", window="--windows")
+    fields.update(dtype="--dtype", device="--device", window="--windows", tp="--tp")
     names = [n for n in fields if msg.startswith(n)] or [n for n in fields if n in msg]
     return f"argument {fields[names[0]]}: {msg}" if names else msg
 
@@ -171,7 +179,9 @@ def engine_config(args: argparse.Namespace) -> Any:
             "comma-separated, e.g. 64,full"
         ) from None
     try:
-        cfg = EngineConfig(kv_manager=args.kv_manager, windows=windows, **shape_kwargs(args))
+        cfg = EngineConfig(
+            kv_manager=args.kv_manager, windows=windows, tp=args.tp or 1, **shape_kwargs(args)
+        )
     except ValueError as e:
         raise ValueError(shape_error(e)) from None
     if cfg.kv_manager == "v1" and len(cfg.layer_groups) > 1:
@@ -223,15 +233,9 @@ def run_reference(args: argparse.Namespace, cfg: DisaggConfig, ecfg: Any) -> int
 
 
 def _close_services(role: str) -> None:
-    if role == "producer":
-        from ..producer.service import _services as ps
+    from .app import rank_services
 
-        services: list[Any] = list(ps.values())
-    else:
-        from ..consumer.service import _services as cs
-
-        services = list(cs.values())
-    for svc in services:
+    for svc in rank_services(role):  # every TP rank's
         try:
             svc.close()
         except Exception:  # shutting down: log, keep closing the rest
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(extra)} (only --engine trtllm passes "
             "extra arguments on to trtllm-serve)"
         )
-    ecfg = None
+    ecfg: Any = None
     if args.engine == "reference":
         why = cuda_problem(args.device)
         if why is not None:
@@ -261,8 +265,31 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_checked_config(args.config, args.role)
     except ConfigError as e:
         return _usage(f"config error: {e}")
+    tp, why = tp_size(args.tp, cfg)
+    if why is not None:
+        return _usage(why)
     if args.engine == "trtllm":
         from . import trtllm
 
+        if tp > 1 and "--tp_size" not in extra:
+            extra = [*extra, "--tp_size", str(tp)]
         return trtllm.run(cfg.role, str(cfg.source), args.model, args.host, args.port, extra)
+    if ecfg.tp != tp:
+        try:
+            ecfg = dataclasses.replace(ecfg, tp=tp)
+        except ValueError as e:
+            msg = str(e).removeprefix("EngineConfig: ")
+            return _usage(f"config error: tensor_parallel_size: {tp} ({cfg.source}): {msg}")
     return run_reference(args, cfg, ecfg)
+
+
+def tp_size(flag: int | None, cfg: DisaggConfig) -> tuple[int, str | None]:
+    """The instance's TP size: ``--tp``, else the config's ``tensor_parallel_size``, else 1;
+    with a reason (one line naming both) when the two are given and differ."""
+    conf = cfg.tensor_parallel_size
+    if flag is not None and conf is not None and flag != conf:
+        return flag, (
+            f"argument --tp: {flag} but {cfg.source} says tensor_parallel_size: {conf}; "
+            "give the same size or only one of them"
+        )
+    return flag or conf or 1, None

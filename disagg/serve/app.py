@@ -33,7 +33,11 @@ Routes
         needs to route by stored prefix (producer only; see :mod:`disagg.proxy.routing`),
         ``continuation: true`` (this server takes ``disagg.first_tokens``), ``prefetch``;
         ``/disagg/info`` also carries ``engine``: the engine's shape (its ``model`` name,
-        ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``).
+        ``dtype``, ``device``, ``num_blocks``, ``tokens_per_block``, ``max_seq_len``, ``tp``,
+        ``num_kv_heads``), ``tp`` (the instance's TP size: every rank runs in this
+        process), ``num_kv_heads`` (what the connector pairs TP sizes by; null: equal TP
+        only), a producer's ``controls`` (every rank's control endpoint, rank order: a
+        consumer of another TP size lists them) and a consumer's ``producer_tps``.
 
 Every request gets an id (the ``X-Request-Id`` header, or a new one), echoed in the answer's
 header and in the structured log line.
@@ -278,22 +282,30 @@ def build_app(
 
     async def info(request: web.Request) -> web.Response:
         svc = _service(role)
+        ranks = rank_services(role)
         out: dict[str, Any] = {
             "role": role,
             "instance_id": instance_id,
             "model": model_name,
             "continuation": True,
-            "prefetch": role == "consumer",
+            "prefetch": role == "consumer" and svc is not None and svc.prefetches.why_not is None,
+            # the TP size this instance runs (every rank in this process) and the model's
+            # KV head count its connector pairs TP sizes by (None: head-blind, equal TP only)
+            "tp": svc.tp_size if svc is not None else None,
+            "num_kv_heads": svc.num_kv_heads if svc is not None and svc.heads else None,
         }
         cfg = getattr(engine_loop.engine, "config", None)
         if cfg is not None and hasattr(cfg, "model_name"):
+            shape = ("dtype", "device", "num_blocks", "tokens_per_block", "max_seq_len", "tp")
             out["engine"] = {
                 "model": cfg.model_name,
-                **{
-                    k: getattr(cfg, k)
-                    for k in ("dtype", "device", "num_blocks", "tokens_per_block", "max_seq_len")
-                },
+                "num_kv_heads": cfg.num_kv_heads,
+                **{k: getattr(cfg, k) for k in shape},
             }
+        if role == "producer" and ranks:
+            out["controls"] = [s.endpoint for s in ranks]  # rank order
+        if role == "consumer" and svc is not None:
+            out["producer_tps"] = svc.producer_tps
         if svc is not None and role == "producer" and svc.store is not None:
             events = svc.events.endpoint if svc.events is not None else None
             out.update(
@@ -393,7 +405,8 @@ def start_prefetch(svc: Any, tokens: list[int], salt: str | None) -> str | None:
 
 
 def _service(role: str) -> Any:
-    """This process's service of ``role`` (the first; ``disagg serve`` runs one)."""
+    """This process's service of ``role``: its instance's rank 0 (``disagg serve`` runs one
+    instance, every TP rank of it in this process)."""
     if role == "producer":
         from ..producer.service import _services as ps
 
@@ -403,6 +416,15 @@ def _service(role: str) -> Any:
     return next(iter(cs.values()), None)
 
 
+def rank_services(role: str) -> list[Any]:
+    """Every open service of ``role`` in this process (every TP rank), rank order."""
+    if role == "producer":
+        from ..producer.service import _registry as reg
+    else:
+        from ..consumer.service import _registry as reg  # type: ignore[assignment]
+    return sorted(reg.live(), key=lambda s: s.tp_rank)
+
+
 def health_of(engine_loop: EngineLoop, role: str) -> tuple[bool, dict[str, Any]]:
     """(healthy, details). Unhealthy when the engine thread is dead, the connector service
     is missing or closed, a producer's control server stopped, or the service's own
@@ -410,14 +432,15 @@ def health_of(engine_loop: EngineLoop, role: str) -> tuple[bool, dict[str, Any]]
     reasons: list[str] = []
     if not engine_loop.alive:
         reasons.append(f"engine loop not running: {engine_loop.fatal or 'stopped'}")
-    svc = _service(role)
+    ranks = rank_services(role)
     details: dict[str, Any] = {"in_flight": engine_loop.in_flight}
-    if svc is None:
+    if not ranks:
         reasons.append(f"no {role} connector service in this process")
-    else:
+    for svc in ranks:
         ok, why = svc.health()
         if not ok:
-            reasons.append(f"connector: {why}")
+            where = f" (TP rank {svc.tp_rank})" if len(ranks) > 1 else ""
+            reasons.append(f"connector{where}: {why}")
     if reasons:
         details["reasons"] = reasons
     return not reasons, details
