@@ -145,8 +145,10 @@ class Prefetches:
         msg = m.Lookup(v=PROTOCOL_VERSION, owner=svc.owner, keys=keys)
         while not entry.abandoned and not self.closed and time.monotonic() < deadline:
             for link in [lk for lk in svc.links if lk.usable()]:
-                try:
-                    held = svc._call(link, msg, background=True).num_blocks
+                try:  # every rank of a TP producer: each plans its saves on its own
+                    held = min(
+                        svc._call(lk, msg, background=True).num_blocks for lk in self._ranks(link)
+                    )
                 except ProtocolError:
                     continue  # that producer is down or refuses us: the others may hold it
                 if held >= want:
@@ -155,11 +157,17 @@ class Prefetches:
             pause = min(POLL_MAX_S, pause * 2)
         return None
 
+    def _ranks(self, link: ProducerLink) -> list[ProducerLink]:
+        """The links to every rank of ``link``'s producer the prefetch leases on."""
+        svc = self.svc
+        n = svc.producer_tps[link.index] if svc.routes is not None else 1
+        return [svc.rank_links[link.index][r] for r in range(n)] if n > 1 else [link]
+
     def _claim(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
         """Lease ``keys`` on ``link``'s background channel (the engine's claims use the
         other one), on every rank of a TP producer; None on a miss."""
         svc = self.svc
-        ranks = svc.producer_tps[link.index] if svc.routes is not None else 1
+        ranks = len(self._ranks(link))
         if ranks > 1:
             return svc.claims.claim_ranks(link.index, "prefetch", [keys] * ranks, True)
         claim = m.Claim(

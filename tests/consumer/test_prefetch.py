@@ -11,7 +11,15 @@ import random
 import time
 
 import pytest
-from harness import SHAPE, close_all_services, make_consumer, make_producer, wait_for
+from harness import (
+    SHAPE,
+    close_all_services,
+    make_consumer,
+    make_producer,
+    rank_endpoints,
+    rank_services,
+    wait_for,
+)
 
 from disagg.consumer import prefetch
 from disagg.engine.reference import Engine, EngineConfig
@@ -179,3 +187,73 @@ def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
     assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
     assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
     assert wait_for(lambda: psvc.leases.active() == 0)
+
+
+TP_CFG = {**SHAPE, "num_blocks": 128, "kv_manager": "v2", "num_heads": 4, "num_kv_heads": 4}
+
+
+def _prefill(prod: Engine, prompt: list[int]) -> int:
+    rid = prod.add_request(prompt, 1)
+    while not prod.results[rid].finished or prod.has_work():
+        prod.step()
+    return prod.results[rid].tokens[0]
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
+def test_unequal_tp_prefetches_every_producer_rank(p: int, d: int):
+    """Producer TP 2 into consumer TP 1 and the reverse (4 KV heads): the prefetch leases
+    the prompt on every producer rank; the continuation takes them all and loads each
+    consumer rank's heads, token for token; every rank's lease goes back."""
+    prompt = _prompt(11)
+    mono = Engine(EngineConfig(**TP_CFG)).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(EngineConfig(**TP_CFG, tp=p))
+    cons, csvc = make_consumer(EngineConfig(**TP_CFG, tp=d), [rank_endpoints(psvc)])
+    assert start_prefetch(csvc, prompt, None) is None
+    first = _prefill(prod, prompt)
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert [s.leases.active() for s in rank_services(psvc)] == [1] * p
+    got = _continue(cons, prompt, first, 4)
+    assert got.error is None and [first, *got.tokens] == mono
+    assert got.connector_matched_tokens == len(prompt) // TPB * TPB
+    assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["claims_hit"] == 0
+    for svc in rank_services(psvc):
+        assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank}"
+
+
+def test_a_prefetched_lease_one_producer_rank_lost_is_claimed_afresh():
+    """Producer TP 2 into consumer TP 1: rank 1 no longer knows its prefetched lease (freed
+    there): the continuation gives both back and claims afresh, token for token."""
+    prompt = _prompt(12)
+    mono = Engine(EngineConfig(**TP_CFG)).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(EngineConfig(**TP_CFG, tp=2))
+    cons, csvc = make_consumer(EngineConfig(**TP_CFG), [rank_endpoints(psvc)])
+    first = _prefill(prod, prompt)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    rank1 = rank_services(psvc)[1]
+    assert rank1.leases.free_owner(csvc.owner) == 1
+    got = _continue(cons, prompt, first, 4)
+    assert got.error is None and [first, *got.tokens] == mono
+    assert csvc.metrics["prefetch_dropped_down"] == 1 and csvc.metrics["prefetch_taken"] == 0
+    assert csvc.metrics["claims_hit"] == 1  # claimed afresh, on both ranks
+    assert got.connector_matched_tokens == len(prompt) // TPB * TPB
+    for svc in rank_services(psvc):
+        assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank}"
+
+
+def test_head_blind_tp_is_not_prefetched_and_says_so(monkeypatch):
+    """TP without the model's KV head count: each rank's keys differ, so the prefetch
+    declines (counted) and the continuation claims every rank itself."""
+    monkeypatch.setattr("disagg.service_base.num_kv_heads_of", lambda llm_args: None)
+    cfg = EngineConfig(**TP_CFG, tp=2)
+    prompt = _prompt(13)
+    mono = Engine(cfg).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(cfg)
+    cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)])
+    assert csvc.routes is None
+    assert "TP without the model's KV head count" in start_prefetch(csvc, prompt, None)
+    assert csvc.metrics["prefetch_declined_tp"] == 1 and csvc.metrics["prefetch_started"] == 0
+    first = _prefill(prod, prompt)
+    got = _continue(cons, prompt, first, 4)
+    assert got.error is None and [first, *got.tokens] == mono
+    assert got.connector_matched_tokens > 0 and csvc.metrics["claims_hit"] == 1
