@@ -212,3 +212,15 @@ def test_prefix_reservations_across_tp_sizes(p, d, load_mode):
     for svc in rank_services(psvc):
         assert wait_for(lambda s=svc: s.leases.active() == 0), f"rank {svc.tp_rank} leases"
         assert wait_for(lambda s=svc: s.store.pinned_blocks() == 0), f"rank {svc.tp_rank}"
+
+
+def test_config_sizes_that_contradict_the_engine_refuse_to_start():
+    """``tensor_parallel_size`` and ``num_kv_heads`` in the disagg config are checked
+    against what the engine runs: a contradiction is one error naming the key and the fix."""
+    cfg = EngineConfig(**_shape(4, tp=2))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: the disagg config says 4 but"):
+        make_producer(cfg, top={"tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match=r"^num_kv_heads: the disagg config says 8 but the model"):
+        make_producer(cfg, top={"num_kv_heads": 8})
+    _, psvc = make_producer(cfg, top={"tensor_parallel_size": 2, "num_kv_heads": 4})
+    assert (psvc.tp_size, psvc.num_kv_heads, psvc.fingerprint.num_kv_heads) == (2, 4, 4)

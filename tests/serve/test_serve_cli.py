@@ -244,3 +244,32 @@ def test_proxy_defaults_to_loopback() -> None:
     from disagg.serve import build_parser as serve_parser
 
     assert serve_parser().parse_args([]).host == "127.0.0.1"
+
+
+def test_tp_size_from_the_flag_or_the_config_named_when_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--tp`` and ``tensor_parallel_size`` must agree where both are given; a size the KV
+    heads cannot split over names the flag or the key that gave it; with ``--engine
+    trtllm`` the size reaches trtllm-serve as ``--tp_size``."""
+    from disagg import serve
+    from disagg.serve import trtllm
+
+    pcfg, _ = sp.write_configs(tmp_path)
+    text = pcfg.read_text()
+    two = tmp_path / "tp2.yaml"
+    two.write_text(text.replace("role: producer\n", "role: producer\ntensor_parallel_size: 2\n"))
+    three = tmp_path / "tp3.yaml"
+    three.write_text(text.replace("role: producer\n", "role: producer\ntensor_parallel_size: 3\n"))
+    for args, said in (
+        (["--config", str(two), "--tp", "1"], f"argument --tp: 1 but {two} says tensor_par"),
+        (["--config", str(pcfg), "--tp", "3"], "engine shape: argument --tp: tp 3 neither "),
+        (["--config", str(three)], f"config error: tensor_parallel_size: 3 ({three}): tp 3 "),
+    ):
+        assert serve.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"disagg serve: {said}") and "\n" not in err, err
+    ran: list[list[str]] = []
+    monkeypatch.setattr(trtllm, "run", lambda *a: ran.append(a[-1]) or 0)
+    assert serve.main(["--config", str(two), "--engine", "trtllm", "--model", "m"]) == 0
+    assert ran == [["--tp_size", "2"]]
