@@ -171,3 +171,13 @@ def test_unequal_tp_through_the_proxy_matches_monolithic(
     assert grew["disagg_producer_pages_pushed_total"] == blocks * max(p, d)
     assert grew["disagg_consumer_prefetch_taken_total"] == 1  # every producer rank's lease
     assert grew["disagg_consumer_claims_hit_total"] == 0, "the engine thread claimed anyway"
+
+
+def test_every_rank_counts_under_its_instance_once(pairs: dict[tuple[int, int], Any]):
+    """The ranks of one instance in one process are summed into one series per labels (a
+    Prometheus scrape refuses a repeated series)."""
+    for urls in pairs.values():
+        for role in ("producer", "consumer"):
+            _, text = sp.get(f"{urls[role]}/metrics")
+            series = [ln.rsplit(" ", 1)[0] for ln in text.splitlines() if ln[:1] not in "#"]
+            assert series and len(series) == len(set(series)), role
