@@ -16,7 +16,10 @@ engine shape flags (``--layers --hidden-size --heads --kv-heads --head-dim
 (the weights come from the seed); ``--max-num-tokens`` and ``--max-batch-size`` are the
 scheduler's limits (TensorRT-LLM's names), e.g. ~1B parameters in bf16 on a GPU: ``--device cuda
 --dtype bfloat16 --layers 16 --hidden-size 2048 --heads 16 --kv-heads 8 --head-dim 128
---intermediate-size 8192``. ``/disagg/info`` reports the shape the engine runs. ``--engine trtllm``
+--intermediate-size 8192``. ``--tp N`` (or the config's ``tensor_parallel_size``; both
+given must agree) runs N TP ranks in this process, each its own connector service; the
+other role may run another TP size (docs/design/unequal-tp.md). ``/disagg/info`` reports
+the shape the engine runs and every rank's control endpoint. ``--engine trtllm``
 writes the ``--extra_llm_api_options`` YAML and execs ``trtllm-serve``
 (:mod:`disagg.serve.trtllm`).
 
