@@ -85,44 +85,48 @@ class TimedConsumerWorker(ConsumerWorker):
         return saved, loaded
 
 
-class TimedProducerScheduler(ProducerScheduler):
-    """``hook_s``: the wall time of ``build_connector_meta`` (engine thread), summed."""
+HOOKS: dict[str, float] = {}  # the producer's engine-thread hooks: seconds by hook, summed
 
-    hook_s = 0.0
+
+def _took(hook: str, t0: float) -> None:
+    HOOKS[hook] = HOOKS.get(hook, 0.0) + time.perf_counter() - t0
+
+
+class TimedProducerScheduler(ProducerScheduler):
+    """Times ``build_connector_meta`` (engine thread) into ``HOOKS``."""
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         t0 = time.perf_counter()
         out = super().build_connector_meta(scheduler_output)
-        self.hook_s += time.perf_counter() - t0
+        _took("build_connector_meta", t0)
         return out
 
 
 class TimedProducerWorker(ProducerWorker):
-    """``hook_s``: the wall time of the worker's engine-thread hooks, summed."""
-
-    hook_s = 0.0
+    """Times the worker's engine-thread hooks into ``HOOKS`` (a pass's first
+    ``save_kv_layer``, which plans the pass's copies, apart from the others)."""
 
     def bind_connector_meta(self, metadata: object) -> None:
         t0 = time.perf_counter()
         super().bind_connector_meta(metadata)
-        self.hook_s += time.perf_counter() - t0
+        _took("bind_connector_meta", t0)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         t0 = time.perf_counter()
         super().save_kv_layer(layer_idx, stream)
-        self.hook_s += time.perf_counter() - t0
+        _took("save_kv_layer[0]" if layer_idx == 0 else "save_kv_layer[1:]", t0)
 
     def wait_for_save(self, stream: Any) -> None:
         t0 = time.perf_counter()
         super().wait_for_save(stream)
-        self.hook_s += time.perf_counter() - t0
+        _took("wait_for_save", t0)
 
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         t0 = time.perf_counter()
         out = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
-        self.hook_s += time.perf_counter() - t0
+        _took("get_finished", t0)
         return out
 
 
@@ -212,16 +216,18 @@ def run_producer(args: argparse.Namespace) -> int:
 
     eng = _engine(args, "producer", args.endpoint)
     svc = next(iter(_services.values()))
-    timed = [eng.driver.scheduler, *eng.driver.workers]
+    # the connector's classes come from this module as imported by name, which may not be
+    # the module running this function (``python -m``)
+    timings = sys.modules[type(eng.driver.workers[0]).__module__].HOOKS
     first, done, lag, hooks = [], [], [], []
     for p in _prompts(args):
         before = len(svc.commit_lags_s())
-        h0 = sum(t.hook_s for t in timed)
+        timings.clear()
         f, d = _until2(eng, p)
         first.append(f)
         done.append(d)
         lag.append(max(svc.commit_lags_s()[before:], default=0.0))
-        hooks.append(sum(t.hook_s for t in timed) - h0)
+        hooks.append(dict(timings))
     rep = {"prefill_s": done, "first_token_s": first, "commit_lag_s": lag, "hooks_s": hooks}
     print(json.dumps(rep), flush=True)
     sys.stdin.read()  # serve the store until the parent is done
@@ -319,7 +325,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         row["producer_ms"] = median(prefill[i] for i in idx) * 1e3
         row["producer_first_token_ms"] = median(prefill_first[i] for i in idx) * 1e3
         row["commit_lag_max_ms"] = max(lags[i] for i in idx) * 1e3
-        row["producer_hooks_ms"] = median(hooks[i] for i in idx) * 1e3
+        row["producer_hooks_ms"] = median(sum(hooks[i].values()) for i in idx) * 1e3
+        names = sorted({k for i in idx for k in hooks[i]})
+        row["producer_hook_split_ms"] = {
+            k: median(hooks[i].get(k, 0.0) for i in idx) * 1e3 for k in names
+        }
         for k in ("consumer", "claim", "transfer", "first_step", "other"):
             row[f"{k}_ms"] = median(splits[i][k] for i in idx) * 1e3
         row["overhead_ms"] = row["producer_ms"] + row["consumer_ms"] - row["local_ms"]
@@ -365,7 +375,9 @@ def table(rep: dict[str, Any]) -> str:
         lines.append(
             f"{r['prompt_tokens']:>7} producer: connector hooks on the engine thread "
             f"{r['producer_hooks_ms']:.2f} ms until its answer; commit lag (end of forward "
-            f"to blocks published) at most {r['commit_lag_max_ms']:.2f} ms"
+            f"to blocks published) at most {r['commit_lag_max_ms']:.2f} ms ("
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["producer_hook_split_ms"].items())
+            + ")"
         )
     return "\n".join(lines)
 
