@@ -204,44 +204,40 @@ class Attention:
         return self.fn is flash_varlen
 
 
+def _ragged(
+    device: torch.device,
+    dtype: torch.dtype,
+    spans: list[tuple[int, int]],
+    window: int | None,
+    g: torch.Generator,
+) -> tuple[Batch, GroupRows, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A probe's batch of ``(start, n)`` spans (keys from 0, or the window) and random
+    q (the query heads of a ``[rows, heads + kv_heads, hd]`` tensor, as the model hands
+    it over), k and v: 8 query heads over 2 KV heads of 64."""
+    heads, kv_heads, hd = 8, 2, 64
+    starts, lens = [s for s, _ in spans], [n for _, n in spans]
+    lo = [0 if window is None else max(0, s - window + 1) for s in starts]
+    q_starts = [0, *accumulate(lens)]
+    k_starts = [0, *accumulate(s + n - b for (s, n), b in zip(spans, lo, strict=True))]
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=device) for x in (q_starts, k_starts))
+    none = torch.empty(0)
+    batch = Batch(starts, lens, [None] * len(spans), none, none, q_starts, cu_q, max(lens), [])
+    group = GroupRows(
+        none, none, lo, k_starts, cu_k, max(b - a for a, b in zip(k_starts, k_starts[1:]))
+    )
+    q = torch.randn(q_starts[-1], heads + kv_heads, hd, generator=g).to(device, dtype)[:, :heads]
+    k = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+    v = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+    return batch, group, q, k, v
+
+
 def _probe(device: torch.device, dtype: torch.dtype, windows: bool) -> str:
     """Run ``flash_varlen`` on a small ragged batch (a prompt, a chunk over cached keys, a
     decode step; GQA; a sliding window if the model has one) against ``per_request``:
     ``""`` if they agree, else why not."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    spans = [(0, 37), (64, 19), (150, 1)]  # (start, n), keys from 0 (or the window)
-    heads, kv_heads, hd = 8, 2, 64
     for window in [None, 48] if windows else [None]:
-        starts = [s for s, _ in spans]
-        lens = [n for _, n in spans]
-        lo = [0 if window is None else max(0, s - window + 1) for s in starts]
-        kl = [s + n - b for (s, n), b in zip(spans, lo, strict=True)]
-        q_starts = [0, *accumulate(lens)]
-        k_starts = [0, *accumulate(kl)]
-        batch = Batch(
-            starts,
-            lens,
-            [None] * 3,
-            torch.empty(0),
-            torch.empty(0),
-            q_starts,
-            torch.tensor(q_starts, dtype=torch.int32, device=device),
-            max(lens),
-            [],
-        )
-        group = GroupRows(
-            torch.empty(0),
-            torch.empty(0),
-            lo,
-            k_starts,
-            torch.tensor(k_starts, dtype=torch.int32, device=device),
-            max(kl),
-        )
-        # q as the model hands it over: the query heads of a [rows, heads + kv_heads, hd]
-        q = torch.randn(q_starts[-1], heads + kv_heads, hd, generator=g).to(device, dtype)
-        q = q[:, :heads]
-        k = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
-        v = torch.randn(k_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+        batch, group, q, k, v = _ragged(device, dtype, [(0, 37), (64, 19), (150, 1)], window, g)
         got = flash_varlen(q, k, v, batch, group, window).float()
         want = per_request(q, k, v, batch, group, window).float()
         err = (got - want).abs().max().item()
@@ -254,16 +250,8 @@ def _probe_whole(device: torch.device, dtype: torch.dtype) -> str:
     """``cudnn_whole`` on two whole prompts (one a bucket's exact length, one padded)
     against ``flash_varlen``: ``""`` if they agree, else why not."""
     g = torch.Generator(device="cpu").manual_seed(1)
-    lens = [WHOLE_MIN, WHOLE_MIN + 37]
-    heads, kv_heads, hd = 8, 2, 64
-    q_starts = [0, *accumulate(lens)]
-    cu = torch.tensor(q_starts, dtype=torch.int32, device=device)
-    batch = Batch([0, 0], lens, [None] * 2, torch.empty(0), torch.empty(0), q_starts, cu,
-                  max(lens), [])  # fmt: skip
-    group = GroupRows(torch.empty(0), torch.empty(0), [0, 0], q_starts, cu, max(lens))
-    q = torch.randn(q_starts[-1], heads, hd, generator=g).to(device, dtype)
-    k = torch.randn(q_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
-    v = torch.randn(q_starts[-1], kv_heads, hd, generator=g).to(device, dtype)
+    spans = [(0, WHOLE_MIN), (0, WHOLE_MIN + 37)]
+    batch, group, q, k, v = _ragged(device, dtype, spans, None, g)
     got = cudnn_whole(q, k, v, batch, group, None).float()
     want = flash_varlen(q, k, v, batch, group, None).float()
     err = (got - want).abs().max().item()
