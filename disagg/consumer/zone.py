@@ -16,19 +16,20 @@ Contract:
 - a load whose lease carries a fill is dispatched without a push (``dispatch``); it is
   DISPATCHED until the fill's transfer is DONE, under the load's own deadline and states;
   ``copy_in`` (the engine's thread, under the service's load lock, only for a load still
-  DISPATCHED: an ABANDONED one never copies) then writes zone -> engine pages, one batched
-  copy per group region (device-local on CUDA, enqueued on the current stream, ahead of
-  the forward that reads them), and the load is LANDED;
+  DISPATCHED: an ABANDONED one never copies) then writes zone -> engine pages, one
+  scattered row copy per page region (``page_copy.copy_indexed``: one kernel on CUDA, on a
+  stream of the zone's, waited for before the load is LANDED, as the data plane's own
+  copies are before DONE), so the pages hold their bytes for any stream that reads them;
 - ``drop`` (whenever the lease is released: taken, expired, abandoned, failed over) aborts
   a fill not final yet (the plane's bounded abort: after it no byte of it lands) and frees
-  its slots; slots the abort could not quiet are never reused (``zone_slots_stuck``); slots
-  copied on a CUDA stream are reused only once that copy completed (an event);
+  its slots; slots the abort could not quiet are never reused (``zone_slots_stuck``);
 - a fill not taken is dropped with its lease at ``prefetch.PREFETCH_HOLD_S``; its
   transfer's own deadline is ``ZONE_FILL_S`` past the hold plus ``load_timeout_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -39,9 +40,10 @@ import numpy as np
 import torch
 
 from ..config.errors import err
-from ..pages import PagePool, gather_rows
+from ..pages import PagePool
 from ..protocol import messages as m
 from ..protocol.version import PROTOCOL_VERSION
+from ..transport.page_copy import copy_indexed
 from .host import LinkHost
 from .loads import Claimed, Load, LoadState
 from .prefetch import PREFETCH_HOLD_S
@@ -66,7 +68,6 @@ class Fill:
     slots: np.ndarray  # int64, one zone slot per leased block
     transfer_id: int
     token: bytes
-    copied: Any = None  # a CUDA event recorded after the copy out of these slots
 
 
 def zone_device(value: str | None, pool_device: torch.device) -> str:
@@ -105,7 +106,13 @@ class LandingZone:
         self.base = 0  # the zone's first data-plane group (``register``)
         self._lock = threading.Lock()
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # a stack, low slots on top
-        self._cooling: list[tuple[Any, np.ndarray]] = []  # (copy event, slots) to reclaim
+        cuda = pool.device.type == "cuda" or self.slabs[0].is_cuda
+        self._stream = torch.cuda.Stream(pool.device) if cuda else None  # the copies'
+        # where each page region's bytes sit in a zone row: (region, column)
+        self._cols = [
+            list(zip(regions, np.cumsum([0, *g.region_sizes[:-1]]).tolist(), strict=True))
+            for regions, g in zip(pool.regions, pool.groups, strict=True)
+        ]
 
     def groups(self, base: int) -> list[list[torch.Tensor]]:
         """The zone's data-plane groups (one region each), registered from ``base``."""
@@ -115,27 +122,16 @@ class LandingZone:
     @property
     def free_slots(self) -> int:
         with self._lock:
-            self._reclaim()
             return len(self._free)
 
     # -- slots ----------------------------------------------------------------------------
     def _allocate(self, n: int) -> np.ndarray | None:
         with self._lock:
-            self._reclaim()
             if n > len(self._free):
                 return None
             got = self._free[-n:]
             del self._free[-n:]
         return np.asarray(got[::-1], dtype=np.int64)
-
-    def _reclaim(self) -> None:
-        keep = []
-        for ev, slots in self._cooling:
-            if ev.query():
-                self._free.extend(slots[::-1].tolist())
-            else:
-                keep.append((ev, slots))
-        self._cooling = keep
 
     # -- fills (the prefetch's thread) ----------------------------------------------------
     def fill(self, claimed: Claimed) -> bool:
@@ -160,7 +156,7 @@ class LandingZone:
             )
         except Exception as exc:
             log.warning("landing zone: the data plane refused a fill: %s", exc)
-            self._free_slots(slots, None)
+            self._free_slots(slots)
             return False
         claimed.zone = fill
         push = m.Push(
@@ -194,30 +190,32 @@ class LandingZone:
     # -- the load (the engine's thread) ---------------------------------------------------
     def copy_in(self, load: Load) -> None:
         """Zone -> the load's engine pages (its fill landed; the load still DISPATCHED,
-        under the service's load lock): per group, one gather of the zone rows (a slice
-        when they are one run) and one scatter per page region."""
+        under the service's load lock): one scattered row copy per page region, done (or,
+        on CUDA, waited for) when this returns."""
         fill = load.claimed.zone
         assert fill is not None and load.dst_slots is not None
         assert load.state is LoadState.DISPATCHED
         src_all = fill.slots[load.push_first : load.push_first + load.blocks]
         pages = 0
-        for g, dst in enumerate(load.dst_slots):
-            d = np.asarray(dst, dtype=np.int64)
-            keep = d >= 0
-            if not keep.any():
-                continue
-            src = src_all[keep]
-            slab = self.slabs[g]
-            s0 = int(src[0])
-            if np.array_equal(src, np.arange(s0, s0 + src.size)):
-                rows = slab[s0 : s0 + src.size]
-            else:
-                rows = gather_rows(slab, torch.from_numpy(src).to(slab.device))
-            self.pool.write_pages(g, torch.from_numpy(d[keep]), rows)
-            pages += int(keep.sum())
-        if any(s.is_cuda for s in self.slabs) or self.pool.device.type == "cuda":
-            fill.copied = torch.cuda.Event()
-            fill.copied.record()
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for g, dst in enumerate(load.dst_slots):
+                d = np.asarray(dst, dtype=np.int64)
+                keep = d >= 0
+                if not keep.any():
+                    continue
+                d_idx = torch.from_numpy(d[keep])
+                self.pool.check_slots(g, d_idx)
+                s_idx = torch.from_numpy(src_all[keep])
+                slab = self.slabs[g]
+                for region, col in self._cols[g]:
+                    copy_indexed(region, d_idx, slab[:, col : col + region.shape[1]], s_idx)
+                pages += int(keep.sum())
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+        if stream is not None:
+            done.synchronize()  # a device-local copy: the pages hold their bytes from here
         self.svc.metrics["zone_pages_copied"] += pages
         self.svc.metrics["zone_loads"] += 1
 
@@ -242,11 +240,8 @@ class LandingZone:
                 len(fill.slots),
             )
             return
-        self._free_slots(fill.slots, fill.copied)
+        self._free_slots(fill.slots)
 
-    def _free_slots(self, slots: np.ndarray, copied: Any) -> None:
+    def _free_slots(self, slots: np.ndarray) -> None:
         with self._lock:
-            if copied is not None and not copied.query():
-                self._cooling.append((copied, slots))
-            else:
-                self._free.extend(slots[::-1].tolist())
+            self._free.extend(slots[::-1].tolist())
