@@ -7,6 +7,7 @@ recompute; every zone slot is free again once its lease is gone."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -19,6 +20,9 @@ from disagg.serve.app import start_prefetch
 CFG = EngineConfig(**{**SHAPE, "num_blocks": 128, "capture_pages": True, "kv_manager": "v2"})
 TPB = CFG.tokens_per_block
 ZONE = "4MiB"
+_needs_ucx = pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,15 +51,21 @@ def _prefill(prod: Engine, prompt: list[int]) -> object:
 
 
 @pytest.mark.parametrize(
-    ("length", "landed"),
-    [(96, True), (100, True), (96, False)],
-    ids=["whole-blocks", "partial-block", "taken-at-once"],
+    ("length", "landed", "transport"),
+    [
+        (96, True, None),
+        (100, True, None),
+        (96, False, None),
+        (96, True, "ipc"),
+        pytest.param(96, True, "ucx", marks=_needs_ucx),
+    ],
+    ids=["whole-blocks", "partial-block", "taken-at-once", "ipc", "ucx"],
 )
-def test_the_continuation_loads_from_the_zone(length: int, landed: bool):
+def test_the_continuation_loads_from_the_zone(length: int, landed: bool, transport: str | None):
     prompt = _prompt(11, length)
     mono = Engine(CFG).generate([prompt], max_tokens=6)[0]
-    prod, psvc = make_producer(CFG)
-    cons, csvc = make_consumer(CFG, [psvc.endpoint], landing_zone_size=ZONE)
+    prod, psvc = make_producer(CFG, transport=transport)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], transport=transport, landing_zone_size=ZONE)
     zone = csvc.zone
     assert zone is not None and zone.free_slots == zone.capacity
     assert start_prefetch(csvc, prompt, None) is None  # told before the prefill ran
