@@ -57,15 +57,20 @@ def _prefill(prod: Engine, prompt: list[int]) -> object:
         (100, True, None),
         (96, False, None),
         (96, True, "ipc"),
+        (96, False, "sync"),
         pytest.param(96, True, "ucx", marks=_needs_ucx),
     ],
-    ids=["whole-blocks", "partial-block", "taken-at-once", "ipc", "ucx"],
+    ids=["whole-blocks", "partial-block", "taken-at-once", "ipc", "sync-load", "ucx"],
 )
 def test_the_continuation_loads_from_the_zone(length: int, landed: bool, transport: str | None):
     prompt = _prompt(11, length)
     mono = Engine(CFG).generate([prompt], max_tokens=6)[0]
+    mode = "sync" if transport == "sync" else "auto"  # sync: layer by layer, whole at layer 0
+    transport = None if transport == "sync" else transport
     prod, psvc = make_producer(CFG, transport=transport)
-    cons, csvc = make_consumer(CFG, [psvc.endpoint], transport=transport, landing_zone_size=ZONE)
+    cons, csvc = make_consumer(
+        CFG, [psvc.endpoint], transport=transport, load_mode=mode, landing_zone_size=ZONE
+    )
     zone = csvc.zone
     assert zone is not None and zone.free_slots == zone.capacity
     assert start_prefetch(csvc, prompt, None) is None  # told before the prefill ran
