@@ -96,12 +96,19 @@ class LandingZone:
         dev = zone_device(device, pool.device)
         pin = dev == "pinned" and torch.cuda.is_available()
         where = "cpu" if dev == "pinned" else dev
-        self.slabs = [
-            torch.empty((capacity, g.page_bytes), dtype=torch.uint8, device=where)
-            for g in pool.groups
-        ]
-        if pin:
-            self.slabs = [s.pin_memory() for s in self.slabs]
+        try:  # after the engine's KV cache: out of what the engine left
+            self.slabs = [
+                torch.empty((capacity, g.page_bytes), dtype=torch.uint8, device=where)
+                for g in pool.groups
+            ]
+            if pin:
+                self.slabs = [s.pin_memory() for s in self.slabs]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            raise err(
+                "consumer.landing_zone_size",
+                f"{budget_bytes} B could not be allocated on {dev} ({exc}); lower it, or "
+                "put the zone elsewhere (consumer.landing_zone_device)",
+            ) from exc
         self.capacity = capacity
         self.base = 0  # the zone's first data-plane group (``register``)
         self._lock = threading.Lock()

@@ -11,6 +11,7 @@ import importlib.util
 import random
 
 import pytest
+import torch
 from harness import SHAPE, close_all_services, make_consumer, make_producer, wait_for
 
 from disagg.config import ConfigError, DisaggConfig
@@ -191,3 +192,10 @@ def test_a_zone_smaller_than_a_block_is_refused_naming_the_field():
     prod, psvc = make_producer(CFG)
     with pytest.raises(ConfigError, match=r"consumer\.landing_zone_size"):
         make_consumer(CFG, [psvc.endpoint], landing_zone_size=1024)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_a_zone_on_a_gpu_that_is_not_there_is_refused_naming_the_field():
+    prod, psvc = make_producer(CFG)
+    with pytest.raises(ConfigError, match=r"consumer\.landing_zone_device"):
+        make_consumer(CFG, [psvc.endpoint], landing_zone_size=ZONE, landing_zone_device="cuda")
