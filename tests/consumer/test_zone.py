@@ -12,7 +12,14 @@ import random
 
 import pytest
 import torch
-from harness import SHAPE, close_all_services, make_consumer, make_producer, wait_for
+from harness import (
+    SHAPE,
+    close_all_services,
+    hold_pushes,
+    make_consumer,
+    make_producer,
+    wait_for,
+)
 
 from disagg.config import ConfigError, DisaggConfig
 from disagg.engine.reference import Engine, EngineConfig
@@ -155,6 +162,48 @@ def test_a_fill_that_landed_outlives_its_producer():
     assert csvc.metrics["zone_loads"] == 1 and got.connector_matched_tokens == 96
     for where, data in got.loaded_pages.items():
         assert data == produced.computed_pages[where], f"page {where} differs"
+
+
+def test_a_cancelled_load_whose_pages_are_reused_never_copies():
+    """The continuation's load waits for a fill held on the producer; the request is
+    cancelled and its pages (freed at once) go to a fresh request: the load is fenced
+    (ABANDONED, its fill aborted) before that request runs, the fill's push released
+    afterwards lands nothing, nothing is copied, and the fresh request's tokens and pages
+    are its own. Every zone slot is free again."""
+    cfg = EngineConfig(**{**SHAPE, "num_blocks": 24, "capture_pages": True, "kv_manager": "v1"})
+    prompt, fresh = _prompt(16, 300), _prompt(17, 300)  # 24 blocks: the pages are reused
+    mono = Engine(cfg).generate([fresh], max_tokens=4)[0]
+    prod, psvc = make_producer(cfg)
+    first = prod.generate([prompt], max_tokens=1)[0][0]
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], landing_zone_size=ZONE)
+    zone = csvc.zone
+    started, go = hold_pushes(psvc)
+    try:
+        assert start_prefetch(csvc, prompt, None) is None
+        assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1) and started.wait(10)
+        rid = cons.add_request(prompt + [first], 3)
+        cons.step()  # the lease taken, pages allocated, parked on the fill
+        load = csvc.loads[rid]
+        assert load.claimed.zone is not None and load.state.name == "DISPATCHED"
+        cons.cancel(rid)
+        f_id = cons.add_request(fresh, 4)
+        f_slots: list[list[int]] = []
+        while cons.has_work():
+            cons.step()
+            if not cons.results[f_id].finished:
+                f_slots = cons.request_pages(f_id)
+        assert csvc.metrics["loads_fenced"] == 1 and load.state.name == "ABANDONED"
+    finally:
+        go.set()
+    assert wait_for(lambda: psvc.metrics["pushes_failed"] + psvc.metrics["pushes_done"] >= 1, 15)
+    res = cons.results[f_id]
+    assert res.error is None and res.tokens == mono
+    for (g, b), data in res.computed_pages.items():
+        assert cons.page_bytes(g, f_slots[g][b]) == data, f"page {(g, b)} was overwritten"
+    assert csvc.metrics["zone_loads"] == 0 and csvc.metrics["zone_pages_copied"] == 0
+    assert zone.free_slots == zone.capacity
+    assert wait_for(lambda: psvc.leases.active() == 0, 10)
+    assert csvc.health() == (True, "")
 
 
 def test_a_fill_no_continuation_takes_is_aborted_and_freed(monkeypatch):
