@@ -311,7 +311,7 @@ class ConsumerService(ConnectorService):
             self.stamp(load.request_id, "dispatched")
             with self._load_lock:
                 load.transition(LoadState.DISPATCHED)
-                load.transfer_id, load.token = load.claimed.zone.transfer_id, b""
+                load.transfer_id, load.token = load.claimed.zone.transfer_id, b""  # no push
                 load.deadline = time.monotonic() + self.ccfg.load_timeout_s
             return
         slots_by_group = list(load.dst_slots)
@@ -504,7 +504,7 @@ class ConsumerService(ConnectorService):
             assert self.data is not None
             st = status(self.data, load.transfer_ids)
             if st.state is TransferState.DONE:
-                if load.claimed.zone is not None:
+                if not load.token:  # a landing-zone load (dispatched without a push)
                     try:  # zone -> the engine's pages, before anything reads them
                         self.zone.copy_in(load)  # type: ignore[union-attr]
                     except Exception as exc:

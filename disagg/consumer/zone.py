@@ -200,8 +200,9 @@ class LandingZone:
         under the service's load lock): one scattered row copy per page region, done (or,
         on CUDA, waited for) when this returns."""
         fill = load.claimed.zone
-        assert fill is not None and load.dst_slots is not None
-        assert load.state is LoadState.DISPATCHED
+        if fill is None:  # its slots were freed: they may hold another fill's bytes now
+            raise RuntimeError("its landing-zone fill was dropped before the copy")
+        assert load.dst_slots is not None and load.state is LoadState.DISPATCHED
         src_all = fill.slots[load.push_first : load.push_first + load.blocks]
         pages = 0
         stream = self._stream
