@@ -23,6 +23,7 @@ from harness import (
 
 from disagg.config import ConfigError, DisaggConfig
 from disagg.engine.reference import Engine, EngineConfig
+from disagg.metrics import DisaggCollector
 from disagg.serve.app import start_prefetch
 
 CFG = EngineConfig(**{**SHAPE, "num_blocks": 128, "capture_pages": True, "kv_manager": "v2"})
@@ -204,6 +205,14 @@ def test_a_cancelled_load_whose_pages_are_reused_never_copies():
     assert zone.free_slots == zone.capacity
     assert wait_for(lambda: psvc.leases.active() == 0, 10)
     assert csvc.health() == (True, "")
+    scraped = {
+        (s.labels["instance"], s.labels["of"]): s.value
+        for fam in DisaggCollector().collect()
+        if fam.name == "disagg_consumer_zone_free_slots"
+        for s in fam.samples
+    }
+    inst = str(csvc.config.instance_id)
+    assert scraped[(inst, str(zone.capacity))] == zone.capacity
 
 
 def test_a_fill_no_continuation_takes_is_aborted_and_freed(monkeypatch):
