@@ -72,13 +72,40 @@ def _prefill(prod: Engine, prompt: list[int]) -> object:
     ids=["whole-blocks", "partial-block", "taken-at-once", "ipc", "sync-load", "ucx"],
 )
 def test_the_continuation_loads_from_the_zone(length: int, landed: bool, transport: str | None):
-    prompt = _prompt(11, length)
-    mono = Engine(CFG).generate([prompt], max_tokens=6)[0]
     mode = "sync" if transport == "sync" else "auto"  # sync: layer by layer, whole at layer 0
     transport = None if transport == "sync" else transport
-    prod, psvc = make_producer(CFG, transport=transport)
+    _round_trip(CFG, length, landed, transport, {}, {"load_mode": mode})
+
+
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@_cuda
+@pytest.mark.parametrize("zone_device", [None, "pinned"], ids=["device-zone", "pinned-zone"])
+@pytest.mark.parametrize("transport", [None, "ipc"], ids=["tcp", "ipc"])
+def test_cuda_pages_come_from_the_zone(zone_device: str | None, transport: str | None):
+    """On a GPU (the lent device): a zone on the engine's GPU or in pinned host memory, a
+    device store, the same checks."""
+    cfg = EngineConfig(**{**CFG.__dict__, "device": "cuda"})
+    placed = {} if zone_device is None else {"landing_zone_device": zone_device}
+    _round_trip(cfg, 100, True, transport, {"store_device": "cuda"}, placed)
+
+
+def _round_trip(
+    cfg: EngineConfig,
+    length: int,
+    landed: bool,
+    transport: str | None,
+    producer: dict,
+    consumer: dict,
+) -> None:
+    """Prefetch, prefill, continuation: the load comes from the zone (no push at the
+    continuation), page for page the producer's bytes, the monolithic tokens."""
+    prompt = _prompt(11, length)
+    mono = Engine(cfg).generate([prompt], max_tokens=6)[0]
+    prod, psvc = make_producer(cfg, transport=transport, **producer)
     cons, csvc = make_consumer(
-        CFG, [psvc.endpoint], transport=transport, load_mode=mode, landing_zone_size=ZONE
+        cfg, [psvc.endpoint], transport=transport, landing_zone_size=ZONE, **consumer
     )
     zone = csvc.zone
     assert zone is not None and zone.free_slots == zone.capacity
