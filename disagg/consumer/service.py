@@ -307,13 +307,9 @@ class ConsumerService(ConnectorService):
         failure makes the load FAILED (reported by the adapter), it never raises into the
         engine."""
         assert self.data is not None and load.dst_slots is not None and self.pool is not None
-        if load.claimed.zone is not None:  # its pages land in the zone: no push here
+        if self.zone is not None and load.claimed.zone is not None:  # no push: a copy
             self.stamp(load.request_id, "dispatched")
-            with self._load_lock:
-                load.transition(LoadState.DISPATCHED)
-                load.transfer_id, load.token = load.claimed.zone.transfer_id, b""  # no push
-                load.deadline = time.monotonic() + self.ccfg.load_timeout_s
-            return
+            return self.zone.dispatch(load, self._load_lock)
         slots_by_group = list(load.dst_slots)
         # under the load lock: the bus thread (TP) polls a load only once it is dispatched,
         # which it is only once the plane expects it

@@ -33,6 +33,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -195,6 +196,15 @@ class LandingZone:
         return self.svc.data.poll(claimed.zone.transfer_id)
 
     # -- the load (the engine's thread) ---------------------------------------------------
+    def dispatch(self, load: Load, lock: Any) -> None:
+        """PLANNED -> DISPATCHED without a push: the load waits for its lease's fill
+        (``transfer_id``; an empty ``token`` marks it as the zone's) within its deadline."""
+        assert load.claimed.zone is not None
+        with lock:  # the service's load lock
+            load.transition(LoadState.DISPATCHED)
+            load.transfer_id, load.token = load.claimed.zone.transfer_id, b""
+            load.deadline = time.monotonic() + self.svc.ccfg.load_timeout_s
+
     def copy_in(self, load: Load) -> None:
         """Zone -> the load's engine pages (its fill landed; the load still DISPATCHED,
         under the service's load lock): one scattered row copy per page region, done (or,
