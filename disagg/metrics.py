@@ -21,7 +21,8 @@ consumer (``disagg_consumer_*``)
     ``loads_failed_total``, ``claims_hit_total``, ``claims_miss_total``,
     ``claims_failed_total``, ``claims_no_producer_total``, ``leases_released_total``,
     ``release_failed_total``, ``declined_unaligned_total``, ``handshake_refused_total``,
-    ``claim_seconds_total``, ``producers_refusing{reason}`` (links refused now).
+    ``claim_seconds_total``, ``producers_refusing{reason}`` (links refused now),
+    ``zone_free_slots{of}`` (landing-zone slots free now, of its capacity).
 both
     ``refusals_total{reason}``: handshake refusals by reason (transport/refusals.py), the
     producer's of peers it refused, the consumer's of producers refusing it.
@@ -281,6 +282,16 @@ class DisaggCollector(Collector):
             for reason, n in now.items():
                 refusing.add_metric([inst, reason], float(n))
         yield refusing
+        free = GaugeMetricFamily(
+            "disagg_consumer_zone_free_slots",
+            "Landing-zone slots (one block each) free now, of the zone's capacity",
+            labels=["instance", "of"],
+        )
+        for svc in services:
+            zone = getattr(svc, "zone", None)
+            if zone is not None:
+                free.add_metric([str(svc.config.instance_id), str(zone.capacity)], zone.free_slots)
+        yield free
 
     def _engine(self) -> Iterable[Metric]:
         assert self._engine_stats is not None

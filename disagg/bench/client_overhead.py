@@ -24,7 +24,9 @@ the consumer's handler), ``parse`` (body and prompt read), ``admit`` (queued, ad
 engine, scheduled), ``claim`` (keys and the claim, or the prefetched lease taken),
 ``transfer`` (dispatch to the load seen landed), ``tail`` (the forward of the tail and the
 first token, sampling), ``back`` (the consumer's chunk through the proxy to the client).
-``prefetch_taken`` counts the requests whose claim was a prefetched lease.
+``prefetch_taken`` counts the requests whose claim was a prefetched lease; with
+``--landing-zone``, ``zone_loads`` those whose pages came from the consumer's landing zone
+(``transfer`` is then the wait for the zone's fill and the copy into the engine's pages).
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ def run(args: Any) -> dict[str, Any]:
                 producer_device=args.producer_device,
                 consumer_device=args.consumer_device,
                 proxy_args=("--no-prefetch",) if args.no_prefetch else (),
+                consumer_section=(
+                    f"  landing_zone_size: {args.landing_zone}\n" if args.landing_zone else ""
+                ),
             ),
         ]
         split: dict[int, dict[str, float]] = {}
@@ -207,13 +212,14 @@ def run(args: Any) -> dict[str, Any]:
     return {
         "mode": "http",
         "prefetch": not args.no_prefetch,
+        "landing_zone": args.landing_zone or None,
         "results": rows,
         "consumer_prefetch": prefetch,
     }
 
 
 def _metric(url: str) -> dict[str, float]:
-    """The consumer's prefetch counters (``/metrics``), by outcome."""
+    """The consumer's prefetch and landing-zone counters (``/metrics``), by outcome."""
     import urllib.request
 
     out: dict[str, float] = {}
@@ -223,7 +229,7 @@ def _metric(url: str) -> dict[str, float]:
     except OSError:
         return out
     for line in text.splitlines():
-        if line.startswith("disagg_consumer_prefetch_") and not line.startswith("#"):
+        if line.startswith(("disagg_consumer_prefetch_", "disagg_consumer_zone_")):
             name, _, value = line.rpartition(" ")
             name = name.partition("{")[0].removeprefix("disagg_consumer_")
             try:

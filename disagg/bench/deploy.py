@@ -211,9 +211,11 @@ def disaggregated(
     producer_device: str | None = None,
     consumer_device: str | None = None,
     proxy_args: tuple[str, ...] = (),
+    consumer_section: str = "",
 ) -> Deployment:
     """Producers' engines on ``producer_device``, consumers' on ``consumer_device`` (None:
-    the shape's device); a producer's ``store_device: cuda`` is its engine's GPU."""
+    the shape's device); a producer's ``store_device: cuda`` is its engine's GPU.
+    ``consumer_section``: more lines of each consumer's ``consumer:`` section."""
     pshape = replace(shape, device=producer_device or shape.device)
     cshape = replace(shape, device=consumer_device or shape.device)
     layout = f"{producers}P+{consumers}D"
@@ -243,7 +245,7 @@ def disaggregated(
         data = f"\n  data: tcp://127.0.0.1:{free_port()}" if transport == "tcp" else ""
         cfg.write_text(
             f"role: consumer\ninstance_id: bench-decode-{i}\ntransport: {transport}\n"
-            f"consumer:\n  producers: [{', '.join(controls)}]{data}\n"
+            f"consumer:\n  producers: [{', '.join(controls)}]{data}\n{consumer_section}"
         )
         cmd = [*serve, "--role", "consumer", "--config", str(cfg), "--host", "127.0.0.1"]
         p = _proc(f"consumer-{i}", port, [*cmd, "--port", str(port), *cshape.flags()], logdir)

@@ -412,6 +412,13 @@ def main(argv: Sequence[str]) -> int:
         action="store_true",
         help="--http: the proxy does not tell the consumer about a prompt at its prefill",
     )
+    ap.add_argument(
+        "--landing-zone",
+        default="",
+        metavar="SIZE",
+        help="--http: the consumer's landing zone (consumer.landing_zone_size, e.g. 1GiB): "
+        "prefetched pages land there during the prefill; default off",
+    )
     args = ap.parse_args(list(argv))
     try:
         args.lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]

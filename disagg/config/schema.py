@@ -239,8 +239,37 @@ class ConsumerConfig(Section, frozen=True):
     lease_ttl_s: Annotated[Seconds, Meta(description="lease lifetime requested from producers")] = (
         30.0
     )
+    landing_zone_size: (
+        Annotated[
+            Size,
+            Meta(
+                description="byte budget of the landing zone: memory of this consumer that a "
+                "prefetched prompt's pages are pushed into while the producer still "
+                "prefills, copied into the engine's pages when the continuation comes "
+                "(TP = 1); null: off (pushes start at the continuation)",
+                examples=["1GiB"],
+            ),
+        ]
+        | None
+    ) = None
+    landing_zone_device: (
+        Annotated[
+            StoreDeviceName,
+            Meta(
+                description="where the landing zone lives: cpu, pinned, cuda (the engine's "
+                "GPU) or cuda:N; null: the engine's KV cache device"
+            ),
+        ]
+        | None
+    ) = None
 
     def _check(self) -> None:
+        if self.landing_zone_device is not None and self.landing_zone_size is None:
+            raise err(
+                "consumer.landing_zone_device",
+                "is set but consumer.landing_zone_size is not: set landing_zone_size "
+                "(e.g. 1GiB) to turn the landing zone on, or drop landing_zone_device",
+            )
         if self.heartbeat_s >= self.lease_ttl_s:
             raise err(
                 "consumer.heartbeat_s",

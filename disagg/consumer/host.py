@@ -75,3 +75,6 @@ class LinkHost(Protocol):
     ) -> Any: ...
 
     def release(self, claimed: Claimed) -> None: ...
+
+    @property
+    def zone(self) -> Any: ...  # the landing zone (``zone.LandingZone``), or None

@@ -108,6 +108,9 @@ class Claimed:
     ranks: list[Claimed] = field(default_factory=list)
     released: bool = False  # given back (once: a second Release would name a dead lease)
     at: float = field(default_factory=time.monotonic)  # when it was granted
+    # a prefetched lease's pages landing in the consumer's landing zone (``zone.Fill``):
+    # its load completes by a local copy instead of a push into the engine's pages
+    zone: Any = None
 
     def all_ranks(self) -> list[Claimed]:
         return [self, *self.ranks]

@@ -30,7 +30,10 @@ Contract:
   claim does (``Claims.claim_ranks``, on the background channels) and the continuation
   takes all of them; ``take`` confirms every rank's lease. Head-blind TP (each rank's
   keys differ) is not prefetched: ``start`` says why (``why_not``), counted
-  ``prefetch_declined_tp``, and the continuation claims as usual.
+  ``prefetch_declined_tp``, and the continuation claims as usual;
+- with a landing zone (``zone``, TP = 1 on both sides), a granted lease's pages are
+  pushed into it at once (before the lease can be taken); a lease whose fill is whole
+  when taken needs no confirmation.
 
 Matching: a prefetch is keyed by its prompt's keys; the continuation's offer (keys of the
 prompt + first token's whole blocks, from block 0) must start with exactly those keys.
@@ -123,6 +126,9 @@ class Prefetches:
         except Exception:  # a miss: the continuation claims as usual
             log.exception("prefetch failed")
             claimed = None
+        if claimed is not None and svc.zone is not None and not entry.abandoned:
+            # before the lease can be taken: a load sees its fill from the start
+            svc.zone.fill(claimed)
         with self._lock:
             entry.claimed, entry.granted_at = claimed, time.monotonic()
             drop = claimed is None or entry.abandoned or self.closed
@@ -200,6 +206,9 @@ class Prefetches:
         if c.num_blocks > len(offer):  # never more than offered (the key check implies it)
             self.svc.release(c)
             return None
+        if self._landed(c):  # its pages are here: whatever became of the producer since
+            self.svc.metrics["prefetch_taken"] += 1
+            return c
         down = any(not r.link.usable() or r.link.stale(r.incarnation) for r in c.all_ranks())
         if down or not self._confirm(c):
             self.svc.metrics["prefetch_dropped_down"] += 1  # its producer failed since
@@ -207,6 +216,18 @@ class Prefetches:
             return None
         self.svc.metrics["prefetch_taken"] += 1
         return c
+
+    def _landed(self, c: Claimed) -> bool:
+        """Whether ``c``'s landing-zone fill is whole here; a failed one is dropped (the
+        lease is then taken, or not, as a plain one)."""
+        zone = self.svc.zone
+        if c.zone is None or zone is None:
+            return False
+        st = zone.state(c)
+        if st.failed:
+            self.svc.metrics["zone_fills_failed"] += 1
+            zone.drop(c)
+        return bool(st.done)
 
     def _confirm(self, c: Claimed) -> bool:
         """Whether ``c``'s producer still holds the lease, every rank's (one ``Renew`` per

@@ -71,6 +71,7 @@ from .prefetch import Prefetches
 from .rank_bus import PEER_GRACE_S, RankBus
 from .refusals import Refusals
 from .routes import Part, Routes, status
+from .zone import LandingZone
 
 __all__ = [
     "DOWN_BACKOFF_S",
@@ -168,6 +169,7 @@ class ConsumerService(ConnectorService):
         self.refusals = Refusals(self)  # producers refusing us: skipped, retried, reported
         self.keepalive = Keepalive(self)
         self.prefetches = Prefetches(self)  # leases taken while the producer prefills
+        self.zone: LandingZone | None = None  # where prefetched pages land early (``zone``)
         # request id -> moments of its load (monotonic s): claim0/claim1, landed; bounded
         self.timeline: OrderedDict[int, dict[str, float]] = OrderedDict()
         self.stuck_writes: str | None = None  # set when an abort could not quiet a transfer
@@ -221,9 +223,14 @@ class ConsumerService(ConnectorService):
         # whole group pages for async loads, and one group per layer for layer-wise ones;
         # with routes, the same for each head slice a part lands in
         if self.routes is not None and self.heads is not None:
-            self.data.register_regions(self.routes.data_plane_groups(pool, self.heads))
+            groups = self.routes.data_plane_groups(pool, self.heads)
         else:
-            self.data.register_regions(pool.data_plane_groups())
+            groups = pool.data_plane_groups()
+        size = self.ccfg.landing_zone_size  # prefetches (its only users) are TP = 1 only
+        if size is not None and self.tp_size == 1 and set(self.producer_tps) <= {1}:
+            self.zone = LandingZone(self, pool, size, self.ccfg.landing_zone_device)
+            groups += self.zone.groups(len(groups))  # after every group a push names
+        self.data.register_regions(groups)
         for rl in self.rank_links:  # each producer's HelloOk tells the plane how to read it
             for link in rl.values():
                 link.data_source = self.data.add_source
@@ -280,8 +287,14 @@ class ConsumerService(ConnectorService):
             self.claim_seconds += time.perf_counter() - t0
 
     def release(self, claimed: Claimed) -> None:
-        """Queue the release of every rank's lease, once (``Keepalive.release``)."""
+        """Queue the release of every rank's lease, once (``Keepalive.release``); its
+        landing-zone fill, if any, is aborted (if still landing) and its slots freed."""
+        if claimed.zone is not None and self.zone is not None:
+            self.zone.drop(claimed)
         self.keepalive.release(claimed)
+
+    def next_transfer_id(self) -> int:
+        return next(self._transfer_ids)
 
     def release_blocks(self, claimed: Claimed, first: int, n: int) -> None:
         """Queue the release of blocks ``[first, first + n)`` of every rank's lease."""
@@ -294,6 +307,9 @@ class ConsumerService(ConnectorService):
         failure makes the load FAILED (reported by the adapter), it never raises into the
         engine."""
         assert self.data is not None and load.dst_slots is not None and self.pool is not None
+        if self.zone is not None and load.claimed.zone is not None:  # no push: a copy
+            self.stamp(load.request_id, "dispatched")
+            return self.zone.dispatch(load, self._load_lock)
         slots_by_group = list(load.dst_slots)
         # under the load lock: the bus thread (TP) polls a load only once it is dispatched,
         # which it is only once the plane expects it
@@ -484,6 +500,12 @@ class ConsumerService(ConnectorService):
             assert self.data is not None
             st = status(self.data, load.transfer_ids)
             if st.state is TransferState.DONE:
+                if not load.token:  # a landing-zone load (dispatched without a push)
+                    try:  # zone -> the engine's pages, before anything reads them
+                        self.zone.copy_in(load)  # type: ignore[union-attr]
+                    except Exception as exc:
+                        self.fail(load, f"the copy out of the landing zone failed: {exc}")
+                        return True
                 load.transition(LoadState.LANDED)
                 self.stamp(load.request_id, "landed")
                 self.metrics["loads_done"] += 1
@@ -590,7 +612,10 @@ class ConsumerService(ConnectorService):
     def wait_layer(self, load: Load, layer: int) -> None:
         """Layer-wise synchronous mode: wait (until the load's deadline) for ``layer``'s
         pages; the last layer waits for the whole transfer (its checksum included)."""
-        assert self.data is not None and load.layer_marks is not None
+        assert self.data is not None
+        if load.layer_marks is None:  # a landing-zone load lands whole, by one copy
+            self.wait(load)
+            return
         last = layer == max(load.layer_marks)
         need = load.layer_marks.get(layer)
         if need is None:

@@ -40,9 +40,10 @@ def test_overhead_bad_lengths_are_one_line(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.timeout(240)
 def test_overhead_at_the_client_over_http(capsys: pytest.CaptureFixture[str]) -> None:
     """The quick form of the client-side comparison: one local server against producer +
-    consumer + proxy, the same prompt lengths; every figure measured and positive."""
+    consumer + proxy, the same prompt lengths; every figure measured and positive. The
+    consumer has a landing zone: every prefetched lease taken loaded from it."""
     argv = ["overhead", "--http", "--prompt-lens", "128", "--repeats", "1", "--layers", "2"]
-    assert main([*argv, "--http-tokens", "4", "--json"]) == 0
+    assert main([*argv, "--http-tokens", "4", "--landing-zone", "64MiB", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (row,) = rep["results"]
     assert row["prompt_tokens"] == 128
@@ -59,3 +60,4 @@ def test_overhead_at_the_client_over_http(capsys: pytest.CaptureFixture[str]) ->
     pre = rep["consumer_prefetch"]
     assert pre.get("prefetch_started") == 2, pre  # the warm-up prompt and the measured one
     assert pre.get("prefetch_taken", 0) + pre.get("prefetch_late", 0) == 2, pre
+    assert pre.get("zone_loads", 0) == pre.get("prefetch_taken", 0), pre

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 
 STALLING = Path(__file__).with_name("stalling_serve.py")
 MAX_TOKENS = 6
+ZONE_YAML = "  landing_zone_size: 16MiB\n"
 
 
 def _producer_yaml(d: Path, name: str) -> tuple[Path, str]:
@@ -41,11 +42,11 @@ def _producer_yaml(d: Path, name: str) -> tuple[Path, str]:
     return p, control
 
 
-def _consumer_yaml(d: Path, name: str, control: str) -> Path:
+def _consumer_yaml(d: Path, name: str, control: str, extra: str = "") -> Path:
     c = d / f"{name}.yaml"
     c.write_text(
         f"role: consumer\ninstance_id: {name}\nconsumer:\n  producers: [{control}]\n"
-        f"  data: tcp://127.0.0.1:{sp.free_port()}\n"
+        f"  data: tcp://127.0.0.1:{sp.free_port()}\n{extra}"
     )
     return c
 
@@ -139,14 +140,31 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         late = Victim(d, "prefill-late", "producer", late_cfg, layer=99)
         pausing = Pausing(d, "decode-pausing", _consumer_yaml(d, "decode-pausing", late_control))
         victims["late_producer"] = late
-        procs += [late.proc, pausing.proc]
+        # a producer killed mid-prefill while a landing zone waits for its pages: the
+        # zone's consumer knows it and the surviving producer
+        zcfg, zcontrol = _producer_yaml(d, "prefill-zone")
+        zvictim = victims["zone_producer"] = Victim(d, "prefill-zone", "producer", zcfg)
+        zone = sp.spawn(
+            sp.serve_args(
+                "consumer",
+                _consumer_yaml(d, "decode-zone", f"{zcontrol}, {control}", ZONE_YAML),
+                "127.0.0.1",
+                zone_port := sp.free_port(),
+            ),
+            d / "decode-zone.log",
+        )
+        zone_url = f"http://127.0.0.1:{zone_port}"
+        procs += [late.proc, pausing.proc, zvictim.proc, zone]
         sp.wait_healthy(late.url, late.proc, late.log)
         sp.wait_healthy(pausing.url, pausing.proc, pausing.log)
+        sp.wait_healthy(zvictim.url, zvictim.proc, zvictim.log)
+        sp.wait_healthy(zone_url, zone, d / "decode-zone.log")
         proxies = {  # each tries its victim first (ties keep the order given)
             "producer": ([victims["producer"].url, urls["producer"]], [urls["consumer"]]),
             "consumer": ([urls["producer"]], [victims["consumer"].url, urls["consumer"]]),
             "last_consumer": ([urls["producer"]], [victims["last_consumer"].url]),
             "late_producer": ([late.url, urls["producer"]], [pausing.url]),
+            "zone": ([zvictim.url, urls["producer"]], [zone_url]),
         }
         proxy_urls = {}
         for name, (producers, consumers) in proxies.items():
@@ -157,7 +175,12 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             procs.append(sp.spawn(args, d / f"proxy-{name}.log"))
             proxy_urls[name] = f"http://127.0.0.1:{port}"
             sp.wait_healthy(proxy_urls[name], procs[-1], d / f"proxy-{name}.log")
-        yield {"proxies": proxy_urls, "victims": victims, "pausing": pausing}
+        yield {
+            "proxies": proxy_urls,
+            "victims": victims,
+            "pausing": pausing,
+            "zone_consumer": zone_url,
+        }
     finally:
         sp.stop(procs)
 
@@ -251,3 +274,37 @@ def test_a_producer_killed_after_its_first_token_costs_a_recompute(
     _, metrics = sp.get(f"{pausing.url}/metrics")
     assert sp.metric(metrics, "disagg_consumer_prefetch_dropped_down_total") == 1
     _still_serves(url, seed=332)
+
+
+def _counter(url: str, name: str) -> float:
+    """A consumer counter (``disagg_consumer_<name>_total``); 0 before its first count."""
+    _, text = sp.get(f"{url}/metrics")
+    full = f"disagg_consumer_{name}_total"
+    return sp.metric(text, full) if full in text else 0.0
+
+
+def test_a_producer_killed_while_the_landing_zone_fills_is_never_read(
+    system: dict[str, Any],
+) -> None:
+    """The consumer's prefetch leases the victim's planned blocks and has them pushed into
+    its landing zone; the victim dies mid-prefill before sending a page. The proxy's next
+    producer prefills; taking the lease finds the fill unfinished and its producer gone,
+    aborts the fill and claims afresh from the survivor: the monolithic tokens."""
+    url, cons = system["proxies"]["zone"], system["zone_consumer"]
+    victim = system["victims"]["zone_producer"]
+    tokens = sp.prompt(seed=341)
+    body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "stream": True}
+    t, out = _in_background(f"{url}/v1/completions", body)
+    deadline = time.monotonic() + 60
+    while not (victim.stalled.exists() and _counter(cons, "zone_fills") >= 1):
+        assert victim.proc.poll() is None and time.monotonic() < deadline, "no zone fill"
+        time.sleep(0.02)
+    victim.kill_when_stalled()
+    t.join(90)
+    assert out, "the client got no answer"
+    status, events = out[0]
+    assert status == 200, events
+    assert sp.streamed_tokens(events) == sp.monolithic(tokens, MAX_TOKENS)
+    assert _counter(cons, "prefetch_dropped_down") == 1 and _counter(cons, "zone_loads") == 0
+    _still_serves(url, seed=342)  # the survivor's pages, through the zone
+    assert _counter(cons, "zone_loads") == 1
