@@ -16,8 +16,9 @@ Contract (``Reader``, the plane's thread unless said otherwise):
   has one region and the producer sends whole rows). A read is posted as index lists into
   them (``make_prepped_xfer``); NIXL merges descriptors that are adjacent on both sides,
   so a run of consecutive rows into consecutive slots goes as one descriptor.
-- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once;
-  a chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
+- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once
+  per producer (a stalled producer holds its own window, never another's reads); a
+  chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
   stop there), and its pages land only when every earlier chunk of the transfer landed
   (a layer-wise load sees its layers complete in order). A failed chunk fails the
   transfer; chunks of a transfer that ended are never posted.
@@ -117,6 +118,7 @@ class Reader:
         self._local: dict[tuple[Any, ...], Any] = {}
         self._remote: dict[tuple[Any, ...], Any] = {}
         self.posted = 0
+        self.posted_by: Counter[str | None] = Counter()  # chunks in flight per producer
 
     @property
     def busy(self) -> bool:
@@ -278,8 +280,10 @@ class Reader:
         moved."""
         moved = False
         book = self.book
-        while self.queue and self.posted < WINDOW:
-            ch = self.queue.popleft()
+        while self.queue:
+            ch = self._next()
+            if ch is None:
+                break
             moved = True
             rx = ch.rx
             with book.cond:
@@ -290,12 +294,22 @@ class Reader:
                 rx.inflight += 1
                 rx.chunks.append(ch)
             self.posted += 1
+            self.posted_by[rx.source] += 1
             self._post(ch)
         if self.posted:
             moved = self._reap() or moved
         if self.reading:
             moved = self._tell() or moved
         return moved
+
+    def _next(self) -> Chunk | None:
+        """Take the first queued chunk that is over (dropped when posted) or whose
+        producer has fewer than ``WINDOW`` chunks in flight."""
+        for i, ch in enumerate(self.queue):
+            if ch.rx.state.final or self.posted_by[ch.rx.source] < WINDOW:
+                del self.queue[i]
+                return ch
+        return None
 
     def _post(self, ch: Chunk) -> None:
         try:
@@ -324,6 +338,9 @@ class Reader:
                 ch.final = True
                 moved = True
                 self.posted -= 1
+                self.posted_by[rx.source] -= 1
+                if not self.posted_by[rx.source]:
+                    del self.posted_by[rx.source]
                 self._release(ch)
                 with book.cond:
                     rx.inflight -= 1
