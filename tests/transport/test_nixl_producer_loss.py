@@ -42,9 +42,9 @@ pytestmark = [pytest.mark.nixl, pytest.mark.timeout(90)]
 W = 64 << 10  # bytes per page
 ROWS = 64  # pages per producer's store: 4 MiB, read in 1 MiB chunks below
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-# (nixl_error_handling, UCX's transports: None lets UCX pick (cma here), memory)
+# (nixl_error_handling, UCX's transports: None lets UCX pick (cma here), memory); peer on
+# host memory: the contract test's sender kill and tests/chaos/test_nixl_peer_death.py
 CASES = [
-    pytest.param("peer", None, "cpu", id="peer-host"),
     pytest.param("none", None, "cpu", id="none-host"),
     pytest.param("none", "tcp,self", "cpu", id="none-tcp-host"),
     pytest.param("peer", None, "cuda", id="peer-device", marks=_no_cuda),
