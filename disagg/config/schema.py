@@ -511,9 +511,10 @@ class DisaggConfig(Section, frozen=True, dict=True):
                 description="transport: nixl only, UCX backend: `peer` (null's choice) makes "
                 "UCX report a dead peer as a failed read, and leaves out the lanes that cannot "
                 "(shared memory, cuda_ipc: device memory then moves through host staging); "
-                "`none` lets UCX use them (cuda_ipc: ~400x faster on one GPU), but a peer "
-                "dying mid-read is then not handled: opt-in for trusted peers on one node "
-                "(docs/design/nixl-plane.md)",
+                "`none` lets UCX use them (cuda_ipc: ~400x faster on one GPU) without UCX's "
+                "keepalive: a killed producer still fails its reads (tested on one host), "
+                "but a silent one (a host gone, a cut link) is found only by the transfer's "
+                "deadline: opt-in for trusted peers on one node (docs/design/nixl-plane.md)",
                 examples=["none"],
             ),
         ]

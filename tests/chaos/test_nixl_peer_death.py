@@ -2,8 +2,9 @@
 test_chaos.py): a producer in another process serves matching tokens, also from another
 network namespace over TCP on the device ``nixl_devices`` names; a producer killed
 while the consumer reads its store fails those loads by name, the consumer survives and
-holds nothing; a consumer killed while it reads leaves the producer at its baseline (the
-push ends at its deadline, its rows are unpinned). Skipped without NIXL."""
+holds nothing (``nixl_error_handling`` peer and none); a consumer killed while it reads
+leaves the producer at its baseline (the push ends at its deadline, its rows are
+unpinned). Skipped without NIXL."""
 
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ pytestmark = [pytest.mark.nixl, pytest.mark.chaos, pytest.mark.timeout(90)]
 children, mono, netns_pair = chaos.children, chaos.mono, chaos.netns_pair  # fixtures
 
 
-def nixl(conf: dict[str, Any]) -> dict[str, Any]:
-    return {**conf, "transport": "nixl"}
+def nixl(conf: dict[str, Any], error_handling: str | None = None) -> dict[str, Any]:
+    out = {**conf, "transport": "nixl"}
+    if error_handling is not None:
+        out["nixl_error_handling"] = error_handling
+    return out
 
 
 def test_nixl_producer_in_another_process_tokens_match(children, mono):
@@ -48,13 +52,15 @@ def test_nixl_producer_in_another_process_tokens_match(children, mono):
     consumer_at_baseline(eng, csvc)
 
 
-def test_nixl_producer_killed_while_its_store_is_read_fails_by_name(children, mono):
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_nixl_producer_killed_while_its_store_is_read_fails_by_name(children, mono, mode):
     """The producer dies between the plan it sent and the consumer's reads: the reads
     meet a dead process, the loads fail by name, the consumer goes on (no abort of this
-    process, nothing held)."""
-    p = children({"role": "producer", "config": nixl(producer_conf(f"np{next(_ids)}"))})
+    process, nothing held), with UCX's peer error handling and without it."""
+    pconf = nixl(producer_conf(f"np{next(_ids)}"), mode)
+    p = children({"role": "producer", "config": pconf})
     ep = p.expect("ready")["endpoint"]
-    eng, csvc = in_process(nixl(consumer_conf(f"nc{next(_ids)}", [ep])))
+    eng, csvc = in_process(nixl(consumer_conf(f"nc{next(_ids)}", [ep]), mode))
     reader = csvc.data._reader
     on_plan = reader.on_plan
 

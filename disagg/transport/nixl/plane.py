@@ -94,7 +94,6 @@ class NixlDataPlane(BookedReceiver, DataPlane):
         self._reader = Reader(self._agent, self._book, self.stats, self._notify, telemetry)
         self._sender = Sender(self._agent, self._registry, self.stats)
         self._source_meta = b""
-        self._sources_lock = threading.Lock()
         self._open: set[int] = set()  # expected transfers not seen final yet
         self._cuda: int | None = None  # device to make current on this plane's thread
         self._wake = threading.Event()
@@ -130,7 +129,7 @@ class NixlDataPlane(BookedReceiver, DataPlane):
                 "the producer's HelloOk carries no NIXL metadata: it runs another transport "
                 "or an older disagg (set transport: nixl on both sides)"
             )
-        with self._sources_lock:
+        with self._reader.sources_lock:
             if meta in self._reader.sources.values():
                 return
             name = self._agent.add_remote_agent(meta)
@@ -290,6 +289,8 @@ class NixlDataPlane(BookedReceiver, DataPlane):
             self._sender.on_done(who, msg)
         elif isinstance(msg, wire.PushFailed):
             self._reader.on_failed(who, msg)
+        elif isinstance(msg, wire.Probe):
+            pass
         else:
             self.stats["rejected_BAD_FRAME"] += 1
 

@@ -16,25 +16,35 @@ Contract (``Reader``, the plane's thread unless said otherwise):
   has one region and the producer sends whole rows). A read is posted as index lists into
   them (``make_prepped_xfer``); NIXL merges descriptors that are adjacent on both sides,
   so a run of consecutive rows into consecutive slots goes as one descriptor.
-- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once;
-  a chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
+- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once
+  per producer (a stalled producer holds its own window, never another's reads); a
+  chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
   stop there), and its pages land only when every earlier chunk of the transfer landed
   (a layer-wise load sees its layers complete in order). A failed chunk fails the
-  transfer; chunks of a transfer that ended are never posted.
+  transfer at once; chunks of a transfer that ended are never posted.
+- A producer whose reads have not moved for ``PROBE_S`` is probed with a notification;
+  when NIXL says it is disconnected, its agent is dropped (``remove_remote_agent``),
+  which ends its reads still in flight: without UCX's peer error handling
+  (``nixl_error_handling: none``) a read from a killed producer over tcp is otherwise
+  never completed. The dropped endpoint had failed already (no more bytes come through
+  it), so this never ends a read whose bytes may still land. A plan from a dropped
+  producer fails by name until it greets again.
 - Once a transfer is final and nothing of it is read any more, the producer is told
   (``ReadDone``: ok, or the reason) so it can reuse its rows.
 
 What abort can and cannot do: NIXL 1.5.1 cannot stop a posted read (releasing its handle,
 or invalidating the producer's metadata, returns while its bytes keep landing: measured in
 docs/design/nixl-plane.md). ``abort`` therefore stops posting and waits for the chunks in
-flight; against a live or dead producer they end within a chunk's time, against a stalled
-one they may not (then ``abort`` returns them as still under way).
+flight; against a live or dead producer they end within a chunk's time (a dead one's
+once the probe above drops it), against a stalled one they may not (then ``abort``
+returns them as still under way).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -54,6 +64,7 @@ WINDOW = 4  # chunks in flight at once
 HOST_CHUNK = 8 << 20  # bytes per chunk read into host memory
 DEVICE_CHUNK = 512 << 20  # ... into device memory (a chunk costs ~0.1 ms to post)
 DEADLINE_MARGIN_S = 0.25
+PROBE_S = 0.1  # a producer's reads quiet this long: is it still connected?
 _INT32 = (1 << 31) - 1
 
 
@@ -112,11 +123,14 @@ class Reader:
         self.agent, self.book, self.stats, self.send = agent, book, stats, send
         self.telemetry = telemetry
         self.sources: dict[str, bytes] = {}  # producer agent -> the metadata loaded
+        self.sources_lock = threading.Lock()  # sources, and the remote lists, change under it
         self.queue: deque[Chunk] = deque()
         self.reading: dict[int, NixlRx] = {}  # transfers with a plan, until told
         self._local: dict[tuple[Any, ...], Any] = {}
         self._remote: dict[tuple[Any, ...], Any] = {}
         self.posted = 0
+        self.posted_by: Counter[str | None] = Counter()  # chunks in flight per producer
+        self.moved_at: dict[str | None, float] = {}  # a producer's last read posted or ended
 
     @property
     def busy(self) -> bool:
@@ -278,8 +292,10 @@ class Reader:
         moved."""
         moved = False
         book = self.book
-        while self.queue and self.posted < WINDOW:
-            ch = self.queue.popleft()
+        while self.queue:
+            ch = self._next()
+            if ch is None:
+                break
             moved = True
             rx = ch.rx
             with book.cond:
@@ -290,12 +306,24 @@ class Reader:
                 rx.inflight += 1
                 rx.chunks.append(ch)
             self.posted += 1
+            self.posted_by[rx.source] += 1
+            self.moved_at[rx.source] = time.monotonic()
             self._post(ch)
         if self.posted:
             moved = self._reap() or moved
+            self._probe_quiet()
         if self.reading:
             moved = self._tell() or moved
         return moved
+
+    def _next(self) -> Chunk | None:
+        """Take the first queued chunk that is over (dropped when posted) or whose
+        producer has fewer than ``WINDOW`` chunks in flight."""
+        for i, ch in enumerate(self.queue):
+            if ch.rx.state.final or self.posted_by[ch.rx.source] < WINDOW:
+                del self.queue[i]
+                return ch
+        return None
 
     def _post(self, ch: Chunk) -> None:
         try:
@@ -324,13 +352,48 @@ class Reader:
                 ch.final = True
                 moved = True
                 self.posted -= 1
+                self.posted_by[rx.source] -= 1
+                if not self.posted_by[rx.source]:
+                    del self.posted_by[rx.source]
+                self.moved_at[rx.source] = time.monotonic()
                 self._release(ch)
                 with book.cond:
                     rx.inflight -= 1
                     book.cond.notify_all()
             while rx.chunks and rx.chunks[0].final:
                 self._land(rx.chunks.popleft())
+            failed = next((c for c in rx.chunks if c.final and c.state != "DONE"), None)
+            if failed is not None and not rx.state.final:  # earlier chunks still read
+                with book.cond:
+                    book.fail(rx, f"NIXL read from {rx.source} failed: {failed.state}")
+                    book.cond.notify_all()
         return moved
+
+    def _probe_quiet(self) -> None:
+        """Probe each producer whose reads in flight have not moved for ``PROBE_S``; drop
+        those NIXL says are disconnected (module docstring)."""
+        now = time.monotonic()
+        for src in [s for s, n in self.posted_by.items() if n and s is not None]:
+            if now - self.moved_at.get(src, now) < PROBE_S:
+                continue
+            self.moved_at[src] = now  # next probe after another PROBE_S
+            try:
+                self.agent.send_notif(src, wire.encode(wire.Probe()))
+            except Exception as exc:
+                if "DISCONNECT" in f"{type(exc).__name__} {exc}".upper():
+                    self.drop_source(src, f"{type(exc).__name__}: {exc}")
+
+    def drop_source(self, name: str, why: str) -> None:
+        """Forget a disconnected producer agent: NIXL fails its reads still in flight."""
+        log.warning("NIXL producer agent %s is disconnected (%s): dropped", name, why)
+        self.stats["nixl_sources_dropped"] += 1
+        with self.sources_lock:
+            self.sources.pop(name, None)
+            self.forget_source(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:
+                log.warning("dropping NIXL agent %s failed: %s", name, exc)
 
     def _release(self, ch: Chunk) -> None:
         if ch.xfer is None:

@@ -17,6 +17,8 @@ is dropped and counted.
   it).
 - ``PushFailed`` (producer -> consumer): the producer gave up on a push before reading
   started (its rows are gone): the consumer fails the transfer at once.
+- ``Probe`` (consumer -> producer): nothing; sent to learn whether NIXL still reaches the
+  producer (reads.py), ignored on arrival.
 """
 
 from __future__ import annotations
@@ -83,16 +85,20 @@ class PushFailed(msgspec.Struct, frozen=True, tag="failed"):
     error: Text = ""
 
 
-Notice = Union[ReadPlan, ReadDone, PushFailed]  # noqa: UP007 - msgspec needs the Union
+class Probe(msgspec.Struct, frozen=True, tag="probe"):
+    pass
+
+
+Notice = Union[ReadPlan, ReadDone, PushFailed, Probe]  # noqa: UP007 - msgspec needs the Union
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Notice)
 
 
-def encode(msg: ReadPlan | ReadDone | PushFailed) -> bytes:
+def encode(msg: ReadPlan | ReadDone | PushFailed | Probe) -> bytes:
     return PREFIX + _enc.encode(msg)
 
 
-def decode(data: bytes) -> ReadPlan | ReadDone | PushFailed | None:
+def decode(data: bytes) -> ReadPlan | ReadDone | PushFailed | Probe | None:
     """The notification, or None for anything that is not one of ours (wrong prefix or
     version, too large, malformed)."""
     if len(data) > MAX_NOTIF or not data.startswith(PREFIX):
