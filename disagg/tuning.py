@@ -202,6 +202,19 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    save_plan_layers: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                le=4096,
+                description="producer: a pass's save plan (store rows, copy indices) is made at "
+                "the save of this many layers, the device running those layers meanwhile; 1 "
+                "plans at the first layer's save; default 3",
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

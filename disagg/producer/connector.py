@@ -182,6 +182,11 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
+# The pass's plan waits for this many layers' saves, so the device has them to run while
+# the host plans (1: at the first layer's save); ``tuning.save_plan_layers`` overrides it.
+PLAN_AFTER_LAYERS = 3
+
+
 class ProducerWorker(KvCacheConnectorWorker):
     """Worker side of the producer: copies planned pages into the block store."""
 
@@ -190,6 +195,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         self.config = resolve_config(llm_args, "producer")
         self.service: ProducerService = service_for(self.config, llm_args)
         self._saves: list[SaveOp] = []  # bound for this pass, not planned yet
+        self._held: list[int] = []  # layers saved before the plan (``save_kv_layer``)
         self._pass: _PassPlan | None = None
         self._finished_saving: list[int] = []
         self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
@@ -205,7 +211,7 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def bind_connector_meta(self, metadata: object) -> None:
         """Every iteration, before the forward: take this pass's saves. They are planned
-        at the first layer's save, while the device runs that layer."""
+        during the forward, while the device runs its first layers (``save_kv_layer``)."""
         super().bind_connector_meta(metadata)
         self._abandon_pass()
         if isinstance(metadata, ProducerMeta) and metadata.saves:
@@ -221,14 +227,30 @@ class ProducerWorker(KvCacheConnectorWorker):
         """Right after layer ``layer_idx`` is enqueued: enqueue the copy of its bytes of
         this pass's completed blocks into their store rows, ordered after the layer (on
         CUDA on the save stream, which waits for the forward stream here:
-        ``tuning.save_stream``). The plan was made in ``bind_connector_meta``; nothing
-        here waits for the device. The first layer's call plans the pass, once for all
-        its layers: store rows reserved (dedup, evict, drop), the copy indices placed on
-        their devices (``saving.plan_pass``)."""
+        ``tuning.save_stream``). Nothing here waits for the device. The pass is planned
+        once, for all its layers (store rows reserved: dedup, evict, drop; the copy
+        indices placed on their devices, ``saving.plan_pass``), at the save of its
+        ``PLAN_AFTER_LAYERS``-th layer: by then the device has the first layers to run
+        while the host plans, where a plan at the first layer left it idle once that
+        layer was done. The layers before are copied right after the plan (a layer's
+        pages are not written by the layers after it)."""
         if self._saves:
-            saves, self._saves = self._saves, []
-            with self._on_save_stream(stream):  # the indices belong to the copies' stream
-                self._pass = _PassPlan.build(self.service, saves)
+            after = tuning.current().save_plan_layers or PLAN_AFTER_LAYERS
+            if len(self._held) + 1 < after:
+                self._held.append(layer_idx)
+                return
+            self._plan(stream)
+        self._copy_layer(layer_idx, stream)
+
+    def _plan(self, stream: Any) -> None:
+        saves, self._saves = self._saves, []
+        with self._on_save_stream(stream):  # the indices belong to the copies' stream
+            self._pass = _PassPlan.build(self.service, saves)
+        held, self._held = self._held, []
+        for layer in held:
+            self._copy_layer(layer, stream)
+
+    def _copy_layer(self, layer_idx: int, stream: Any) -> None:
         plan = self._pass
         if plan is None or not plan.keys:
             return
@@ -243,7 +265,9 @@ class ProducerWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; queue its commit for the
         committer thread (on CUDA once the copies' event fires), never blocking the
-        engine."""
+        engine. A forward of fewer layers than ``PLAN_AFTER_LAYERS`` is planned here."""
+        if self._saves and self._held:
+            self._plan(stream)
         if self._saves:  # no layer was saved: nothing of the pass is in the store
             self._abandon_pass()
         plan, self._pass = self._pass, None
@@ -277,6 +301,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         counting as saving and their pages go back to the engine, instead of waiting for
         SAVE_TIMEOUT (which frees the store rows but not the requests' pages)."""
         saves, self._saves = self._saves, []
+        self._held = []
         if saves:  # never planned: none of its saves is in flight
             self.service.metrics["passes_abandoned"] += 1
             self.service.note_planned(saves, {})
