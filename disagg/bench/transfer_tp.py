@@ -149,8 +149,8 @@ def _consumer(
             pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=dev)
             halves = torch.empty(slots, page_bytes // 2, dtype=torch.uint8, device=dev)
             others = torch.empty(slots, page_bytes // 2, dtype=torch.uint8, device=dev)
-        for t in (pool, halves, others):
-            t.fill_(0)
+        for buf in (pool, halves, others):
+            buf.fill_(0)
         run = page_bytes // BUFFERS
         plane = kit.make_plane(name)
         plane.register_regions(

@@ -172,9 +172,11 @@ def plan_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> RunsCo
                 ((s_col + at) // unit, (d_off + at) // unit, min(block * esz, n - at) // unit)
             )
     dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[esz]
-    usable = src.numel() // esz * esz
-    src_el = src[:usable].view(dtype)
-    dst_el = runs[0].dst.view(dtype) if esz > 1 else runs[0].dst
+    try:
+        src_el = src[: src.numel() // esz * esz].view(dtype)
+        dst_el = runs[0].dst.view(dtype) if esz > 1 else runs[0].dst
+    except RuntimeError:  # a view torch cannot reinterpret: run by run instead
+        return None
     rows = max(1, min(TILE // block, 1 << (len(table) - 1).bit_length()))
     return RunsCopy(
         src_el, dst_el, torch.tensor(table, dtype=torch.int64, device=dev), len(table),
