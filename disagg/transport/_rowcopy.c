@@ -36,6 +36,7 @@
 #define NT_MIN_TOTAL (16LL << 20)
 #define NT_MIN_ROW 4096
 #define NT_MIN_RUN 256
+#define PREFETCH_BYTES 512
 
 #if HAVE_NT
 /* memcpy with non-temporal 16-byte stores from the first 16-byte-aligned destination
@@ -97,6 +98,16 @@ static void *run_runs(void *arg) {
         int64_t d = j->di[i];
         for (Py_ssize_t k = 0; k < j->n_runs; k++) {
             const int64_t *q = r + 4 * k;
+            /* The next run's first lines, requested now: each run starts a stream of its
+             * own, which the hardware prefetcher only follows after a few misses, a good
+             * share of a short run (a split's 2 KiB runs of 64 KiB pages: 6.6 -> 7.9 GB/s
+             * with 512 bytes, one page copy 8.0; 256: 7.6, 1024 and 2048: 6.7; the 2-core
+             * box, median of 15). A prefetch past the source never faults. */
+            const char *next = k + 1 < j->n_runs ? s + q[4]
+                               : i + 1 < j->hi ? j->src + j->si[i + 1] * j->src_stride + r[0]
+                                               : NULL;
+            if (next != NULL)
+                for (int at = 0; at < PREFETCH_BYTES; at += 64) __builtin_prefetch(next + at);
             char *to = (char *)(uintptr_t)(q[1] + d * q[2]);
 #if HAVE_NT
             if (j->nt) {
