@@ -97,7 +97,6 @@ def _kernel() -> Any:
         table,
         n_chunks,
         src_stride,
-        dst_stride,
         RUNS: tl.constexpr,
         BLOCK: tl.constexpr,
         VEC: tl.constexpr,
@@ -105,16 +104,18 @@ def _kernel() -> Any:
         page = tl.program_id(0)
         k = tl.program_id(1) * RUNS + tl.arange(0, RUNS)
         live = k < n_chunks
-        # table rows: (source column, destination offset, length) in units of VEC elements
-        s_col = tl.load(table + 3 * k, mask=live, other=0) * VEC
-        d_col = tl.load(table + 3 * k + 1, mask=live, other=0) * VEC
-        n = tl.load(table + 3 * k + 2, mask=live, other=0) * VEC
+        # table rows: (source column, destination offset, destination row stride, length)
+        # in units of VEC elements: the compiler then knows each is a multiple of VEC
+        s_col = tl.load(table + 4 * k, mask=live, other=0) * VEC
+        d_col = tl.load(table + 4 * k + 1, mask=live, other=0) * VEC
+        d_stride = tl.load(table + 4 * k + 2, mask=live, other=0) * VEC
+        n = tl.load(table + 4 * k + 3, mask=live, other=0) * VEC
         s = tl.load(src_idx + page).to(tl.int64) * src_stride
-        d = tl.load(dst_idx + page).to(tl.int64) * dst_stride
+        d = tl.load(dst_idx + page).to(tl.int64) * d_stride + d_col
         col = tl.arange(0, BLOCK)
         mask = col[None, :] < n[:, None]
         x = tl.load(src + s + s_col[:, None] + col[None, :], mask=mask)
-        tl.store(dst + d + d_col[:, None] + col[None, :], x, mask=mask)
+        tl.store(dst + d[:, None] + col[None, :], x, mask=mask)
 
     return copy_runs, triton.cdiv
 
@@ -124,10 +125,9 @@ class RunsCopy(NamedTuple):
 
     src: torch.Tensor  # the source as its element, 1-D from its first byte
     dst: torch.Tensor  # the first destination region as its element (offsets from it)
-    table: torch.Tensor  # int64 [chunks, 3] on the device, in units of VEC elements
+    table: torch.Tensor  # int64 [chunks, 4] on the device, in units of VEC elements
     chunks: int
     src_stride: int  # elements
-    dst_stride: int
     runs: int  # RUNS: table rows per program
     block: int
     vec: int
@@ -138,7 +138,7 @@ def prepare_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> Run
     """For repeated copies of ``runs`` from rows of ``src`` (a uint8 1-D tensor, rows
     every ``src_stride`` bytes from its first byte) on CUDA: the table and launch shape.
     None where the kernel cannot do it: no Triton, host memory, ``src`` not readable from
-    the destination's GPU, destination regions of different row strides."""
+    the destination's GPU."""
     kernel = _kernel()
     if kernel is None or not runs:
         return None
@@ -152,25 +152,25 @@ def prepare_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> Run
 
 def plan_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> RunsCopy | None:
     """``prepare_runs`` without its device checks (tests run it under Triton's
-    interpreter on host tensors). None where the destination regions' row strides differ."""
+    interpreter on host tensors). None where a destination's rows are not contiguous."""
     dev = runs[0].dst.device
-    dst_stride = runs[0].dst.stride(0)
-    if any(r.dst.stride(0) != dst_stride or r.dst.stride(1) != 1 for r in runs):
+    if any(r.dst.stride(1) != 1 and r.dst.shape[1] > 1 for r in runs):
         return None
     base = runs[0].dst.data_ptr()
-    offs = [(r.src_col, r.dst.data_ptr() + r.dst_col - base, r.length) for r in runs]
-    values = [v for o in offs for v in o] + [src.data_ptr(), base, src_stride, dst_stride]
+    offs = [
+        (r.src_col, r.dst.data_ptr() + r.dst_col - base, r.dst.stride(0), r.length) for r in runs
+    ]
+    values = [v for o in offs for v in o] + [src.data_ptr(), base, src_stride]
     esz = next(e for e in (8, 4, 2, 1) if all(v % e == 0 for v in values))
     vec = 16 // esz if all(v % 16 == 0 for v in values) else 1
     unit = esz * vec
-    longest = max(n for _, _, n in offs) // esz
+    longest = max(n for *_, n in offs) // esz
     block = min(TILE, 1 << max(0, (longest - 1).bit_length()))
     table = []
-    for s_col, d_off, n in offs:  # runs longer than a block: one row per block
+    for s_col, d_off, stride, n in offs:  # runs longer than a block: one row per block
         for at in range(0, n, block * esz):
-            table.append(
-                ((s_col + at) // unit, (d_off + at) // unit, min(block * esz, n - at) // unit)
-            )
+            step = min(block * esz, n - at)
+            table.append(((s_col + at) // unit, (d_off + at) // unit, stride // unit, step // unit))
     dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[esz]
     try:
         src_el = src[: src.numel() // esz * esz].view(dtype)
@@ -180,7 +180,7 @@ def plan_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> RunsCo
     rows = max(1, min(TILE // block, 1 << (len(table) - 1).bit_length()))
     return RunsCopy(
         src_el, dst_el, torch.tensor(table, dtype=torch.int64, device=dev), len(table),
-        src_stride // esz, dst_stride // esz, rows, block, vec, {},
+        src_stride // esz, rows, block, vec, {},
     )  # fmt: skip
 
 
@@ -194,7 +194,7 @@ def launch_runs(c: RunsCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> No
         return
     kernel, cdiv = _kernel()
     ck = kernel[(n, cdiv(c.chunks, c.runs))](
-        c.src, c.dst, src_idx, dst_idx, c.table, c.chunks, c.src_stride, c.dst_stride,
+        c.src, c.dst, src_idx, dst_idx, c.table, c.chunks, c.src_stride,
         RUNS=c.runs, BLOCK=c.block, VEC=c.vec, num_warps=NUM_WARPS,
     )  # fmt: skip
     dtype = dst_idx.dtype
@@ -219,7 +219,7 @@ def launch_runs_raw(
     try:
         ck[(n, -(-c.chunks // c.runs), 1)](
             c.src.data_ptr(), c.dst.data_ptr(), src_ptr, dst_ptr, c.table.data_ptr(),
-            c.chunks, c.src_stride, c.dst_stride, c.runs, c.block, c.vec, stream=stream,
+            c.chunks, c.src_stride, c.runs, c.block, c.vec, stream=stream,
         )  # fmt: skip
     except TypeError:
         c.compiled[dtype] = None
