@@ -42,6 +42,7 @@ import torch
 
 from ..protocol.messages import DataCaps
 from . import page_copy
+from .page_runs import Run, copy_runs_host, launch_runs, prepare_runs
 
 
 class TransferState(enum.Enum):
@@ -135,6 +136,10 @@ class StoreRows:
         rows = np.asarray(self.rows, dtype=np.int64)
         r0 = int(rows[0]) if rows.size else 0
         run = bool(rows.size) and np.array_equal(rows, np.arange(r0, r0 + rows.size))
+        if len(self.cols) > 1 and rows.size:  # a TP slice's runs: one pass, no concatenation
+            out = self._gather_runs(rows)
+            if out is not None:
+                return out
         # the index must live where the slab does (a device store gathers on its device)
         idx = None if run else torch.from_numpy(rows).to(self.slab.device)
         parts = []
@@ -142,6 +147,31 @@ class StoreRows:
             view = self.slab[:, off : off + length]
             parts.append(view[r0 : r0 + rows.size] if idx is None else gather_rows(view, idx))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _gather_runs(self, rows: np.ndarray) -> torch.Tensor | None:
+        """The pages of several column spans gathered in one pass (``page_runs``: one C
+        call on the host, one kernel on a GPU); None where neither applies."""
+        slab = self.slab
+        if slab.dim() != 2 or (slab.shape[1] > 1 and slab.stride(1) != 1):
+            return None
+        if int(rows.min()) < 0 or int(rows.max()) >= slab.shape[0]:
+            return None  # the gather below names the bad row
+        n, width = int(rows.size), sum(c for _, c in self.cols)
+        out = torch.empty((n, width), dtype=torch.uint8, device=slab.device)
+        at = np.cumsum([0] + [c for _, c in self.cols[:-1]])
+        runs = [Run(o, out, int(a), c) for (o, c), a in zip(self.cols, at, strict=True)]
+        span = (slab.shape[0] - 1) * slab.stride(0) + slab.shape[1]  # from the first byte
+        flat = slab.as_strided((span,), (1,))
+        if slab.device.type == "cpu":
+            ok = copy_runs_host(flat, slab.shape[0], slab.stride(0), runs, np.arange(n), rows)
+            return out if ok else None
+        c = prepare_runs(flat, slab.stride(0), runs)
+        if c is None:
+            return None
+        dev = slab.device
+        with torch.cuda.device(dev):
+            launch_runs(c, torch.arange(n, device=dev), torch.from_numpy(rows).to(dev))
+        return out
 
 
 # (layer group, source rows uint8 [n, page_bytes], destination slot per row (-1: skip))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from disagg.transport import page_copy, page_runs
+from disagg.transport.dataplane import StoreRows
 from disagg.transport.page_runs import Run
 
 BUFFERS = 8
@@ -137,3 +138,18 @@ def test_kernel_runs_land_byte_exact(kind, page, dtype, offset):
         if launched:
             torch.cuda.synchronize()
             assert pool_dev.cpu().equal(want)
+
+
+def test_store_rows_of_several_spans_gather_in_one_pass():
+    """A push's pages of several column spans (a TP slice), gathered for a plane that
+    takes bytes: equal to the spans' rows concatenated; a row outside the slab is
+    refused by the gather, not read."""
+    rng = np.random.default_rng(8)
+    slab = torch.from_numpy(rng.integers(0, 255, (32, 4096), dtype=np.uint8))
+    cols = tuple((b * 512, 256) for b in range(8))
+    rows = np.array([5, 0, 31, 7, 6])
+    got = StoreRows(slab, rows, cols).materialize()
+    want = torch.cat([slab[torch.from_numpy(rows), o : o + n] for o, n in cols], dim=1)
+    assert got.equal(want)
+    with pytest.raises(IndexError):
+        StoreRows(slab, np.array([1, 32]), cols).materialize()
