@@ -4,22 +4,22 @@ row src_idx[i]`` for every page ``i`` and run ``k``.
 A TP slice (docs/design/unequal-tp.md) is one run per (layer, role) buffer: a split reads
 ``2 * layers`` runs out of each producer page into one consumer page, a merge writes one
 producer page into ``2 * layers`` runs of the consumer's slice regions. ``page_copy``
-moves one run per call (one C call, or one kernel launch, over every page), so a slice
-took ``2 * layers`` passes over the pages where a whole page takes one. Here a batch's
-runs are one table and one pass:
+moves one run per call (one C call, or one kernel launch, over every page): a slice moved
+that way costs ``2 * layers`` passes over the pages where a whole page costs one. Here a
+batch's runs are one table and one pass:
 
 - **Host**: one C call (``_rowcopy.copy_runs``): for each page, its runs one after the
-  other, pages spread over threads, non-temporal stores as ``copy_rows`` decides for a
-  page of the runs' total size. None without the C extension (the caller copies run by
-  run).
+  other (the next run's first lines requested before each copy), pages spread over
+  threads, non-temporal stores as ``copy_rows`` decides for a page of the runs' total
+  size. False without the C extension (the caller copies run by run).
 - **CUDA with Triton**: one kernel launch (``prepare_runs`` once per pair of views, then
   ``launch_runs``); a program copies a tile of ``RUNS x BLOCK`` elements of one page,
   ``RUNS`` runs (or chunks of a long run) at once, about the 4096 elements a program of
-  ``page_copy``'s kernel copies. Offsets and lengths travel in a small device table in
-  units of 16 bytes where every run allows (then the compiler knows each row of the tile
-  is 16-byte aligned and issues 16-byte loads and stores). The destination runs may lie in
-  different regions (tensors) of one row stride; their addresses are offsets from the
-  first. None where Triton or the alignment is missing (the caller copies run by run).
+  ``page_copy``'s kernel copies. Offsets, destination row strides and lengths travel in a
+  small device table, in units of 16 bytes where every run allows (then the compiler knows
+  each row of the tile is 16-byte aligned and issues 16-byte loads and stores; else in
+  elements). The destination runs may lie in different regions (tensors); their addresses
+  are offsets from the first. None where Triton is missing (the caller copies run by run).
 
 Bounds: the caller has checked every index, that every run lies inside its source row,
 and that every destination run lies inside its region; the C call checks the indices
