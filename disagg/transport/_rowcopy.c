@@ -16,6 +16,9 @@
  * 1 thread 0.87 -> 1.10 at 64 KiB rows, 1.03 -> 1.32 at 256 KiB; 2 threads 1.20 -> 1.60
  * and 1.30 -> 1.73; 16 KiB rows 0.92 -> 1.15 with 2 threads.
  *
+ * copy_runs does the same for pages of several runs each (a TP slice's per-buffer runs):
+ * one pass over the pages, each page's runs in turn, instead of one copy_rows per run.
+ *
  * Safety: every index is checked against its side's row count before any byte moves
  * (IndexError naming the first bad one); row_bytes must fit in both strides.
  */
