@@ -7,17 +7,21 @@ head-major; the producer's store holds 2N such pages. Each repetition times, one
 the other on fresh random rows and slots (so the three share the same conditions):
 
 - ``same``: N whole pages into the consumer's pool (equal TP sizes);
-- ``split``: the consumer rank holds half the producer rank's heads: from each of N pages
-  the first half of every buffer (``BUFFERS`` runs of S / 2 / BUFFERS bytes, the store
-  columns a Push naming those heads gathers) into a pool of S / 2-byte pages;
+- ``split``: the consumer TP is twice the producer's, so a producer page serves two
+  consumer ranks at once: two transfers, each reading from the same N pages one half of
+  every buffer (``BUFFERS`` runs of S / 2 / BUFFERS bytes, the store columns a Push naming
+  those heads gathers) into that rank's pool of S / 2-byte pages;
+- ``split1``: one of those two transfers alone (a consumer rank's share: half the bytes);
 - ``merge``: the consumer page holds the heads of two producer ranks: two transfers at once
   (rank A's pages are the stores' first S / 2 bytes, rank B's the second), each landing its
   S / 2 / BUFFERS-byte runs in place in every buffer of the consumer's S-byte pages (the
   slice groups ``consumer.routes`` registers).
 
-GB/s are the bytes landed in the consumer's pages over the time to the last DONE; ``ratio``
-is the paired median over repetitions of a kind's GB/s against that repetition's same-TP
-GB/s. Pages are verified (each landed page starts with its source row's index).
+GB/s are the bytes landed in the consumer's pages over the time to the last DONE (``same``,
+``split`` and ``merge`` land N * S bytes each, ``split1`` half that); ``ratio`` is the
+paired median over repetitions of a kind's GB/s against that repetition's same-TP GB/s.
+Pages are verified: every S / 2 / BUFFERS-byte run of a store row starts with the row's
+index, so each landed run is checked for the row it came from and where it landed.
 
 The planes, stores and process plumbing are ``transfer``'s, handed in as ``kit`` (its
 ``tp_kit(roles)``: ``make_plane``, ``device`` (``Roles.of``: the ``-cuda`` rows' GPUs as
@@ -38,17 +42,45 @@ from .peers import draw
 from .units import fmt_size, median
 
 BUFFERS = 16  # (layer, role) buffers per page: 8 layers' keys and values
-KINDS = ("same", "split", "merge")
+KINDS = ("same", "split", "split1", "merge")
 
 
 def _columns(page_bytes: int) -> dict[str, list[tuple[int, tuple[tuple[int, int], ...]]]]:
     """Per kind, its pushes: ``(receiver group, store columns)``."""
     run, half = page_bytes // BUFFERS, page_bytes // 2
+    first = tuple((b * run, run // 2) for b in range(BUFFERS))
+    second = tuple((b * run + run // 2, run // 2) for b in range(BUFFERS))
     return {
         "same": [(0, ((0, page_bytes),))],
-        "split": [(1, tuple((b * run, run // 2) for b in range(BUFFERS)))],
+        "split": [(1, first), (4, second)],
+        "split1": [(1, first)],
         "merge": [(2, ((0, half),)), (3, ((half, half),))],
     }
+
+
+def _stamp(store: np.ndarray, page_bytes: int) -> None:
+    """Every S / 2 / BUFFERS-byte run of each store row starts with the row's index."""
+    n, step = store.shape[0], page_bytes // BUFFERS // 2
+    idx = np.arange(n, dtype=np.int64).view(np.uint8).reshape(n, 8)
+    for at in range(0, page_bytes, step):
+        store[:, at : at + 8] = idx
+
+
+def _check(kind: str, target: Any, jobs: list[Any], page_bytes: int) -> None:
+    """Each landed run's first word is the index of the store row it came from: for a
+    merge, even runs (first halves of buffers) rank A's rows, odd runs rank B's."""
+    import torch
+
+    step = page_bytes // BUFFERS // 2 // 8  # int64 words per run
+    words = target.shape[1] // 8
+    dst = torch.as_tensor(np.asarray(jobs[0][3]), device=target.device)
+    at = torch.arange(0, words, step, device=target.device)
+    got = target.view(torch.int64)[dst[:, None], at[None, :]].cpu().numpy()
+    want = np.stack([np.asarray(jobs[0][2])] * at.numel(), axis=1)
+    if kind == "merge":
+        want[:, 1::2] = np.asarray(jobs[1][2])[:, None]
+    if not np.array_equal(got, want):
+        raise RuntimeError(f"{kind}: pages landed in the wrong slots or corrupted")
 
 
 def _producer(kit: Any, name: str, n: int, page_bytes: int, conn: Any) -> None:
@@ -61,6 +93,7 @@ def _producer(kit: Any, name: str, n: int, page_bytes: int, conn: Any) -> None:
     plane = None
     try:
         store = kit.store(2 * n, page_bytes)
+        _stamp(store, page_bytes)
         plane = kit.make_plane(name)
         rows = torch.from_numpy(store).to(kit.device(name, "producer"))
         register = getattr(plane, "register_source", None)
@@ -107,15 +140,17 @@ def _consumer(
         if dev == "cpu":
             from .. import hostmem
 
-            pool, halves = (
+            pool, halves, others = (
                 hostmem.empty((slots, page_bytes)),
+                hostmem.empty((slots, page_bytes // 2)),
                 hostmem.empty((slots, page_bytes // 2)),
             )
         else:
             pool = torch.empty(slots, page_bytes, dtype=torch.uint8, device=dev)
             halves = torch.empty(slots, page_bytes // 2, dtype=torch.uint8, device=dev)
-        pool.fill_(0)
-        halves.fill_(0)
+            others = torch.empty(slots, page_bytes // 2, dtype=torch.uint8, device=dev)
+        for buf in (pool, halves, others):
+            buf.fill_(0)
         run = page_bytes // BUFFERS
         plane = kit.make_plane(name)
         plane.register_regions(
@@ -124,6 +159,7 @@ def _consumer(
                 [halves],
                 [pool[:, b * run : b * run + run // 2] for b in range(BUFFERS)],
                 [pool[:, b * run + run // 2 : (b + 1) * run] for b in range(BUFFERS)],
+                [others],  # the second consumer rank's pool of a split
             ]
         )
         plane.add_source(msg[1])
@@ -133,10 +169,13 @@ def _consumer(
         tid = 0
         for rep in range(repeats + 1):
             for kind in KINDS:
-                jobs, dst = [], None
+                jobs, src0, dst = [], None, None
                 for group, cols in pushes[kind]:
                     src, d = draw(rng, slots, n)
                     dst = d if dst is None else dst  # merge: both parts land in one page
+                    if kind == "split":  # both consumer ranks read the same pages
+                        src = src if src0 is None else src0
+                        src0 = src
                     tid += 1
                     plane.expect(tid, 1, b"bench", [0] * group + [n], 300)
                     jobs.append((tid, group, src, dst, cols))
@@ -150,11 +189,12 @@ def _consumer(
                 reply = conn.recv()
                 if reply[0] != "pushed" or reply[1]:
                     raise RuntimeError(f"producer: {reply[1]}")
-                target = halves if kind == "split" else pool
-                head = target[torch.as_tensor(np.asarray(dst), device=target.device), :8]
-                got = head.cpu().numpy().copy().view(np.int64).reshape(-1)
-                if not np.array_equal(got, np.asarray(jobs[0][2])):
-                    raise RuntimeError(f"{kind}: pages landed in the wrong slots or corrupted")
+                if kind in ("split", "split1"):
+                    _check(kind, halves, jobs[:1], page_bytes)
+                    if kind == "split":
+                        _check(kind, others, jobs[1:], page_bytes)
+                else:
+                    _check(kind, pool, jobs, page_bytes)
                 if rep:
                     times[kind].append(dt)
         conn.send(("stop",))
@@ -190,10 +230,11 @@ def measure(
     }
     if times is None:
         return {**row, "error": err}
-    landed = {"same": n * page_bytes, "split": n * page_bytes // 2, "merge": n * page_bytes}
+    landed = {"split1": n * page_bytes // 2}
+    landed.update({kind: n * page_bytes for kind in ("same", "split", "merge")})
     for kind in KINDS:
         row[f"{kind}_gbps"] = landed[kind] / median(times[kind]) / 1e9
-    for kind in ("split", "merge"):
+    for kind in KINDS[1:]:
         row[f"{kind}_ratio"] = median(
             [
                 (landed[kind] / t) / (landed["same"] / s)
@@ -225,8 +266,8 @@ def run(
             r = measure(kit, name, pb, max(1, total // pb), repeats, timeout_s)
             rows.append(r)
             shown = (
-                f"same {r['same_gbps']:.2f}, split {r['split_gbps']:.2f} "
-                f"({r['split_ratio']:.2f}x), merge {r['merge_gbps']:.2f} ({r['merge_ratio']:.2f}x)"
+                f"same {r['same_gbps']:.2f}, "
+                + ", ".join(f"{k} {r[k + '_gbps']:.2f} ({r[k + '_ratio']:.2f}x)" for k in KINDS[1:])
                 if "error" not in r
                 else f"ERROR {r['error']}"
             )
@@ -237,7 +278,8 @@ def run(
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'transport':10s} {'channel':7s} {'page':>7s} {'same':>7s} {'split':>7s} {'ratio':>6s} "
-        f"{'merge':>7s} {'ratio':>6s}   (GB/s landed; ratio: paired median against same)"
+        f"{'split1':>7s} {'ratio':>6s} {'merge':>7s} {'ratio':>6s}"
+        "   (GB/s landed; ratio: paired median against same)"
     ]
     for r in rows:
         head = f"{r['transport']:10s} {r['channel']:7s} {fmt_size(r['page_bytes']):>7s}"
@@ -245,7 +287,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{head}  error: {r['error']}")
             continue
         lines.append(
-            f"{head} {r['same_gbps']:7.2f} {r['split_gbps']:7.2f} {r['split_ratio']:6.2f} "
-            f"{r['merge_gbps']:7.2f} {r['merge_ratio']:6.2f}"
+            f"{head} {r['same_gbps']:7.2f} "
+            + " ".join(f"{r[k + '_gbps']:7.2f} {r[k + '_ratio']:6.2f}" for k in KINDS[1:])
         )
     return "\n".join(lines)

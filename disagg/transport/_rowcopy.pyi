@@ -12,3 +12,13 @@ def copy_rows(
     dst_idx: Any,
     threads: int,
 ) -> None: ...
+def copy_runs(
+    src_ptr: int,
+    src_rows: int,
+    src_stride: int,
+    runs: Any,
+    dst_rows: int,
+    src_idx: Any,
+    dst_idx: Any,
+    threads: int,
+) -> None: ...

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from ..protocol.messages import DataCaps
+from . import page_copy
+from .page_runs import Run, copy_runs_host, launch_runs, prepare_runs
 
 
 class TransferState(enum.Enum):
@@ -134,6 +136,10 @@ class StoreRows:
         rows = np.asarray(self.rows, dtype=np.int64)
         r0 = int(rows[0]) if rows.size else 0
         run = bool(rows.size) and np.array_equal(rows, np.arange(r0, r0 + rows.size))
+        if len(self.cols) > 1 and rows.size:  # a TP slice's runs: one pass, no concatenation
+            out = self._gather_runs(rows)
+            if out is not None:
+                return out
         # the index must live where the slab does (a device store gathers on its device)
         idx = None if run else torch.from_numpy(rows).to(self.slab.device)
         parts = []
@@ -141,6 +147,31 @@ class StoreRows:
             view = self.slab[:, off : off + length]
             parts.append(view[r0 : r0 + rows.size] if idx is None else gather_rows(view, idx))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _gather_runs(self, rows: np.ndarray) -> torch.Tensor | None:
+        """The pages of several column spans gathered in one pass (``page_runs``: one C
+        call on the host, one kernel on a GPU); None where neither applies."""
+        slab = self.slab
+        if slab.dim() != 2 or (slab.shape[1] > 1 and slab.stride(1) != 1):
+            return None
+        if int(rows.min()) < 0 or int(rows.max()) >= slab.shape[0]:
+            return None  # the gather below names the bad row
+        n, width = int(rows.size), sum(c for _, c in self.cols)
+        out = torch.empty((n, width), dtype=torch.uint8, device=slab.device)
+        at = np.cumsum([0] + [c for _, c in self.cols[:-1]])
+        runs = [Run(o, out, int(a), c) for (o, c), a in zip(self.cols, at, strict=True)]
+        span = (slab.shape[0] - 1) * slab.stride(0) + slab.shape[1]  # from the first byte
+        flat = slab.as_strided((span,), (1,))
+        if slab.device.type == "cpu":
+            ok = copy_runs_host(flat, slab.shape[0], slab.stride(0), runs, np.arange(n), rows)
+            return out if ok else None
+        c = prepare_runs(flat, slab.stride(0), runs)
+        if c is None:
+            return None
+        dev = slab.device
+        with torch.cuda.device(dev):
+            launch_runs(c, torch.arange(n, device=dev), torch.from_numpy(rows).to(dev))
+        return out
 
 
 # (layer group, source rows uint8 [n, page_bytes], destination slot per row (-1: skip))
@@ -180,8 +211,22 @@ def gather_pages(
         # which buffers ``out`` (a copy more: 4.3 against 11-12 GB/s on the 2-core box)
         np.take(slab, rows, axis=0, out=pages, mode="clip")
         return
-    # column spans: a fancy-index copy per span (~8 GB/s; a take into the strided span
-    # of ``out`` falls back to a byte loop at ~0.5 GB/s)
+    rc = page_copy._rowcopy
+    if rc is not None and slab.strides[1] == 1 and pages.flags.c_contiguous:
+        # column spans (a TP slice's runs): one C pass, each page's spans in turn
+        at = np.cumsum([0] + [c for _, c in cols[:-1]])
+        table = np.array(
+            [(o, pages.ctypes.data + int(a), pages.shape[1], c) for (o, c), a in zip(cols, at)],
+            dtype=np.int64,
+        )
+        rows64 = np.ascontiguousarray(rows, dtype=np.int64)
+        n = rows64.size
+        rc.copy_runs(
+            slab.ctypes.data, slab.shape[0], slab.strides[0], table, n, rows64, np.arange(n), 1
+        )
+        return
+    # without it, a fancy-index copy per span (~8 GB/s; a take into the strided span of
+    # ``out`` falls back to a byte loop at ~0.5 GB/s)
     col = 0
     for o, c in cols:
         pages[:, col : col + c] = slab[rows, o : o + c]

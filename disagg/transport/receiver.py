@@ -30,6 +30,7 @@ import xxhash
 
 from .. import tuning
 from ..protocol import messages as m
+from . import page_copy
 from .dataplane import RegionSpec, TransferState, TransferStatus
 
 try:  # the one-pass batch check (_slotcheck.c); numpy below when it was not built
@@ -71,6 +72,28 @@ class Group:
         ``index_copy_`` on uint8 rows manages ~0.6 GB/s. Device regions get one
         synchronous batched ``index_copy_`` each (the source is reused afterwards)."""
         src_t = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+        rc = page_copy._rowcopy
+        if (
+            rc is not None
+            and len(self.regions) > 1
+            and src_t.device.type == "cpu"
+            and src_t.is_contiguous()
+            and all(r.tensor.device.type == "cpu" for r in self.regions)
+        ):  # several host regions (a TP slice's runs): one C pass, each page's in turn
+            at = np.cumsum([0] + [r.size for r in self.regions[:-1]])
+            table = np.array(
+                [
+                    (int(a), r.tensor.data_ptr(), r.tensor.stride(0), r.size)
+                    for r, a in zip(self.regions, at, strict=True)
+                ],
+                dtype=np.int64,
+            )
+            n = int(src_t.shape[0])
+            rc.copy_runs(
+                src_t.data_ptr(), n, self.page_bytes, table, self.num_slots, np.arange(n),
+                np.ascontiguousarray(slots, dtype=np.int64), 1,
+            )  # fmt: skip
+            return
         col = 0
         for region in self.regions:
             part = src_t[:, col : col + region.size]

@@ -26,7 +26,7 @@ def test_bench_transfer_quick_json(capsys):
     assert row["ceiling_paired"] is True and row["ratio_paired_median"] > 0
     (tp,) = rep["tp"]  # TP-split and TP-merge beside the same-TP transfer, verified pages
     assert tp["transport"] == "tcp" and "error" not in tp, tp
-    assert all(tp[f"{k}_gbps"] > 0 for k in ("same", "split", "merge"))
+    assert all(tp[f"{k}_gbps"] > 0 for k in ("same", "split", "split1", "merge"))
     assert tp["split_ratio"] > 0 and tp["merge_ratio"] > 0
 
 

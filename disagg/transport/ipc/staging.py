@@ -27,12 +27,13 @@ import torch
 from ...protocol import ipc as wire
 from .. import cuda_driver
 from ..page_copy import DeviceCopy, copy_indexed, launch_device, launch_raw, prepare_device
+from ..page_runs import Run, RunsCopy, copy_runs_host, launch_runs, launch_runs_raw, prepare_runs
 from ..receiver import Group
 
 # A plane's cache of prepared copies: (export tensor, group, layout) -> the prepared
 # device copy of each piece. The receiver thread's alone. Entries hold the tensor and the
 # group themselves, so their ids (in the key) cannot be reused while cached.
-Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy]]]
+Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy | RunsCopy]]]
 MAX_PREPARED = 256
 _TORCH_INT = {4: torch.int32, 8: torch.int64}
 
@@ -193,10 +194,13 @@ def copy_batch(plan: Plan) -> set[torch.device]:
         n, dtype, off_bytes = staged.pages, staged.dtype, staged.rows_at
         prepared = prepare_copies(plan.cache, grp, b, src)
         if prepared is not None:  # the usual case: views worked out by an earlier push
-            base = both.data_ptr()
+            base, handle = both.data_ptr(), staged.staging.handle
             for c in prepared:  # straight launches once Triton compiled the kernel
-                if not launch_raw(c, n, base, base + off_bytes, dtype, staged.staging.handle):
-                    off = off_bytes // dtype.itemsize
+                off = off_bytes // dtype.itemsize
+                if isinstance(c, RunsCopy):
+                    if not launch_runs_raw(c, n, base, base + off_bytes, dtype, handle):
+                        launch_runs(c, both.view(dtype)[:n], both.view(dtype)[off : off + n])
+                elif not launch_raw(c, n, base, base + off_bytes, dtype, handle):
                     launch_device(c, both.view(dtype)[:n], both.view(dtype)[off : off + n])
             return {dev}
         off = off_bytes // dtype.itemsize
@@ -204,8 +208,14 @@ def copy_batch(plan: Plan) -> set[torch.device]:
     else:  # host index kernels take int64 (and a copy: the message's view is read-only)
         dst_idx = torch.from_numpy(slots.astype(np.int64))
         src_idx = torch.from_numpy(rows.astype(np.int64))
+    cut = pieces(b.spans, [r.size for r in grp.regions])
+    if len(cut) > 1 and not src.is_cuda and all(not r.tensor.is_cuda for r in grp.regions):
+        # a slice's runs: one pass over the pages rather than one per run
+        runs = [Run(b.base + c, grp.regions[r].tensor, d, k) for c, r, d, k in cut]
+        if copy_runs_host(src, n_rows, b.row_stride, runs, dst_idx.numpy(), src_idx.numpy()):
+            return set()
     devices = set()
-    for src_col, region, dst_col, length in pieces(b.spans, [r.size for r in grp.regions]):
+    for src_col, region, dst_col, length in cut:
         view = src.as_strided(
             (n_rows, length), (b.row_stride, 1), src.storage_offset() + b.base + src_col
         )
@@ -218,18 +228,28 @@ def copy_batch(plan: Plan) -> set[torch.device]:
 
 def prepare_copies(
     cache: Prepared, grp: Group, b: wire.IpcBatch, src: torch.Tensor
-) -> list[DeviceCopy] | None:
+) -> list[DeviceCopy | RunsCopy] | None:
     """The batch's device copies over views of every row the export holds (not just
     this push's: the views then serve every push of that layout; each push's rows were
     checked to lie inside the export, and ``as_strided`` checks the views against the
-    storage). None where the Triton kernel cannot do it (then ``copy_indexed``)."""
+    storage). A batch of several pieces (a TP slice's runs) is one ``page_runs`` copy
+    where it applies. None where the Triton kernel cannot do it (then ``copy_indexed``)."""
     key = (id(src), id(grp), b.base, b.row_stride, tuple(b.spans))
     hit = cache.get(key)
     if hit is not None and hit[0] is src and hit[1] is grp:
         cache.move_to_end(key)
         return hit[2]
-    out = []
-    for src_col, region, dst_col, length in pieces(b.spans, [r.size for r in grp.regions]):
+    out: list[DeviceCopy | RunsCopy] = []
+    cut = pieces(b.spans, [r.size for r in grp.regions])
+    runs = None
+    if len(cut) > 1:
+        runs = prepare_runs(
+            src, b.row_stride, [Run(b.base + c, grp.regions[r].tensor, d, k) for c, r, d, k in cut]
+        )
+    if runs is not None:
+        out.append(runs)
+        cut = []
+    for src_col, region, dst_col, length in cut:
         first = b.base + src_col  # byte of row 0's piece; rows lie every row_stride bytes
         n_view = (src.numel() - first - length) // b.row_stride + 1
         view = src.as_strided((n_view, length), (b.row_stride, 1), src.storage_offset() + first)

@@ -193,13 +193,26 @@ class MappedStores:
         """Copy a batch's pages from the producer's slab mapped at ``ptr`` into its slots
         of ``grp``: per piece (a column span of the row into one region,
         ``native_rma.page_pieces``) one C row copy (which checks every index against its
-        side's rows again), else ``page_copy.copy_indexed`` on views."""
+        side's rows again; a batch of several pieces, a TP slice's runs, is one ``copy_runs``
+        call over the pages), else ``page_copy.copy_indexed`` on views."""
         rows, slots = hdr.rows, hdr.slots
         nbytes = int(slots.size) * hdr.page_bytes
         rc = page_copy._rowcopy
         threads = 1
         if nbytes >= _THREADS_MIN:
             threads = min(page_copy.HOST_THREADS, len(os.sched_getaffinity(0)))
+        if rc is not None and len(pieces) > 1:  # a TP slice's runs: one pass over the pages
+            table = np.array(
+                [
+                    (soff, grp.regions[reg].tensor.data_ptr() + doff,
+                     grp.regions[reg].tensor.stride(0), plen)
+                    for soff, reg, doff, plen in pieces
+                ],
+                dtype=np.int64,
+            )  # fmt: skip
+            dst_rows = min(int(grp.regions[reg].tensor.shape[0]) for _, reg, _, _ in pieces)
+            rc.copy_runs(ptr, hdr.nrows, hdr.stride, table, dst_rows, rows, slots, threads)
+            return
         for soff, reg, doff, plen in pieces:
             dst = grp.regions[reg].tensor
             if rc is not None:
