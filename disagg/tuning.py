@@ -209,8 +209,8 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                 ge=1,
                 le=4096,
                 description="producer: a pass's save plan (store rows, copy indices) is made at "
-                "the save of this many layers, the device running those layers meanwhile; 1 "
-                "plans at the first layer's save; default 3",
+                "the save of this many layers, the device running those layers meanwhile, the "
+                "layers before copied right after it; default 1 (the first layer's save)",
             ),
         ]
         | None

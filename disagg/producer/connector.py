@@ -182,9 +182,10 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
-# The pass's plan waits for this many layers' saves, so the device has them to run while
-# the host plans (1: at the first layer's save); ``tuning.save_plan_layers`` overrides it.
-PLAN_AFTER_LAYERS = 3
+# The pass is planned at the save of this many layers (``tuning.save_plan_layers``): more
+# than 1 gives the device those layers to run while the host plans; not yet shown faster
+# on a GPU (docs/design/first-token.md), so the plan stays at the first layer's save.
+PLAN_AFTER_LAYERS = 1
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -230,10 +231,9 @@ class ProducerWorker(KvCacheConnectorWorker):
         ``tuning.save_stream``). Nothing here waits for the device. The pass is planned
         once, for all its layers (store rows reserved: dedup, evict, drop; the copy
         indices placed on their devices, ``saving.plan_pass``), at the save of its
-        ``PLAN_AFTER_LAYERS``-th layer: by then the device has the first layers to run
-        while the host plans, where a plan at the first layer left it idle once that
-        layer was done. The layers before are copied right after the plan (a layer's
-        pages are not written by the layers after it)."""
+        ``PLAN_AFTER_LAYERS``-th layer (the first by default), after that layer's kernels
+        are enqueued so the host work overlaps them. Layers saved before the plan are
+        copied right after it (a layer's pages are not written by the layers after it)."""
         if self._saves:
             after = tuning.current().save_plan_layers or PLAN_AFTER_LAYERS
             if len(self._held) + 1 < after:

@@ -64,6 +64,21 @@ def test_tokens_and_pages_match_monolithic(case, load_mode):
     assert psvc.store.pinned_blocks() == 0
 
 
+@pytest.mark.parametrize("plan_layers", [3, 9])
+def test_a_pass_planned_after_its_first_layers_saves_them_all(monkeypatch, plan_layers):
+    """``tuning.save_plan_layers``: the layers saved before the plan are copied after it
+    (at the 3rd of 4 layers), or all of them at ``wait_for_save`` (more than it has)."""
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
+    shape = {**SHAPE, "num_layers": 4}
+    cfg = EngineConfig(**shape, **CASES["v2-vswa-chunked"], capture_pages=True)
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=6)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
+
+
 def test_cache_salt_isolates_prefixes():
     cfg = EngineConfig(**SHAPE)
     ps = prompts(n=1)
