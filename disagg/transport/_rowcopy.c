@@ -145,6 +145,25 @@ static Py_ssize_t first_bad(const int64_t *idx, Py_ssize_t n, Py_ssize_t rows) {
     return -1;
 }
 
+/* Whether the index arrays are unusable: 0, or -1 with the exception set naming the
+ * first bad index (counts that differ, a row outside its buffer). */
+static int bad_rows(const int64_t *si, Py_ssize_t n, Py_ssize_t src_rows, const int64_t *di,
+                    Py_ssize_t n_dst, Py_ssize_t dst_rows) {
+    Py_ssize_t bad;
+    if (n_dst != n) {
+        PyErr_Format(PyExc_ValueError, "%zd source rows for %zd destination rows", n, n_dst);
+    } else if ((bad = first_bad(si, n, src_rows)) >= 0) {
+        PyErr_Format(PyExc_IndexError, "source row %lld (index %zd) outside %zd rows",
+                     (long long)si[bad], bad, src_rows);
+    } else if ((bad = first_bad(di, n, dst_rows)) >= 0) {
+        PyErr_Format(PyExc_IndexError, "destination row %lld (index %zd) outside %zd rows",
+                     (long long)di[bad], bad, dst_rows);
+    } else {
+        return 0;
+    }
+    return -1;
+}
+
 /* Runs work(jobs[t]) for every t, jobs 1.. on threads of their own (a job whose thread
  * did not start runs here). */
 static void spread(void *(*work)(void *), job_t *jobs, pthread_t *tids, int *started,
@@ -184,17 +203,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_ssize_t n = sv.len / 8;
     const int64_t *si = (const int64_t *)sv.buf, *di = (const int64_t *)dv.buf;
     PyObject *ret = NULL;
-    Py_ssize_t bad;
-    if (dv.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "%zd source rows for %zd destination rows", n,
-                     dv.len / 8);
-    } else if ((bad = first_bad(si, n, src_rows)) >= 0) {
-        PyErr_Format(PyExc_IndexError, "source row %lld (index %zd) outside %zd rows",
-                     (long long)si[bad], bad, src_rows);
-    } else if ((bad = first_bad(di, n, dst_rows)) >= 0) {
-        PyErr_Format(PyExc_IndexError, "destination row %lld (index %zd) outside %zd rows",
-                     (long long)di[bad], bad, dst_rows);
-    } else {
+    if (bad_rows(si, n, src_rows, di, dv.len / 8, dst_rows) == 0) {
         if (threads < 1) threads = 1;
         if (threads > MAX_THREADS) threads = MAX_THREADS;
         if (threads > n) threads = n > 0 ? (int)n : 1;
@@ -253,22 +262,12 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     const int64_t *si = (const int64_t *)sv.buf, *di = (const int64_t *)dv.buf;
     const int64_t *runs = (const int64_t *)rv.buf;
     PyObject *ret = NULL;
-    Py_ssize_t bad;
     long long row_bytes = 0, shortest = -1;
     for (Py_ssize_t k = 0; k < n_runs; k++) {
         row_bytes += runs[4 * k + 3];
         if (shortest < 0 || runs[4 * k + 3] < shortest) shortest = runs[4 * k + 3];
     }
-    if (dv.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "%zd source rows for %zd destination rows", n,
-                     dv.len / 8);
-    } else if ((bad = first_bad(si, n, src_rows)) >= 0) {
-        PyErr_Format(PyExc_IndexError, "source row %lld (index %zd) outside %zd rows",
-                     (long long)si[bad], bad, src_rows);
-    } else if ((bad = first_bad(di, n, dst_rows)) >= 0) {
-        PyErr_Format(PyExc_IndexError, "destination row %lld (index %zd) outside %zd rows",
-                     (long long)di[bad], bad, dst_rows);
-    } else {
+    if (bad_rows(si, n, src_rows, di, dv.len / 8, dst_rows) == 0) {
         if (threads < 1) threads = 1;
         if (threads > MAX_THREADS) threads = MAX_THREADS;
         if (threads > n) threads = n > 0 ? (int)n : 1;

@@ -192,15 +192,21 @@ def launch_device(c: DeviceCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -
         c.ws, c.wd, src_idx, dst_idx, c.src_stride, c.dst_stride, c.n_elems,
         BLOCK=c.block, num_warps=8,
     )  # fmt: skip
+    keep_compiled(c.compiled, ck, src_idx, dst_idx)
+
+
+def keep_compiled(
+    compiled: dict[torch.dtype, Any], ck: Any, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """Keep what Triton compiled for aligned index arrays of this dtype, so that a raw
+    launch (``launch_raw``) runs it again without the JIT's per-call argument binding."""
     dtype = dst_idx.dtype
     if (
         dtype == src_idx.dtype
-        and dtype not in c.compiled
+        and dtype not in compiled
         and (dst_idx.data_ptr() | src_idx.data_ptr()) % 16 == 0
     ):
-        # what Triton compiled for aligned index arrays of this dtype: ``launch_raw``
-        # launches it again without the JIT's per-call argument binding
-        c.compiled[dtype] = ck
+        compiled[dtype] = ck
 
 
 def launch_raw(

@@ -197,13 +197,7 @@ def launch_runs(c: RunsCopy, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> No
         c.src, c.dst, src_idx, dst_idx, c.table, c.chunks, c.src_stride,
         RUNS=c.runs, BLOCK=c.block, VEC=c.vec, num_warps=NUM_WARPS,
     )  # fmt: skip
-    dtype = dst_idx.dtype
-    if (
-        dtype == src_idx.dtype
-        and dtype not in c.compiled
-        and (dst_idx.data_ptr() | src_idx.data_ptr()) % 16 == 0
-    ):
-        c.compiled[dtype] = ck
+    page_copy.keep_compiled(c.compiled, ck, src_idx, dst_idx)
 
 
 def launch_runs_raw(
