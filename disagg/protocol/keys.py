@@ -19,13 +19,12 @@ from typing import overload
 import numpy as np
 import xxhash
 
+from ..native import load
 from .version import MAX_KEYS
 
 _native: types.ModuleType | None
-try:  # the C loops (_keyhash.c); absent when built without a compiler
-    from . import _keyhash as _native
-except ImportError:  # pragma: no cover - depends on the install
-    _native = None
+# the C loops (_keyhash.c); absent when built without a compiler
+_native = load("disagg.protocol._keyhash", strict=False)
 if sys.byteorder != "little":  # pack_int64 writes native order; keys are little-endian
     _native = None
 

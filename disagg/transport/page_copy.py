@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .. import tuning
+from ..native import load
 from ..pages import copy_rows, gather_rows, scatter_rows
 from . import cuda_driver
 
@@ -57,12 +57,9 @@ from . import cuda_driver
 HOST_CHUNK_BYTES = 2 << 20
 HOST_THREADS = 4  # threads of the C row copy for copies of 8 MiB or more
 
-try:  # the C row copy (_rowcopy.c, built by pip install; optional like the key helper)
-    from . import _rowcopy
-except ImportError:  # no compiler at install time: torch/numpy two-pass copy below
-    _rowcopy = None  # type: ignore[assignment]
-    if tuning.current().require_native:
-        raise
+# the C row copy (_rowcopy.c; without a compiler at install time, the torch/numpy two-pass
+# copy below)
+_rowcopy = load("disagg.transport._rowcopy")
 
 
 @functools.cache

@@ -28,17 +28,13 @@ import numpy as np
 import torch
 import xxhash
 
-from .. import tuning
+from ..native import load
 from ..protocol import messages as m
 from . import page_copy
 from .dataplane import RegionSpec, TransferState, TransferStatus
 
-try:  # the one-pass batch check (_slotcheck.c); numpy below when it was not built
-    from . import _slotcheck
-except ImportError:
-    _slotcheck = None  # type: ignore[assignment]
-    if tuning.current().require_native:
-        raise
+# the one-pass batch check (_slotcheck.c); numpy below when it was not built
+_slotcheck = load("disagg.transport._slotcheck")
 
 # what a batch check found wrong: _slotcheck's codes, which the numpy fallback uses too
 SLOT_OUTSIDE, SLOT_NOT_GIVEN, SLOT_TWICE, ROW_NEGATIVE, ROW_BEYOND = 1, 2, 3, 4, 5

@@ -20,13 +20,10 @@ from __future__ import annotations
 import os
 
 from .. import tuning
+from ..native import load
 
-try:  # the C spin (_spin.c, built by pip install; optional like the other helpers)
-    from . import _spin
-except ImportError:  # no compiler at install time: threads block at once
-    _spin = None  # type: ignore[assignment]
-    if tuning.current().require_native:
-        raise
+# the C spin (_spin.c; without a compiler at install time, threads block at once)
+_spin = load("disagg.transport._spin")
 
 # Below this many CPUs a spinning thread takes a core the peer process needs (the 2-core
 # CI box: producer, consumer and their threads share two cores).

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...native import load
 from ...protocol import ipc as wire
 from ...protocol import messages as m
 from ...protocol.errors import ProtocolError
@@ -45,10 +46,8 @@ from ..dataplane import RowsSource, StoreRows, TransferState, TransferStatus
 from . import host
 from .parts import PARTS_MIN_PAGE_BYTES, cut, part_sizes
 
-try:  # one pass packs a push's index arrays (the shared receiver requires it under CI)
-    from .. import _slotcheck
-except ImportError:
-    _slotcheck = None  # type: ignore[assignment]
+# one pass packs a push's index arrays (the shared receiver requires it under CI)
+_slotcheck = load("disagg.transport._slotcheck", strict=False)
 
 POLL_MS = 20
 IDLE_SOCKET_S = 30.0  # a connection idle this long (nothing in flight) is closed

@@ -33,15 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from ... import tuning
+from ...native import load
 from ..dataplane import gather_pages
 
-try:  # the iovec loops (_streamio.c, built at install; optional like the row copy)
-    from .. import _streamio
-except ImportError:  # no compiler at install time: the Python path below
-    _streamio = None  # type: ignore[assignment]
-    if tuning.current().require_native:
-        raise
+# the iovec loops (_streamio.c; without a compiler at install time, the Python path below)
+_streamio = load("disagg.transport._streamio")
 
 PIPE_BYTES = 4 << 20  # pipe size asked for; the kernel caps it (fs.pipe-max-size, 1 MiB)
 MIN_PIPE_BYTES = 256 << 10  # a smaller pipe (per-user pipe quota spent): the plain stream

@@ -36,15 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from ... import tuning
+from ... import native, tuning
 from . import iov
 
-try:
-    from .. import _ucxrma
-except ImportError:  # no compiler at install time: the plane keeps its tag path
-    _ucxrma = None  # type: ignore[assignment]
-    if tuning.current().require_native:
-        raise
+# the RMA loop (_ucxrma.c; without a compiler at install time, the plane keeps its tag path)
+_ucxrma = native.load("disagg.transport._ucxrma")
 
 log = logging.getLogger(__name__)
 
