@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 
 from .. import SchedulerOutput
-from .batch import build as build_batch
 from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, block_hashes
@@ -507,9 +506,7 @@ class Engine:
         stream = drv.stream if drv is not None else None
         spans = {r.request_id: self._span(r) for r in batch}
         try:
-            plan = build_batch(
-                [(r, *spans[r.request_id]) for r in batch], self.kv, model.paged_max_n(self.kv)
-            )
+            plan = model.plan([(r, *spans[r.request_id]) for r in batch], self.kv)
             x = model.embed_batch(plan)
             layer = model.layer_runner(plan, x, model.rope_tables(plan), self.kv)
             for i in range(self.config.num_layers):

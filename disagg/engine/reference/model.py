@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import fused, graphs, paged
 from .attention import Attention
-from .batch import Batch
+from .batch import Batch, build
 from .config import EngineConfig
 from .kv_cache import KvCacheManager
 
@@ -270,6 +270,11 @@ class TinyLlama:
             window,
         )
         return out
+
+    def plan(self, spans: list[tuple[Any, int, int]], kv: KvCacheManager) -> Batch:
+        """One forward's batch of ``spans`` (``batch.build``), its short spans marked for
+        attention over the pages where this model runs it."""
+        return build(spans, kv, self.paged_max_n(kv))
 
     def paged_max_n(self, kv: KvCacheManager) -> int:
         """Spans of at most this many tokens attend over the pages (``paged``; 0: none):
