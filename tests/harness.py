@@ -172,6 +172,24 @@ def run(eng: Engine, ps: list[list[int]], max_tokens: int, salt: str | None = No
     return [eng.results[i] for i in ids]
 
 
+def random_prompt(seed: int, n: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def run_one(eng: Engine, prompt: list[int], max_tokens: int) -> Any:
+    """One request to its end, the engine stepped until idle: its result."""
+    rid = eng.add_request(prompt, max_tokens)
+    while not eng.results[rid].finished or eng.has_work():
+        eng.step()
+    return eng.results[rid]
+
+
+def continue_after(cons: Engine, prompt: list[int], first: int, max_tokens: int) -> Any:
+    """The continuation the proxy sends: prompt + the producer's token, the rest to go."""
+    return run_one(cons, prompt + [first], max_tokens - 1)
+
+
 def check_against_monolithic(produced: list[Any], consumed: list[Any], mono: list[Any]) -> None:
     """Every consumed request finished without error with the monolithic run's tokens,
     matched tokens through the connector, and loaded pages equal, byte for byte, to the

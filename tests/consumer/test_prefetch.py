@@ -7,17 +7,19 @@ wrong token or a failed request."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 from harness import (
     SHAPE,
     close_all_services,
+    continue_after,
     make_consumer,
     make_producer,
+    random_prompt,
     rank_endpoints,
     rank_services,
+    run_one,
     wait_for,
 )
 
@@ -35,22 +37,9 @@ def _close_services():
     close_all_services()
 
 
-def _prompt(seed: int, n: int = 96) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(512) for _ in range(n)]
-
-
-def _continue(cons: Engine, prompt: list[int], first: int, max_tokens: int) -> object:
-    """The continuation the proxy sends: prompt + the producer's token, the rest to go."""
-    rid = cons.add_request(prompt + [first], max_tokens - 1)
-    while not cons.results[rid].finished or cons.has_work():
-        cons.step()
-    return cons.results[rid]
-
-
 @pytest.mark.parametrize("length", [96, 100], ids=["whole-blocks", "partial-block"])
 def test_the_continuation_takes_the_prefetched_lease(length: int):
-    prompt = _prompt(1, length)
+    prompt = random_prompt(1, length)
     mono = Engine(CFG).generate([prompt], max_tokens=6)[0]
     prod, psvc = make_producer(CFG)
     cons, csvc = make_consumer(CFG, [psvc.endpoint])
@@ -62,7 +51,7 @@ def test_the_continuation_takes_the_prefetched_lease(length: int):
     assert produced.tokens == mono[:1]
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert psvc.leases.active() == 1
-    got = _continue(cons, prompt, produced.tokens[0], 6)
+    got = continue_after(cons, prompt, produced.tokens[0], 6)
     assert got.error is None and [produced.tokens[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_taken"] == 1
     assert csvc.metrics["claims_hit"] == 0, "the engine thread claimed despite the prefetch"
@@ -74,7 +63,7 @@ def test_the_continuation_takes_the_prefetched_lease(length: int):
 
 def test_a_prefetch_no_continuation_takes_is_released_after_its_hold(monkeypatch):
     monkeypatch.setattr(prefetch, "PREFETCH_HOLD_S", 0.4)
-    prompt = _prompt(2)
+    prompt = random_prompt(2)
     prod, psvc = make_producer(CFG)
     prod.generate([prompt], max_tokens=1)
     cons, csvc = make_consumer(CFG, [psvc.endpoint], heartbeat_s=0.1)
@@ -86,7 +75,7 @@ def test_a_prefetch_no_continuation_takes_is_released_after_its_hold(monkeypatch
     assert csvc.metrics["prefetch_expired"] == 1 and not csvc.prefetches.leases()
     # a continuation after the release claims as usual
     mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
-    got = _continue(cons, prompt, mono[0], 3)
+    got = continue_after(cons, prompt, mono[0], 3)
     assert got.error is None and [mono[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["claims_hit"] == 1
 
@@ -96,7 +85,7 @@ def test_a_producer_dying_mid_prefill_while_the_consumer_prefetches(monkeypatch)
     the producer stops. The prefetch gets no lease (bounded by its wait); the continuation
     finds no producer and computes the prompt itself: the monolithic tokens."""
     monkeypatch.setattr(prefetch, "PREFETCH_WAIT_S", 1.0)
-    prompt = _prompt(3)
+    prompt = random_prompt(3)
     mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(EngineConfig(**{**CFG.__dict__, "chunk_size": 2 * TPB}))
     cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=0.5)
@@ -108,7 +97,7 @@ def test_a_producer_dying_mid_prefill_while_the_consumer_prefetches(monkeypatch)
     psvc.close()  # the producer dies mid-prefill
     assert wait_for(lambda: csvc.metrics["prefetch_missed"] == 1, timeout=8)
     assert not csvc.prefetches.leases()
-    got = _continue(cons, prompt, mono[0], 4)
+    got = continue_after(cons, prompt, mono[0], 4)
     assert got.error is None and [mono[0], *got.tokens] == mono
     assert got.connector_matched_tokens == 0  # computed here
 
@@ -119,7 +108,7 @@ def test_a_producer_dying_after_the_prefetch_leased_its_blocks(line: str | None)
     lease confirms it first, finds the producer gone and claims afresh, a miss: the request
     is computed here (the monolithic tokens), on a runtime with failed-load reports or
     without."""
-    prompt = _prompt(4)
+    prompt = random_prompt(4)
     mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(CFG)
     prod.generate([prompt], max_tokens=1)
@@ -128,14 +117,14 @@ def test_a_producer_dying_after_the_prefetch_leased_its_blocks(line: str | None)
     assert start_prefetch(csvc, prompt, None) is None
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     psvc.close()
-    got = _continue(cons, prompt, mono[0], 4)
+    got = continue_after(cons, prompt, mono[0], 4)
     assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["prefetch_dropped_down"] == 1
     assert got.error is None and [mono[0], *got.tokens] == mono
     assert got.connector_matched_tokens == 0  # computed here
 
 
 def test_a_lease_whose_producer_is_known_down_is_claimed_afresh():
-    prompt = _prompt(6)
+    prompt = random_prompt(6)
     mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
     prod, psvc = make_producer(CFG)
     prod.generate([prompt], max_tokens=1)
@@ -144,7 +133,7 @@ def test_a_lease_whose_producer_is_known_down_is_claimed_afresh():
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     link = csvc.links[0]
     link.down_until = time.monotonic() + 30  # a call to it failed meanwhile
-    got = _continue(cons, prompt, mono[0], 3)
+    got = continue_after(cons, prompt, mono[0], 3)
     link.down_until = 0.0
     assert csvc.metrics["prefetch_dropped_down"] == 1 and csvc.metrics["prefetch_taken"] == 0
     assert got.error is None and [mono[0], *got.tokens] == mono
@@ -154,11 +143,11 @@ def test_a_lease_whose_producer_is_known_down_is_claimed_afresh():
 
 def test_prefetch_declines_what_it_cannot_serve():
     prod, psvc = make_producer(CFG)
-    prod.generate([_prompt(5)], max_tokens=1)
+    prod.generate([random_prompt(5)], max_tokens=1)
     cons, csvc = make_consumer(CFG, [psvc.endpoint])
-    assert start_prefetch(csvc, _prompt(5, TPB - 1), None) == "the prompt has no whole block"
-    assert start_prefetch(csvc, _prompt(5), None) is None
-    assert start_prefetch(csvc, _prompt(5), None) == "this prompt is being prefetched already"
+    assert start_prefetch(csvc, random_prompt(5, TPB - 1), None) == "the prompt has no whole block"
+    assert start_prefetch(csvc, random_prompt(5), None) is None
+    assert start_prefetch(csvc, random_prompt(5), None) == "this prompt is being prefetched already"
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert csvc.prefetches.sweep(time.monotonic() + prefetch.PREFETCH_HOLD_S) == 1
     assert wait_for(lambda: psvc.leases.active() == 0)  # given back while the producer lives
@@ -175,7 +164,7 @@ def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
     """The plain path (no first token): a prompt of whole blocks offers one block fewer
     than its prefetch leased (the last prompt token is computed here), so the lease is not
     taken; the request claims its own, shorter one."""
-    prompt = _prompt(7, 96)
+    prompt = random_prompt(7, 96)
     mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
     prod, psvc = make_producer(CFG)
     prod.generate([prompt], max_tokens=1)
@@ -192,27 +181,20 @@ def test_a_request_offering_fewer_blocks_than_the_prefetch_claims_as_usual():
 TP_CFG = {**SHAPE, "num_blocks": 128, "kv_manager": "v2", "num_heads": 4, "num_kv_heads": 4}
 
 
-def _prefill(prod: Engine, prompt: list[int]) -> int:
-    rid = prod.add_request(prompt, 1)
-    while not prod.results[rid].finished or prod.has_work():
-        prod.step()
-    return prod.results[rid].tokens[0]
-
-
 @pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
 def test_unequal_tp_prefetches_every_producer_rank(p: int, d: int):
     """Producer TP 2 into consumer TP 1 and the reverse (4 KV heads): the prefetch leases
     the prompt on every producer rank; the continuation takes them all and loads each
     consumer rank's heads, token for token; every rank's lease goes back."""
-    prompt = _prompt(11)
+    prompt = random_prompt(11)
     mono = Engine(EngineConfig(**TP_CFG)).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(EngineConfig(**TP_CFG, tp=p))
     cons, csvc = make_consumer(EngineConfig(**TP_CFG, tp=d), [rank_endpoints(psvc)])
     assert start_prefetch(csvc, prompt, None) is None
-    first = _prefill(prod, prompt)
+    first = run_one(prod, prompt, 1).tokens[0]
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert [s.leases.active() for s in rank_services(psvc)] == [1] * p
-    got = _continue(cons, prompt, first, 4)
+    got = continue_after(cons, prompt, first, 4)
     assert got.error is None and [first, *got.tokens] == mono
     assert got.connector_matched_tokens == len(prompt) // TPB * TPB
     assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["claims_hit"] == 0
@@ -223,16 +205,16 @@ def test_unequal_tp_prefetches_every_producer_rank(p: int, d: int):
 def test_a_prefetched_lease_one_producer_rank_lost_is_claimed_afresh():
     """Producer TP 2 into consumer TP 1: rank 1 no longer knows its prefetched lease (freed
     there): the continuation gives both back and claims afresh, token for token."""
-    prompt = _prompt(12)
+    prompt = random_prompt(12)
     mono = Engine(EngineConfig(**TP_CFG)).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(EngineConfig(**TP_CFG, tp=2))
     cons, csvc = make_consumer(EngineConfig(**TP_CFG), [rank_endpoints(psvc)])
-    first = _prefill(prod, prompt)
+    first = run_one(prod, prompt, 1).tokens[0]
     assert start_prefetch(csvc, prompt, None) is None
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     rank1 = rank_services(psvc)[1]
     assert rank1.leases.free_owner(csvc.owner) == 1
-    got = _continue(cons, prompt, first, 4)
+    got = continue_after(cons, prompt, first, 4)
     assert got.error is None and [first, *got.tokens] == mono
     assert csvc.metrics["prefetch_dropped_down"] == 1 and csvc.metrics["prefetch_taken"] == 0
     assert csvc.metrics["claims_hit"] == 1  # claimed afresh, on both ranks
@@ -246,14 +228,14 @@ def test_head_blind_tp_is_not_prefetched_and_says_so(monkeypatch):
     declines (counted) and the continuation claims every rank itself."""
     monkeypatch.setattr("disagg.service_base.num_kv_heads_of", lambda llm_args: None)
     cfg = EngineConfig(**TP_CFG, tp=2)
-    prompt = _prompt(13)
+    prompt = random_prompt(13)
     mono = Engine(cfg).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(cfg)
     cons, csvc = make_consumer(cfg, [rank_endpoints(psvc)])
     assert csvc.routes is None
     assert "TP without the model's KV head count" in start_prefetch(csvc, prompt, None)
     assert csvc.metrics["prefetch_declined_tp"] == 1 and csvc.metrics["prefetch_started"] == 0
-    first = _prefill(prod, prompt)
-    got = _continue(cons, prompt, first, 4)
+    first = run_one(prod, prompt, 1).tokens[0]
+    got = continue_after(cons, prompt, first, 4)
     assert got.error is None and [first, *got.tokens] == mono
     assert got.connector_matched_tokens > 0 and csvc.metrics["claims_hit"] == 1

@@ -8,16 +8,18 @@ recompute; every zone slot is free again once its lease is gone."""
 from __future__ import annotations
 
 import importlib.util
-import random
 
 import pytest
 import torch
 from harness import (
     SHAPE,
     close_all_services,
+    continue_after,
     hold_pushes,
     make_consumer,
     make_producer,
+    random_prompt,
+    run_one,
     wait_for,
 )
 
@@ -38,25 +40,6 @@ _needs_ucx = pytest.mark.skipif(
 def _close_services():
     yield
     close_all_services()
-
-
-def _prompt(seed: int, n: int = 96) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(512) for _ in range(n)]
-
-
-def _continue(cons: Engine, prompt: list[int], first: int, max_tokens: int) -> object:
-    rid = cons.add_request(prompt + [first], max_tokens - 1)
-    while not cons.results[rid].finished or cons.has_work():
-        cons.step()
-    return cons.results[rid]
-
-
-def _prefill(prod: Engine, prompt: list[int]) -> object:
-    rid = prod.add_request(prompt, 1)
-    while not prod.results[rid].finished or prod.has_work():
-        prod.step()
-    return prod.results[rid]
 
 
 @pytest.mark.parametrize(
@@ -101,7 +84,7 @@ def _round_trip(
 ) -> None:
     """Prefetch, prefill, continuation: the load comes from the zone (no push at the
     continuation), page for page the producer's bytes, the monolithic tokens."""
-    prompt = _prompt(11, length)
+    prompt = random_prompt(11, length)
     mono = Engine(cfg).generate([prompt], max_tokens=6)[0]
     prod, psvc = make_producer(cfg, transport=transport, **producer)
     cons, csvc = make_consumer(
@@ -110,13 +93,13 @@ def _round_trip(
     zone = csvc.zone
     assert zone is not None and zone.free_slots == zone.capacity
     assert start_prefetch(csvc, prompt, None) is None  # told before the prefill ran
-    produced = _prefill(prod, prompt)
+    produced = run_one(prod, prompt, 1)
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert csvc.metrics["zone_fills"] == 1
     (held,) = csvc.prefetches.leases()
     if landed:  # else taken while the push may still be under way
         assert wait_for(lambda: zone.state(held).done)
-    got = _continue(cons, prompt, produced.tokens[0], 6)
+    got = continue_after(cons, prompt, produced.tokens[0], 6)
     assert got.error is None and [produced.tokens[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["zone_loads"] == 1
     assert csvc.metrics["claims_hit"] == 0, "the engine thread claimed despite the prefetch"
@@ -131,17 +114,17 @@ def _round_trip(
 
 
 def test_a_full_zone_falls_back_to_the_push_at_the_continuation():
-    prompt = _prompt(12)
+    prompt = random_prompt(12)
     mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(CFG)
     block = psvc.pool.block_bytes  # the same shape on both sides
     cons, csvc = make_consumer(CFG, [psvc.endpoint], landing_zone_size=2 * block)
     assert csvc.zone.capacity == 2
-    produced = _prefill(prod, prompt)
+    produced = run_one(prod, prompt, 1)
     assert start_prefetch(csvc, prompt, None) is None
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert csvc.metrics["zone_full"] == 1 and csvc.metrics["zone_fills"] == 0
-    got = _continue(cons, prompt, produced.tokens[0], 4)
+    got = continue_after(cons, prompt, produced.tokens[0], 4)
     assert got.error is None and [produced.tokens[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["zone_loads"] == 0
     for where, data in got.loaded_pages.items():
@@ -152,7 +135,7 @@ def test_a_producer_dying_while_the_zone_fills_costs_a_recompute(monkeypatch):
     """The lease is granted and the fill expected, but the producer dies before it sends a
     byte: taking the lease finds the fill unfinished and the producer gone, the fill is
     aborted and its slots freed, the fresh claim misses and the prompt is computed here."""
-    prompt = _prompt(13)
+    prompt = random_prompt(13)
     mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(CFG)
     prod.generate([prompt], max_tokens=1)
@@ -165,7 +148,7 @@ def test_a_producer_dying_while_the_zone_fills_costs_a_recompute(monkeypatch):
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert csvc.metrics["zone_fills"] == 1 and zone.free_slots == zone.capacity - 6
     psvc.close()
-    got = _continue(cons, prompt, mono[0], 4)
+    got = continue_after(cons, prompt, mono[0], 4)
     assert got.error is None and [mono[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_dropped_down"] == 1 and csvc.metrics["zone_loads"] == 0
     assert got.connector_matched_tokens == 0  # computed here
@@ -175,17 +158,17 @@ def test_a_producer_dying_while_the_zone_fills_costs_a_recompute(monkeypatch):
 def test_a_fill_that_landed_outlives_its_producer():
     """The pages are in the zone when the producer dies: the continuation needs nothing of
     it (no confirmation), and loads them: the monolithic tokens, the producer's bytes."""
-    prompt = _prompt(14)
+    prompt = random_prompt(14)
     mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
     prod, psvc = make_producer(CFG)
-    produced = _prefill(prod, prompt)
+    produced = run_one(prod, prompt, 1)
     cons, csvc = make_consumer(CFG, [psvc.endpoint], landing_zone_size=ZONE)
     assert start_prefetch(csvc, prompt, None) is None
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     (held,) = csvc.prefetches.leases()
     assert wait_for(lambda: csvc.zone.state(held).done)
     psvc.close()
-    got = _continue(cons, prompt, produced.tokens[0], 4)
+    got = continue_after(cons, prompt, produced.tokens[0], 4)
     assert got.error is None and [produced.tokens[0], *got.tokens] == mono
     assert csvc.metrics["zone_loads"] == 1 and got.connector_matched_tokens == 96
     for where, data in got.loaded_pages.items():
@@ -199,7 +182,10 @@ def test_a_cancelled_load_whose_pages_are_reused_never_copies():
     afterwards lands nothing, nothing is copied, and the fresh request's tokens and pages
     are its own. Every zone slot is free again."""
     cfg = EngineConfig(**{**SHAPE, "num_blocks": 24, "capture_pages": True, "kv_manager": "v1"})
-    prompt, fresh = _prompt(16, 300), _prompt(17, 300)  # 24 blocks: the pages are reused
+    prompt, fresh = (
+        random_prompt(16, 300),
+        random_prompt(17, 300),
+    )  # 24 blocks: the pages are reused
     mono = Engine(cfg).generate([fresh], max_tokens=4)[0]
     prod, psvc = make_producer(cfg)
     first = prod.generate([prompt], max_tokens=1)[0][0]
@@ -246,7 +232,7 @@ def test_a_fill_no_continuation_takes_is_aborted_and_freed(monkeypatch):
     from disagg.consumer import prefetch
 
     monkeypatch.setattr(prefetch, "PREFETCH_HOLD_S", 0.3)
-    prompt = _prompt(15)
+    prompt = random_prompt(15)
     prod, psvc = make_producer(CFG)
     monkeypatch.setattr(psvc, "_start_push", lambda job, rows: None)  # the fill never lands
     prod.generate([prompt], max_tokens=1)
