@@ -179,6 +179,26 @@ static void spread(void *(*work)(void *), job_t *jobs, pthread_t *tids, int *sta
     }
 }
 
+/* Runs work over the index rows [0, n), split evenly across threads (clamped to
+ * 1..MAX_THREADS and to n), each a copy of proto with its own row range, the GIL released. */
+static void split_rows(void *(*work)(void *), job_t proto, Py_ssize_t n, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = n > 0 ? (int)n : 1;
+    job_t jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = proto;
+        jobs[t].lo = n * t / threads;
+        jobs[t].hi = n * (t + 1) / threads;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    spread(work, jobs, tids, started, threads);
+    Py_END_ALLOW_THREADS
+}
+
+
 /* copy_rows(dst_ptr, dst_rows, dst_stride, src_ptr, src_rows, src_stride, row_bytes,
  *           src_idx, dst_idx, threads) -> None */
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
@@ -204,21 +224,11 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     const int64_t *si = (const int64_t *)sv.buf, *di = (const int64_t *)dv.buf;
     PyObject *ret = NULL;
     if (bad_rows(si, n, src_rows, di, dv.len / 8, dst_rows) == 0) {
-        if (threads < 1) threads = 1;
-        if (threads > MAX_THREADS) threads = MAX_THREADS;
-        if (threads > n) threads = n > 0 ? (int)n : 1;
-        job_t jobs[MAX_THREADS];
-        pthread_t tids[MAX_THREADS];
-        int started[MAX_THREADS] = {0};
         int nt = HAVE_NT && row_bytes >= NT_MIN_ROW && (long long)n * row_bytes >= NT_MIN_TOTAL;
-        for (int t = 0; t < threads; t++) {
-            jobs[t] = (job_t){(char *)(uintptr_t)dst_ptr, (const char *)(uintptr_t)src_ptr,
-                              dst_stride, src_stride, row_bytes, si, di,
-                              n * t / threads, n * (t + 1) / threads, nt, NULL, 0};
-        }
-        Py_BEGIN_ALLOW_THREADS
-        spread(run, jobs, tids, started, threads);
-        Py_END_ALLOW_THREADS
+        split_rows(run,
+                   (job_t){(char *)(uintptr_t)dst_ptr, (const char *)(uintptr_t)src_ptr,
+                           dst_stride, src_stride, row_bytes, si, di, 0, 0, nt, NULL, 0},
+                   n, threads);
         ret = Py_None;
         Py_INCREF(ret);
     }
@@ -268,22 +278,14 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         if (shortest < 0 || runs[4 * k + 3] < shortest) shortest = runs[4 * k + 3];
     }
     if (bad_rows(si, n, src_rows, di, dv.len / 8, dst_rows) == 0) {
-        if (threads < 1) threads = 1;
-        if (threads > MAX_THREADS) threads = MAX_THREADS;
-        if (threads > n) threads = n > 0 ? (int)n : 1;
-        job_t jobs[MAX_THREADS];
-        pthread_t tids[MAX_THREADS];
-        int started[MAX_THREADS] = {0};
         /* non-temporal stores as copy_rows decides for a row, each run long enough that
          * its unaligned head and tail stay a small share */
         int nt = HAVE_NT && row_bytes >= NT_MIN_ROW && shortest >= NT_MIN_RUN &&
                  (long long)n * row_bytes >= NT_MIN_TOTAL;
-        for (int t = 0; t < threads; t++)
-            jobs[t] = (job_t){NULL, (const char *)(uintptr_t)src_ptr, 0, src_stride, 0, si, di,
-                              n * t / threads, n * (t + 1) / threads, nt, runs, n_runs};
-        Py_BEGIN_ALLOW_THREADS
-        spread(run_runs, jobs, tids, started, threads);
-        Py_END_ALLOW_THREADS
+        split_rows(run_runs,
+                   (job_t){NULL, (const char *)(uintptr_t)src_ptr, 0, src_stride, 0, si, di, 0,
+                           0, nt, runs, n_runs},
+                   n, threads);
         ret = Py_None;
         Py_INCREF(ret);
     }
