@@ -236,8 +236,9 @@ def test_restarted_producer_index_is_resynced(system: dict[str, Any]) -> None:
         f"{urls[holder]}/v1/completions", {"prompt": sp.prompt(seed=52), "max_tokens": 1}
     )
     assert status == 200, body
+    # the producer commits a pass on its committer thread, after the answer may have left
+    _wait(lambda: _keys_held(urls[holder]) > 0, 10, "the new prefill's blocks never stored")
     held = _keys_held(urls[holder])
-    assert held > 0
     _wait(lambda: _known_blocks(proxy, urls[holder]) == held, 10, "new events never applied")
     tokens = sp.prompt(seed=53)
     status, body, _ = _completion(proxy, tokens)
