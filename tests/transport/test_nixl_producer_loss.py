@@ -229,6 +229,17 @@ def test_a_disconnected_producer_is_dropped_and_its_reads_end():
         tx.close()
 
 
+def _until_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Wait until ``pid`` is stopped (state T in /proc), so it serves no read after."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_a_stalled_producer_holds_only_its_own_reads(children, small_chunks):
     """Over UCX's tcp a read needs the producer's progress: stopped, it answers nothing,
     like a host gone without a word when UCX runs without error handling."""
@@ -245,6 +256,7 @@ def test_a_stalled_producer_holds_only_its_own_reads(children, small_chunks):
         def stop_at_the_first_read(ch):
             if a.proc.pid is not None and ch.rx.transfer_id == 1:
                 os.kill(a.proc.pid, signal.SIGSTOP)
+                _until_stopped(a.proc.pid)  # the signal lands asynchronously
             post(ch)
 
         rx._reader._post = stop_at_the_first_read
