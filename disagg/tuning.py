@@ -215,6 +215,20 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    engine_idle_wait_us: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=100_000,
+                description="reference engine: an iteration that ran no forward and ended "
+                "nothing (every request waits on the connector) sleeps this many "
+                "microseconds, so the connector's threads get the GIL at once instead of "
+                "after the thread switch interval; 0 spins; default 100",
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

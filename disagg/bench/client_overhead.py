@@ -24,7 +24,9 @@ the consumer's handler), ``parse`` (body and prompt read), ``admit`` (queued, ad
 engine, scheduled), ``claim`` (keys and the claim, or the prefetched lease taken),
 ``transfer`` (dispatch to the load seen landed), ``tail`` (the forward of the tail and the
 first token, sampling), ``back`` (the consumer's chunk through the proxy to the client).
-``prefetch_taken`` counts the requests whose claim was a prefetched lease; with
+``ttft_split`` and ``local_split`` do the same for the first token (the proxy, the
+producer's or the local server's ``completion done`` moments: ``prefill`` is from the
+request added to the engine to its first token reported). ``prefetch_taken`` counts the requests whose claim was a prefetched lease; with
 ``--landing-zone``, ``zone_loads`` those whose pages came from the consumer's landing zone
 (``transfer`` is then the wait for the zone's fill and the copy into the engine's pages).
 """
@@ -98,29 +100,72 @@ SPLIT = (  # (segment, from, to): proxy "p.", consumer "c." moments; the client'
 )
 
 
-def _gap_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
-    """Medians (ms) of the gap's segments over the records but the warm-up. The proxy and
-    the consumer log a request's moments once they have sent its last byte, possibly after
-    the client read it: their lines are waited for (at most ``LOG_WAIT_S``)."""
+TTFT_SPLIT = (  # the same for the first token: the proxy "p.", the producer "r."
+    ("to_proxy", "client.sent", "p.received"),
+    ("route", "p.received", "p.prefill_sent"),
+    ("hop", "p.prefill_sent", "r.arrived"),
+    ("parse", "r.arrived", "r.parsed"),
+    ("admit", "r.parsed", "r.added"),
+    ("prefill", "r.added", "r.first_token"),
+    ("out", "r.first_token", "p.producer_token"),
+    ("relay", "p.producer_token", "p.client_token"),
+    ("to_client", "p.client_token", "client.first"),
+)
+LOCAL_SPLIT = (  # one local instance "l."
+    ("hop", "client.sent", "l.arrived"),
+    ("parse", "l.arrived", "l.parsed"),
+    ("admit", "l.parsed", "l.added"),
+    ("prefill", "l.added", "l.first_token"),
+    ("to_client", "l.first_token", "client.first"),
+)
+
+
+def _split(
+    recs: list[Record], tag: str, logs: dict[str, tuple[Path, str]], segments: Any
+) -> dict[str, float]:
+    """Medians (ms) of ``segments`` over the records but the warm-up; ``logs``: prefix ->
+    (log, message) whose moments the prefix names. Servers log a request's moments once
+    they have sent its last byte, possibly after the client read it: their lines are
+    waited for (at most ``LOG_WAIT_S``)."""
     want = {f"{tag}-{r.index}" for r in recs[1:]}
     deadline = time.monotonic() + LOG_WAIT_S
     while True:
-        proxy = _marks(logdir / "proxy.log", "done")
-        cons = _marks(logdir / "consumer-0.log", "completion done")
-        if (want <= proxy.keys() and want <= cons.keys()) or time.monotonic() > deadline:
+        got = {k: _marks(path, msg) for k, (path, msg) in logs.items()}
+        if all(want <= g.keys() for g in got.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    seg: dict[str, list[float]] = {name: [] for name, _, _ in SPLIT}
+    seg: dict[str, list[float]] = {name: [] for name, _, _ in segments}
     for r in recs[1:]:
         rid = f"{tag}-{r.index}"
-        at = {f"p.{k}": v for k, v in proxy.get(rid, {}).items()}
-        at.update({f"c.{k}": v for k, v in cons.get(rid, {}).items()})
-        if len(r.chunks) > 1:  # perf_counter and monotonic: the same clock on Linux
+        # perf_counter and monotonic: the same clock on Linux
+        at = {"client.sent": r.sent}
+        for k, g in got.items():
+            at.update({f"{k}.{name}": v for name, v in g.get(rid, {}).items()})
+        if r.chunks:
+            at["client.first"] = r.chunks[0][0]
+        if len(r.chunks) > 1:
             at["client.second"] = r.chunks[1][0]
-        for name, a, b in SPLIT:
+        for name, a, b in segments:
             if a in at and b in at:
                 seg[name].append((at[b] - at[a]) * 1000.0)
     return {k: median(v) for k, v in seg.items() if v}
+
+
+def _gap_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
+    logs = {"p": (logdir / "proxy.log", "done"), "c": (logdir / "consumer-0.log", _DONE)}
+    return _split(recs, tag, logs, SPLIT)
+
+
+def _ttft_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
+    logs = {"p": (logdir / "proxy.log", "done"), "r": (logdir / "producer-0.log", _DONE)}
+    return _split(recs, tag, logs, TTFT_SPLIT)
+
+
+def _local_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
+    return _split(recs, tag, {"l": (logdir / "instance-0.log", _DONE)}, LOCAL_SPLIT)
+
+
+_DONE = "completion done"
 
 
 def _figures(recs: list[Record]) -> dict[str, float]:
@@ -179,6 +224,8 @@ def run(args: Any) -> dict[str, Any]:
             ),
         ]
         split: dict[int, dict[str, float]] = {}
+        ttft_split: dict[int, dict[str, float]] = {}
+        local_split: dict[int, dict[str, float]] = {}
         prefetch: dict[str, float] = {}
         for d in deployments:
             d.start()
@@ -192,6 +239,9 @@ def run(args: Any) -> dict[str, Any]:
                     got[d.kind][n] = _figures(recs)
                     if d.kind == "disaggregated":
                         split[n] = _gap_split(recs, tag, logdir)
+                        ttft_split[n] = _ttft_split(recs, tag, logdir)
+                    else:
+                        local_split[n] = _local_split(recs, tag, logdir)
                 if d.kind == "disaggregated":
                     prefetch = _metric(d.engine_urls[-1])  # the consumer's
             finally:
@@ -207,6 +257,8 @@ def run(args: Any) -> dict[str, Any]:
                 "ttft_ratio": dis["ttft_ms"] / loc["ttft_ms"],
                 "gap_ratio": dis["gap_ms"] / dis["tbt_ms"],
                 "gap_split": split.get(n, {}),
+                "ttft_split": ttft_split.get(n, {}),
+                "local_split": local_split.get(n, {}),
             }
         )
     return {
@@ -249,10 +301,15 @@ def table(rep: dict[str, Any]) -> str:
             f"{r['ttft_ratio']:>5.2f}x  {loc['gap_ms']:>7.1f}ms  {dis['gap_ms']:>8.1f}ms  "
             f"{dis['tbt_ms']:>8.1f}ms  {r['gap_ratio']:>6.2f}x"
         )
-    lines.append("where the disaggregated gap goes (medians, ms):")
-    lines.append("prompt  " + "  ".join(f"{name:>8}" for name, _, _ in SPLIT))
-    for r in rep["results"]:
-        sp = r.get("gap_split", {})
-        cells = [f"{sp[n]:>8.2f}" if n in sp else f"{'-':>8}" for n, _, _ in SPLIT]
-        lines.append(f"{r['prompt_tokens']:>6}  " + "  ".join(cells))
+    for what, key, segments in (
+        ("the local TTFT", "local_split", LOCAL_SPLIT),
+        ("the disaggregated TTFT", "ttft_split", TTFT_SPLIT),
+        ("the disaggregated gap", "gap_split", SPLIT),
+    ):
+        lines.append(f"where {what} goes (medians, ms):")
+        lines.append("prompt  " + "  ".join(f"{name:>9}" for name, _, _ in segments))
+        for r in rep["results"]:
+            sp = r.get(key, {})
+            cells = [f"{sp[n]:>9.2f}" if n in sp else f"{'-':>9}" for n, _, _ in segments]
+            lines.append(f"{r['prompt_tokens']:>6}  " + "  ".join(cells))
     return "\n".join(lines)

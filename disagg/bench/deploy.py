@@ -291,13 +291,14 @@ def wait_routing(d: Deployment, producers: int, timeout_s: float = 30.0) -> None
 
 def run_instance(argv: list[str]) -> int:
     """One aggregated instance: the reference engine without a connector, served."""
-    from ..serve import add_shape_args, shape_kwargs
+    from ..serve import add_shape_args, logs, shape_kwargs
 
     ap = argparse.ArgumentParser(prog="python -m disagg.bench.deploy instance")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     add_shape_args(ap)
     args = ap.parse_args(argv)
+    logs.setup("info")  # each request's moments (``bench overhead --http``'s local split)
 
     from ..engine.reference import Engine, EngineConfig
     from ..serve.app import build_app

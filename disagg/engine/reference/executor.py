@@ -1,40 +1,28 @@
 """The executor loop: drives the model, the paged cache and a connector exactly as
 TensorRT-LLM's PyTorch executor does (``py_executor.py``'s call order and failure paths),
-with in-flight batching as its scheduler does it.
-
-One ``Engine.step()`` is one executor iteration:
+with in-flight batching as its scheduler does it. One ``Engine.step()`` is one iteration:
 
 1. schedule (TensorRT-LLM's capacity then micro-batch scheduler, same limits and names):
    waiting requests are admitted FIFO while fewer than ``max_batch_size`` run and the pools
-   can hold their whole lifetime (GUARANTEED_NO_EVICT); then the batch takes every
-   generation request first (one token each), then context requests in arrival order,
-   each a chunk of what is left of its prompt (at most ``chunk_size``), while the token
-   budget ``max_num_tokens`` and ``max_batch_size`` last: a chunk that does not fit is cut
-   to whole blocks of what is left (first come, first served), and one that cannot get a
-   block waits for the next iteration. So a long prompt shares each forward with the
-   decode steps running beside it, and delays them, as in TensorRT-LLM;
+   can hold their whole lifetime (GUARANTEED_NO_EVICT); the batch takes every generation
+   request first (one token each), then context chunks in arrival order (at most
+   ``chunk_size``) while ``max_num_tokens`` and ``max_batch_size`` last: a chunk that does
+   not fit is cut to whole blocks of what is left, one that cannot get a block waits;
 2. prepare_resources: a request's first context chunk computes the device-matched prefix P,
    asks ``get_num_new_matched_tokens(req, P)`` once, allocates (V1: every prompt block; V2:
    P+N plus the first chunk) and calls ``update_state_after_alloc`` (flat, V1) or
    ``update_state_after_alloc_by_layer_group`` (V2); later chunks/generation grow pages;
 3. a ``SchedulerOutput`` of deltas (async-loading requests left out), then
    ``build_connector_meta`` -> pickle round trip -> ``bind_connector_meta`` on every rank ->
-   ``start_load_kv`` (an exception there is fatal: it propagates and the engine is dead);
-4. one forward over the whole batch, if anything is left after parking (``batch``: every
-   request's new positions as rows of one tensor): per layer ``wait_for_layer_load`` ->
-   the layer for every request at once -> ``save_kv_layer``; the forward-pass callable;
-   ``wait_for_save``. An exception
-   fails every request of the batch with its message; other requests keep being served.
-   Under TP every rank's hook is called and they must agree: if some ranks raise and others
-   do not, a real multi-process engine hangs (the others wait in the layer's all-reduce),
-   so the engine raises ``RankDivergenceError`` naming the ranks and requests, fatal
-   (``connector_driver``);
-   with ``comm`` (the MPI mode: this process is one TP rank, ``connector_driver.TpComm``)
-   only this rank's hook runs, and each layer all-gathers the ranks' attention heads: a
-   rank that left the forward leaves the others there (``RankHangError`` after the
-   comm's ``hang_timeout_s``, fatal);
-5. sampling (greedy, every sampling request in one call), block registration for reuse,
-   sliding-window reclamation;
+   ``start_load_kv`` (an exception there is fatal: the engine is dead);
+4. one forward over the whole batch: per layer ``wait_for_layer_load`` -> the layer for
+   every request at once -> ``save_kv_layer``; ``wait_for_save``. An exception fails every
+   request of the batch; others keep being served. Under TP every rank's hook is called
+   and they must agree, else ``RankDivergenceError`` (fatal: a real multi-process engine
+   would hang in the layer's all-reduce); with ``comm`` (MPI mode, one TP rank per
+   process, ``connector_driver.TpComm``) only this rank's hook runs and each layer
+   all-gathers the heads (``RankHangError`` after the comm's ``hang_timeout_s``);
+5. sampling (greedy, one call), block registration for reuse, sliding-window reclamation;
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
 7. ``get_finished`` every iteration, forward or not.
@@ -46,11 +34,13 @@ of ``get_num_new_matched_tokens``, their loads and when they retire: ``prefix_lo
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from typing import Any
 
 import numpy as np
 
+from ... import tuning
 from .. import SchedulerOutput
 from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
@@ -58,6 +48,8 @@ from .kv_cache import KvCacheManager, block_hashes
 from .model import TinyLlama
 from .prefix_loads import PrefixLoads
 from .requests import EngineStats, Request, RequestResult, report
+
+IDLE_WAIT_US = 100
 
 
 class Engine:
@@ -130,6 +122,8 @@ class Engine:
             and self.driver.prefix_capability()
         )
         self.prefix = PrefixLoads(cfg, self.driver, self._hand_back)
+        idle_us = tuning.current().engine_idle_wait_us
+        self._idle_wait_s = (IDLE_WAIT_US if idle_us is None else idle_us) / 1e6
 
     # ----- public API -----------------------------------------------------------------
     @property
@@ -266,18 +260,26 @@ class Engine:
         return [list(self.results[i].tokens) for i in ids]
 
     # ----- one iteration --------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One iteration; whether it did anything (a forward, a request loaded or ended).
+        An idle one with work left (every request waits on the connector) sleeps
+        ``tuning.engine_idle_wait_us`` first: a loop polling ``get_finished`` holds the
+        GIL, and the connector's threads it waits for (commits, data plane, HTTP) would
+        get it only at each thread switch interval."""
         if self._fatal is not None:
             raise RuntimeError(
                 f"engine is dead after a fatal error: {self._fatal}"
             ) from self._fatal
         try:
-            self._step()
+            busy = self._step()
         except BaseException as e:
             self._fatal = e
             raise
+        if not busy and self._idle_wait_s and self.has_work():
+            time.sleep(self._idle_wait_s)
+        return busy
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         cfg, drv = self.config, self.driver
         self._iteration += 1
         it = self._iteration
@@ -347,6 +349,7 @@ class Engine:
         for req in sched_ctx:
             req.external_load = None
         # 4. forward
+        busy = bool(batch)
         if batch:
             self.stats.forward_passes += 1
             if not self._forward(batch):
@@ -388,7 +391,8 @@ class Engine:
                 elif req.state == "cancelled" and not drv.pending_transfer(rid):
                     self._release(req)
                     self._drop(req)
-            for rid in sorted(drv.take_failed_loads(parked=True)):
+            failed = drv.take_failed_loads(parked=True)
+            for rid in sorted(failed):
                 req = self.requests[rid]
                 if req.state == "context":  # reported loaded, but not every page landed
                     self.stats.load_restarts += 1
@@ -397,6 +401,8 @@ class Engine:
                 req = self.requests[rid]
                 self._release(req)
                 self._drop(req)
+            busy = busy or bool(fin_save or fin_load or failed)
+        return busy
 
     # ----- helpers --------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
