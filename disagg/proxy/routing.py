@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from ..protocol import messages as m
 from ..protocol.keys import block_keys
 from ..protocol.version import PROTOCOL_VERSION
+from ..transport.events import EventSubscriber
 
 log = logging.getLogger("disagg.proxy.routing")
 
@@ -196,8 +197,6 @@ class EventFeeds:
         self._lock = threading.Lock()
 
     def add(self, endpoint: str, instance_id: str, base_url: str) -> None:
-        from ..transport.events import EventSubscriber
-
         with self._lock:
             self._by_instance[instance_id] = base_url
             self._endpoints.setdefault(instance_id, set()).add(endpoint)
