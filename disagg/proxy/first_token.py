@@ -34,10 +34,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
+
+from ..serve.bodies import encode_json
 
 # why a request took the plain path (the proxy's metric label and /health)
 NO_TOKEN_IDS = "producer_gave_no_token_ids"
 NO_CONTINUATION = "consumer_takes_no_continuation"
+
+_DECODER = msgspec.json.Decoder()
+
+
+def _decode(data: bytes) -> Any:
+    """An upstream's JSON; what msgspec refuses (``NaN``, a lone surrogate: Python's
+    encoder writes them) is read by the stdlib's parser. ValueError if neither can."""
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(str(e)) from None
 
 
 @dataclass
@@ -77,8 +95,8 @@ def _ids(choice: dict[str, Any]) -> list[int]:
 def from_json(data: bytes) -> Prefilled:
     """A non-streamed prefill answer."""
     try:
-        c = _choice(json.loads(data))
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        c = _choice(_decode(data))
+    except ValueError:
         c = {}
     finish = c.get("finish_reason")
     return Prefilled(_ids(c), finish if isinstance(finish, str) else None, body=data)
@@ -112,8 +130,8 @@ async def read_events(
         if data == b"[DONE]":
             break
         try:
-            c = _choice(json.loads(data))
-        except (ValueError, UnicodeDecodeError, RecursionError):
+            c = _choice(_decode(data))
+        except ValueError:
             continue
         ids = _ids(c)
         if ids and out.first_event is None:
@@ -148,8 +166,8 @@ _SLOT = "\u0000first-tokens\u0000"  # stands for the ids while the body is encod
 
 @dataclass(frozen=True)
 class Template:
-    """The consumer's request encoded while the producer prefills (a long prompt's JSON
-    costs ~1 ms, off the first-to-second-token gap this way): the ids go between
+    """The consumer's request encoded while the producer prefills (a 12k-token prompt's
+    JSON costs ~0.05 ms, off the first-to-second-token gap this way): the ids go between
     ``head`` and ``tail``. ``disagg`` is the body's last key and ``first_tokens`` its
     last, so the slot is the encoding's last string, whatever the client's body holds."""
 
@@ -163,9 +181,9 @@ class Template:
         extra.pop("first_tokens", None)
         out = {k: v for k, v in body.items() if k != "disagg"}
         out["disagg"] = {**extra, "first_tokens": _SLOT}
-        head, slot, tail = json.dumps(out).rpartition(json.dumps(_SLOT))
+        head, slot, tail = encode_json(out).rpartition(encode_json(_SLOT))
         assert slot, "the slot is in the encoding"
-        return cls(head.encode(), tail.encode())
+        return cls(head, tail)
 
     def fill(self, tokens: list[int]) -> bytes:
-        return self.head + json.dumps(list(tokens)).encode() + self.tail
+        return self.head + encode_json(list(tokens)) + self.tail

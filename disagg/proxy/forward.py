@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
+from ..serve.bodies import encode_json
 from . import first_token, timeline
 from .errors import UpstreamError, _all_failed, _err_json, _upstream_message, _why
 from .first_token import Prefilled
@@ -135,7 +136,7 @@ class Forwarding:
         )
         self.m_route.labels("prefix" if matched else "least_loaded").inc()
         self.m_matched.inc(matched)
-        pbody = {**body, "max_tokens": 1, "stream": stream}
+        pbody = encode_json({**body, "max_tokens": 1, "stream": stream})  # once for every try
         deadline = self.limits.prefill_s(len(tokens))
         last: UpstreamError | None = None
         for up in order:
@@ -145,8 +146,8 @@ class Forwarding:
             try:
                 ctx = self.http.post(
                     f"{up.url}{path}",
-                    json=pbody,
-                    headers={"X-Request-Id": rid},
+                    data=pbody,
+                    headers={"X-Request-Id": rid, "Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
                 )
                 if on_send is not None:  # its tasks run at the first wait, after the send
@@ -264,8 +265,8 @@ class Forwarding:
         try:
             async with self.http.post(
                 f"{up.url}/disagg/prefetch{query}",
-                json=body,
-                headers={"X-Request-Id": rid},
+                data=encode_json(body),
+                headers={"X-Request-Id": rid, "Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=PREFETCH_POST_S),
             ) as r:
                 await r.read()
@@ -345,7 +346,7 @@ class Forwarding:
         assert self.http is not None
         timeline.mark("consumer_sent")
         try:
-            encoded = body if isinstance(body, bytes) else json.dumps(body).encode()
+            encoded = body if isinstance(body, bytes) else encode_json(body)
             ctx = self.http.post(
                 f"{up.url}{path}",
                 data=encoded,

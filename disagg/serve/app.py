@@ -66,6 +66,7 @@ from . import chat, tokenizer
 from .bodies import (
     MAX_BODY_BYTES,
     BadRequest,
+    encode_json,
     error_body,
     json_errors,
     parse_completion,
@@ -215,7 +216,7 @@ def build_app(
                 if stream:
                     if resp is None:
                         resp = await _start_sse(request, headers)
-                    await resp.write(f"data: {json.dumps(chunk(a, None, False))}\n\n".encode())
+                    await resp.write(b"data: " + encode_json(chunk(a, None, False)) + b"\n\n")
                 continue
             err: str | None = a
             latency.observe(time.monotonic() - job.t0)
@@ -252,12 +253,14 @@ def build_app(
             if not stream:
                 body_out = chunk(out, "length", True)
                 body_out["disagg"] = info or {}
-                return web.json_response(body_out, headers=headers)
+                return web.Response(
+                    body=encode_json(body_out), content_type="application/json", headers=headers
+                )
             if resp is None:
                 resp = await _start_sse(request, headers)
             last = chunk([], "length", True)
             last["disagg"] = info or {}  # connector_matched_tokens, as a whole answer has
-            await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+            await resp.write(b"data: " + encode_json(last) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp

@@ -155,6 +155,13 @@ def test_bad_requests_are_refused_or_forwarded(system: dict[str, Any]) -> None:
     # What only the engine knows (its vocabulary) is the upstream's to refuse.
     status, out = sp.post(f"{urls['proxy']}/v1/completions", {"prompt": [9999], "max_tokens": 1})
     assert status == 400 and "token ids" in out["error"]["message"]
+    # A bool or a negative id deep in a long prompt: refused by position, by either server.
+    for bad, shown in ((True, "true"), (-3, "-3")):
+        ids: list[object] = list(sp.prompt(seed=5, n=12288))
+        ids[12000] = bad
+        for url in (urls["proxy"], urls["consumer"]):
+            status, out = sp.post(f"{url}/v1/completions", {"prompt": ids, "max_tokens": 1})
+            assert status == 400 and f"prompt[12000] is {shown}" in out["error"]["message"], out
 
 
 def test_upstream_down_is_502(tmp_path: Path, system: dict[str, Any]) -> None:
