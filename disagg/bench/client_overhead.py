@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,7 +88,7 @@ def _marks(log: Path, msg: str) -> dict[str, dict[str, float]]:
     return out
 
 
-LOG_WAIT_S = 10.0
+LOG_WAIT_S = 30.0
 SPLIT = (  # (segment, from, to): proxy "p.", consumer "c." moments; the client's 2nd chunk
     ("handover", "p.client_token", "p.consumer_sent"),
     ("hop", "p.consumer_sent", "c.arrived"),
@@ -131,7 +132,17 @@ def _split(
     deadline = time.monotonic() + LOG_WAIT_S
     while True:
         got = {k: _marks(path, msg) for k, (path, msg) in logs.items()}
-        if all(want <= g.keys() for g in got.values()) or time.monotonic() > deadline:
+        if all(want <= g.keys() for g in got.values()):
+            break
+        if time.monotonic() > deadline:
+            for k, g in got.items():
+                if not want <= g.keys():
+                    print(
+                        f"bench overhead --http: no {logs[k][1]!r} moments in {logs[k][0].name} "
+                        f"for {sorted(want - g.keys())} after {LOG_WAIT_S:.0f} s: their "
+                        "segments are left out",
+                        file=sys.stderr,
+                    )
             break
         time.sleep(0.05)
     seg: dict[str, list[float]] = {name: [] for name, _, _ in segments}
