@@ -7,7 +7,8 @@ with in-flight batching as its scheduler does it. One ``Engine.step()`` is one i
    can hold their whole lifetime (GUARANTEED_NO_EVICT); the batch takes every generation
    request first (one token each), then context chunks in arrival order (at most
    ``chunk_size``) while ``max_num_tokens`` and ``max_batch_size`` last: a chunk that does
-   not fit is cut to whole blocks of what is left, one that cannot get a block waits;
+   not fit is cut to whole blocks of what is left, one that cannot get a block waits
+   (the policy: ``scheduling.py``);
 2. prepare_resources: a request's first context chunk computes the device-matched prefix P,
    asks ``get_num_new_matched_tokens(req, P)`` once, allocates (V1: every prompt block; V2:
    P+N plus the first chunk) and calls ``update_state_after_alloc`` (flat, V1) or
@@ -42,6 +43,7 @@ import numpy as np
 
 from ... import tuning
 from .. import SchedulerOutput
+from . import scheduling
 from .config import ConnectorSpec, EngineConfig, build_llm_args, features_for
 from .connector_driver import IMMEDIATE_FATAL_PATTERNS, Driver, RankDivergenceError, TpComm
 from .kv_cache import KvCacheManager, block_hashes
@@ -296,7 +298,7 @@ class Engine:
         gen = [r for r in self._active if r.state == "generation"]
         while self._waiting and len(ctx) + len(gen) < cfg.max_batch_size:
             req = self._waiting[0]
-            if not self._fits(req):
+            if not scheduling.fits(cfg, self.kv, self._active, req):
                 break
             self._waiting.popleft()
             req.state = "context"
@@ -316,7 +318,7 @@ class Engine:
                 if not self._first_allocation(req, new_loading, budget):
                     continue
             else:
-                req.context_chunk_size = self._chunk(req, budget)
+                req.context_chunk_size = scheduling.chunk(cfg, req, budget)
                 if not req.context_chunk_size:
                     continue
                 if cfg.kv_manager == "v2":
@@ -405,34 +407,6 @@ class Engine:
         return busy
 
     # ----- helpers --------------------------------------------------------------------
-    def _chunk(self, req: Request, budget: int) -> int:
-        """This iteration's context chunk: what is left of the prompt, at most
-        ``chunk_size``; cut to whole blocks of what is left of the token budget if it does
-        not fit (TensorRT-LLM's first-come-first-served chunking). 0: not this time."""
-        cfg = self.config
-        chunk = req.context_remaining_length
-        if cfg.chunk_size is not None:
-            chunk = min(chunk, cfg.chunk_size)
-        if chunk > budget:
-            chunk = budget // cfg.tokens_per_block * cfg.tokens_per_block
-        return chunk
-
-    def _lifetime_blocks(self, req: Request) -> int:
-        return -(-(req.prompt_len + req.max_new_tokens) // self.config.tokens_per_block)
-
-    def _fits(self, req: Request) -> bool:
-        """Whether the pools can hold the request's whole lifetime now, counting what
-        running requests may still grow into (GUARANTEED_NO_EVICT); one that never can
-        was refused by ``add_request``."""
-        need = self._lifetime_blocks(req)
-        for gid, g in enumerate(self.kv.groups):
-            outstanding = sum(
-                max(0, self._lifetime_blocks(r) - len(r.pages[gid])) for r in self._active
-            )
-            if g.available() - outstanding < need:
-                return False
-        return True
-
     def _extend_hashes(self, req: Request, ntokens: int) -> list[bytes]:
         tpb = self.config.tokens_per_block
         nb = min(ntokens, len(req.tokens)) // tpb
@@ -469,13 +443,13 @@ class Engine:
                 return False
         req.queried = True
         if drv is not None and reservation is None:
-            offered, N = N, self._honour(N)
+            offered, N = N, scheduling.honoured(cfg, N)
             drv.commit(req, P, offered, N)
         req.P, req.N = P, N
         req.external_load = N
         req.py_num_connector_matched_tokens = req.num_connector_matched_tokens = N
         req.context_current_position = P + N
-        req.context_chunk_size = self._chunk(req, budget)
+        req.context_chunk_size = scheduling.chunk(cfg, req, budget)
         res = self.results[req.request_id]
         res.device_matched_tokens, res.connector_matched_tokens = P, N
         self.stats.device_matched_tokens += P
@@ -655,14 +629,6 @@ class Engine:
     def _int_hashes(self, req: Request) -> list[int]:
         """V1 block hashes of the request's full blocks, as ints (``block_hashes``)."""
         return [int.from_bytes(h[:8], "big") for h in self._extend_hashes(req, len(req.tokens))]
-
-    def _honour(self, offered: int) -> int:
-        """How much of an offer the runtime consumes: all of it, except V2 under
-        ``honour_cap_tokens`` (block-aligned)."""
-        cap, tpb = self.config.honour_cap_tokens, self.config.tokens_per_block
-        if cap is None or self.config.kv_manager == "v1":
-            return offered
-        return min(offered, cap // tpb * tpb)
 
     def _fail(self, req: Request, msg: str) -> None:
         res = self.results[req.request_id]
