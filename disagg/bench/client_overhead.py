@@ -121,13 +121,17 @@ LOCAL_SPLIT = (  # one local instance "l."
 )
 
 
-def _split(
-    recs: list[Record], tag: str, logs: dict[str, tuple[Path, str]], segments: Any
-) -> dict[str, float]:
-    """Medians (ms) of ``segments`` over the records but the warm-up; ``logs``: prefix ->
-    (log, message) whose moments the prefix names. Servers log a request's moments once
-    they have sent its last byte, possibly after the client read it: their lines are
-    waited for (at most ``LOG_WAIT_S``)."""
+DONE = "completion done"  # a server's line with a request's moments
+
+
+def _moments(
+    recs: list[Record], tag: str, logs: dict[str, tuple[Path, str]]
+) -> list[dict[str, float]]:
+    """Each record's moments but the warm-up's, named ``prefix.moment``; ``logs``: prefix
+    -> (log, message) whose moments the prefix names, each log read once per look; the
+    client's own are ``client.sent``, ``client.first`` and ``client.second``. Servers log
+    a request's moments once they have sent its last byte, possibly after the client read
+    it: their lines are waited for (at most ``LOG_WAIT_S``)."""
     want = {f"{tag}-{r.index}" for r in recs[1:]}
     deadline = time.monotonic() + LOG_WAIT_S
     while True:
@@ -145,7 +149,7 @@ def _split(
                     )
             break
         time.sleep(0.05)
-    seg: dict[str, list[float]] = {name: [] for name, _, _ in segments}
+    out = []
     for r in recs[1:]:
         rid = f"{tag}-{r.index}"
         # perf_counter and monotonic: the same clock on Linux
@@ -156,27 +160,18 @@ def _split(
             at["client.first"] = r.chunks[0][0]
         if len(r.chunks) > 1:
             at["client.second"] = r.chunks[1][0]
+        out.append(at)
+    return out
+
+
+def _medians(moments: list[dict[str, float]], segments: Any) -> dict[str, float]:
+    """Medians (ms) of ``segments`` over the records whose moments hold both ends."""
+    seg: dict[str, list[float]] = {name: [] for name, _, _ in segments}
+    for at in moments:
         for name, a, b in segments:
             if a in at and b in at:
                 seg[name].append((at[b] - at[a]) * 1000.0)
     return {k: median(v) for k, v in seg.items() if v}
-
-
-def _gap_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
-    logs = {"p": (logdir / "proxy.log", "done"), "c": (logdir / "consumer-0.log", _DONE)}
-    return _split(recs, tag, logs, SPLIT)
-
-
-def _ttft_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
-    logs = {"p": (logdir / "proxy.log", "done"), "r": (logdir / "producer-0.log", _DONE)}
-    return _split(recs, tag, logs, TTFT_SPLIT)
-
-
-def _local_split(recs: list[Record], tag: str, logdir: Path) -> dict[str, float]:
-    return _split(recs, tag, {"l": (logdir / "instance-0.log", _DONE)}, LOCAL_SPLIT)
-
-
-_DONE = "completion done"
 
 
 def _figures(recs: list[Record]) -> dict[str, float]:
@@ -249,10 +244,16 @@ def run(args: Any) -> dict[str, Any]:
                     recs = asyncio.run(_series(url, ps, args.http_tokens, tag))
                     got[d.kind][n] = _figures(recs)
                     if d.kind == "disaggregated":
-                        split[n] = _gap_split(recs, tag, logdir)
-                        ttft_split[n] = _ttft_split(recs, tag, logdir)
+                        at = _moments(recs, tag, {
+                            "p": (logdir / "proxy.log", "done"),
+                            "c": (logdir / "consumer-0.log", DONE),
+                            "r": (logdir / "producer-0.log", DONE),
+                        })  # fmt: skip
+                        split[n] = _medians(at, SPLIT)
+                        ttft_split[n] = _medians(at, TTFT_SPLIT)
                     else:
-                        local_split[n] = _local_split(recs, tag, logdir)
+                        at = _moments(recs, tag, {"l": (logdir / "instance-0.log", DONE)})
+                        local_split[n] = _medians(at, LOCAL_SPLIT)
                 if d.kind == "disaggregated":
                     prefetch = _metric(d.engine_urls[-1])  # the consumer's
             finally:
