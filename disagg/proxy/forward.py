@@ -461,8 +461,8 @@ class Forwarding:
             return await self.decode(request, cbody, rid, deadline, path, order=able)
         resp = await self.begin_stream(request, rid)
         assert pre.first_event is not None
+        timeline.mark("client_token")  # before the write: the client may read it first
         await resp.write(pre.first_event)
-        timeline.mark("client_token")
 
         async def gate() -> bool:  # the producer's stream read to its end
             if pre.rest is not None:

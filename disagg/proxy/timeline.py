@@ -8,7 +8,7 @@ overhead --http`` lines them up with the consumer's and the client's own (the sa
 
 Moments (each set once, the first time): ``received``; ``prefill_sent``; ``producer_token``
 (the producer's first token read); ``producer_done`` (its answer read to the end);
-``client_token`` (the first token written to the client); ``prefetch_sent`` (the consumer
+``client_token`` (the first token about to be written to the client); ``prefetch_sent`` (the consumer
 told of the prompt); ``consumer_sent`` (the continuation posted); ``consumer_first`` (the
 consumer's first bytes read).
 """

@@ -57,6 +57,15 @@ def test_overhead_at_the_client_over_http(capsys: pytest.CaptureFixture[str]) ->
     assert set(split) == {"handover", "hop", "parse", "admit", "claim", "transfer", "tail", "back"}
     assert all(v >= 0 for v in split.values()), split
     assert split["transfer"] > 0 and split["tail"] > 0
+    # where the first token's time goes: the proxy's and the producer's moments, and the
+    # local server's, each segment found and in order
+    ttft = row["ttft_split"]
+    names = {"to_proxy", "route", "hop", "parse", "admit", "prefill", "out", "relay", "to_client"}
+    assert set(ttft) == names, ttft
+    local = row["local_split"]
+    assert set(local) == {"hop", "parse", "admit", "prefill", "to_client"}, local
+    for segments in (ttft, local):
+        assert all(v >= 0 for v in segments.values()) and segments["prefill"] > 0, segments
     pre = rep["consumer_prefetch"]
     assert pre.get("prefetch_started") == 2, pre  # the warm-up prompt and the measured one
     assert pre.get("prefetch_taken", 0) + pre.get("prefetch_late", 0) == 2, pre
