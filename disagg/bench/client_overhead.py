@@ -1,8 +1,10 @@
 """``disagg bench overhead --http``: what disaggregation costs one request at the client.
 
-Two deployments of the same shape on this machine, started by :mod:`disagg.bench.deploy`,
-each given the same fresh random prompts one at a time (no queueing, no cache hits), every
-request streamed (``max_tokens`` = ``--http-tokens``) over HTTP:
+Two deployments of the same shape on this machine, started by :mod:`disagg.bench.deploy`
+and up together, each given the same fresh random prompts one request at a time (no
+queueing, no cache hits), the two taking turns prompt by prompt with the order alternating
+(a paired comparison: both meet the same device clocks), every request streamed
+(``max_tokens`` = ``--http-tokens``) over HTTP:
 
 - **local**: one aggregated instance (the server ``disagg bench serve`` uses for the
   aggregated deployment);
@@ -34,6 +36,7 @@ request added to the engine to its first token reported). ``prefetch_taken`` cou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -54,18 +57,29 @@ def _prompts(lens: list[int], repeats: int, vocab: int, seed: int) -> dict[int, 
     return {n: [rng.integers(0, vocab, n).tolist() for _ in range(repeats + 1)] for n in lens}
 
 
-async def _series(url: str, prompts: list[list[int]], tokens: int, tag: str) -> list[Record]:
+async def _paired(
+    urls: list[str], prompts: list[list[int]], tokens: int, tags: list[str]
+) -> list[list[Record]]:
+    """Each prompt sent to every deployment in turn, one request at a time, the order
+    alternating from prompt to prompt: the deployments meet the same device conditions
+    (clocks, other tenants) within a pair, so their ratio is paired. Per deployment, its
+    records in prompt order."""
     import aiohttp
 
-    out = []
+    out: list[list[Record]] = [[] for _ in urls]
     timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [
+            await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout)) for _ in urls
+        ]
         for i, p in enumerate(prompts):
-            rec = Record(i, len(p), tokens, 0.0)
-            await _one(http, url, Request(0.0, p, tokens), rec, f"{tag}-{i}")
-            if rec.error:
-                raise RuntimeError(rec.error)
-            out.append(rec)
+            order = range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))
+            for k in order:
+                rec = Record(i, len(p), tokens, 0.0)
+                await _one(sessions[k], urls[k], Request(0.0, p, tokens), rec, f"{tags[k]}-{i}")
+                if rec.error:
+                    raise RuntimeError(rec.error)
+                out[k].append(rec)
     return out
 
 
@@ -210,7 +224,7 @@ def run(args: Any) -> dict[str, Any]:
     prompts = _prompts(args.lens, args.repeats, 512, args.seed)
     with tempfile.TemporaryDirectory(prefix="disagg-overhead-") as tmp:
         logdir = Path(tmp)
-        got: dict[str, dict[int, dict[str, float]]] = {}
+        got: dict[str, dict[int, dict[str, float]]] = {"aggregated": {}, "disaggregated": {}}
         deployments: list[Deployment] = [
             aggregated(1, shape, logdir, [args.producer_device]),
             disaggregated(
@@ -233,30 +247,31 @@ def run(args: Any) -> dict[str, Any]:
         ttft_split: dict[int, dict[str, float]] = {}
         local_split: dict[int, dict[str, float]] = {}
         prefetch: dict[str, float] = {}
-        for d in deployments:
-            d.start()
-            try:
+        started: list[Deployment] = []
+        try:
+            for d in deployments:
+                started.append(d)
+                d.start()
+            for d in deployments:
                 wait_routing(d, 1)
-                url = d.client_urls[0]
-                got[d.kind] = {}
-                for n, ps in prompts.items():
-                    tag = f"{d.kind[:3]}{n}"
-                    recs = asyncio.run(_series(url, ps, args.http_tokens, tag))
-                    got[d.kind][n] = _figures(recs)
-                    if d.kind == "disaggregated":
-                        at = _moments(recs, tag, {
-                            "p": (logdir / "proxy.log", "done"),
-                            "c": (logdir / "consumer-0.log", DONE),
-                            "r": (logdir / "producer-0.log", DONE),
-                        })  # fmt: skip
-                        split[n] = _medians(at, SPLIT)
-                        ttft_split[n] = _medians(at, TTFT_SPLIT)
-                    else:
-                        at = _moments(recs, tag, {"l": (logdir / "instance-0.log", DONE)})
-                        local_split[n] = _medians(at, LOCAL_SPLIT)
-                if d.kind == "disaggregated":
-                    prefetch = _metric(d.engine_urls[-1])  # the consumer's
-            finally:
+            urls = [d.client_urls[0] for d in deployments]
+            for n, ps in prompts.items():
+                tags = [f"{d.kind[:3]}{n}" for d in deployments]
+                local, disagg = asyncio.run(_paired(urls, ps, args.http_tokens, tags))
+                got["aggregated"][n] = _figures(local)
+                got["disaggregated"][n] = _figures(disagg)
+                at = _moments(disagg, tags[1], {
+                    "p": (logdir / "proxy.log", "done"),
+                    "c": (logdir / "consumer-0.log", DONE),
+                    "r": (logdir / "producer-0.log", DONE),
+                })  # fmt: skip
+                split[n] = _medians(at, SPLIT)
+                ttft_split[n] = _medians(at, TTFT_SPLIT)
+                at = _moments(local, tags[0], {"l": (logdir / "instance-0.log", DONE)})
+                local_split[n] = _medians(at, LOCAL_SPLIT)
+            prefetch = _metric(deployments[1].engine_urls[-1])  # the consumer's
+        finally:
+            for d in reversed(started):
                 d.stop()
     rows = []
     for n in args.lens:
