@@ -410,49 +410,55 @@ def build_app(state: ProxyState) -> web.Application:
             bad = _err_json(str(e), 400, "invalid_request_error")
             bad.headers["X-Request-Id"] = rid
             return bad
-        log.info("request", extra={"request_id": rid, "stream": stream})
-        early: dict[str, Any] = {}
-
-        def on_send() -> None:  # while the producer prefills: the consumer's side
-            if max_tokens > 1:
-                early["told"] = state.start_prefetch(body, path, rid)
-                early["template"] = asyncio.create_task(_template(body))
-
         try:
-            pre = await state.prefill(body, tokens, salt, rid, path, stream, on_send)
-        except BaseException:
-            if "template" in early:
-                early["template"].cancel()
-            raise
-        if isinstance(pre, web.Response):
-            state.m_requests.labels("prefill_failed").inc()
-            pre.headers["X-Request-Id"] = rid
-            return pre
-        deadline = state.limits.decode_s(len(tokens), max_tokens)
-        resp = await state.answer(
-            request,
-            body,
-            pre,
-            max_tokens,
-            stream,
-            rid,
-            deadline,
-            path,
-            prefer=early.get("told"),
-            template=early.get("template"),
-        )
-        state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
-        state.m_latency.observe(time.monotonic() - t0)
-        log.info(
-            "done",
-            extra={
-                "request_id": rid,
-                "status": resp.status,
-                "seconds": round(time.monotonic() - t0, 4),
-                "marks": timeline.marks(),  # monotonic seconds (proxy/timeline.py)
-            },
-        )
-        return resp
+            timeline.defer(
+                partial(log.info, "request", extra={"request_id": rid, "stream": stream})
+            )
+            early: dict[str, Any] = {}
+
+            def on_send() -> None:  # while the producer prefills: the consumer's side
+                if max_tokens > 1:
+                    early["told"] = state.start_prefetch(body, path, rid)
+                    early["template"] = asyncio.create_task(_template(body))
+
+            try:
+                pre = await state.prefill(body, tokens, salt, rid, path, stream, on_send)
+            except BaseException:
+                if "template" in early:
+                    early["template"].cancel()
+                raise
+            if isinstance(pre, web.Response):
+                state.m_requests.labels("prefill_failed").inc()
+                pre.headers["X-Request-Id"] = rid
+                return pre
+            deadline = state.limits.decode_s(len(tokens), max_tokens)
+            resp = await state.answer(
+                request,
+                body,
+                pre,
+                max_tokens,
+                stream,
+                rid,
+                deadline,
+                path,
+                prefer=early.get("told"),
+                template=early.get("template"),
+            )
+            timeline.run(timeline.take_deferred())  # before "done": the lines keep their order
+            state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
+            state.m_latency.observe(time.monotonic() - t0)
+            log.info(
+                "done",
+                extra={
+                    "request_id": rid,
+                    "status": resp.status,
+                    "seconds": round(time.monotonic() - t0, 4),
+                    "marks": timeline.marks(),  # monotonic seconds (proxy/timeline.py)
+                },
+            )
+            return resp
+        finally:  # a failed request still owes its log lines and routing note
+            timeline.run(timeline.take_deferred())
 
     async def health(request: web.Request) -> web.Response:
         ok, details = await state.health()

@@ -131,11 +131,13 @@ class Forwarding:
         assert self.http is not None
         if salt is not None:
             await self.seeds_for(salt)
-        order, matched = choose(
-            self.producers, self.index, tokens, salt, self.limits.prefix_load_skew
-        )
-        self.m_route.labels("prefix" if matched else "least_loaded").inc()
-        self.m_matched.inc(matched)
+        if len(self.producers) == 1:  # no choice to make: the prefix is counted later
+            order, matched = list(self.producers), None
+        else:
+            order, matched = choose(
+                self.producers, self.index, tokens, salt, self.limits.prefix_load_skew
+            )
+            self._count_route(matched)
         pbody = encode_json({**body, "max_tokens": 1, "stream": stream})  # once for every try
         deadline = self.limits.prefill_s(len(tokens))
         last: UpstreamError | None = None
@@ -185,12 +187,7 @@ class Forwarding:
                 up.in_flight -= 1
             self.m_prefill.observe(time.monotonic() - t0)
             if status == 200:
-                log.info(
-                    "prefilled",
-                    extra={"request_id": rid, "upstream": up.url, "matched_blocks": matched},
-                )
-                if up.instance_id is not None:
-                    self.index.note_routed(up.instance_id, prompt_keys(up, tokens, salt))
+                timeline.defer(partial(self._routed, up, tokens, salt, rid, matched))
                 return pre if pre is not None else first_token.from_json(data)
             msg = _upstream_message(data)
             if 400 <= status < 500:
@@ -210,6 +207,27 @@ class Forwarding:
             )
         assert last is not None
         return _all_failed("producer", last)
+
+    def _count_route(self, matched: int) -> None:
+        self.m_route.labels("prefix" if matched else "least_loaded").inc()
+        self.m_matched.inc(matched)
+
+    def _routed(
+        self, up: Upstream, tokens: list[int], salt: str | None, rid: str, matched: int | None
+    ) -> None:
+        """After a prefill on ``up`` (off the first token's path): the routing index notes
+        the prompt's blocks there; ``matched`` None: the route was not chosen by prefix,
+        its count is taken here."""
+        inst = up.instance_id
+        keys = prompt_keys(up, tokens, salt) if inst is not None else []
+        if matched is None:
+            matched = self.index.longest_prefix(inst, keys) if inst is not None and keys else 0
+            self._count_route(matched)
+        log.info(
+            "prefilled", extra={"request_id": rid, "upstream": up.url, "matched_blocks": matched}
+        )
+        if inst is not None and keys:
+            self.index.note_routed(inst, keys)
 
     async def _until_token(self, r: aiohttp.ClientResponse, ctx: Any) -> Prefilled:
         """Read a streamed prefill until its token event; the rest is read by a task
@@ -353,6 +371,9 @@ class Forwarding:
                 headers={"X-Request-Id": rid, "Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=deadline, sock_connect=5),
             )
+            # the request's deferred work runs while the consumer computes (at the
+            # loop's first wait, once the request is written)
+            asyncio.get_running_loop().call_soon(timeline.run, timeline.take_deferred())
             r = await ctx.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise self._decode_failed(up, e, deadline, "") from e
@@ -453,9 +474,11 @@ class Forwarding:
         if why is not None:
             self.m_first_token.labels(why).inc()
             return await self.decode(request, body, rid, deadline, path)
-        cbody: dict[str, Any] | bytes = first_token.continuation(body, pre.tokens)
+        cbody: dict[str, Any] | bytes
         if template is not None:  # encoded while the producer prefilled
             cbody = (await template).fill(pre.tokens)
+        else:
+            cbody = first_token.continuation(body, pre.tokens)
         if not stream:
             self.m_first_token.labels("producer").inc()
             return await self.decode(request, cbody, rid, deadline, path, order=able)

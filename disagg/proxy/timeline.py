@@ -11,20 +11,32 @@ Moments (each set once, the first time): ``received``; ``prefill_sent``; ``produ
 ``client_token`` (the first token about to be written to the client); ``prefetch_sent`` (the consumer
 told of the prompt); ``consumer_sent`` (the continuation posted); ``consumer_first`` (the
 consumer's first bytes read).
+
+``defer(fn)`` keeps work a request owes but its client does not wait for (log lines, the
+routing index's note) off the first token's path: ``take_deferred()`` hands it over once
+the consumer's request is posted (the proxy then waits a forward for the answer), and the
+handler runs what is left at the request's end.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 
 _marks: ContextVar[dict[str, float] | None] = ContextVar("disagg_proxy_marks", default=None)
+_later: ContextVar[list[Callable[[], object]] | None] = ContextVar(
+    "disagg_proxy_later", default=None
+)
+log = logging.getLogger("disagg.proxy")
 
 
 def begin() -> dict[str, float]:
     """A new record for the request running in this context, ``received`` marked."""
     d = {"received": time.monotonic()}
     _marks.set(d)
+    _later.set([])
     return d
 
 
@@ -38,3 +50,31 @@ def mark(name: str) -> None:
 def marks() -> dict[str, float]:
     """This request's moments (empty outside a request)."""
     return dict(_marks.get() or {})
+
+
+def defer(fn: Callable[[], object]) -> None:
+    """Run ``fn`` once the request's client-facing path allows (outside a request: now)."""
+    later = _later.get()
+    if later is None:
+        run([fn])
+    else:
+        later.append(fn)
+
+
+def take_deferred() -> list[Callable[[], object]]:
+    """The request's deferred work so far, handed to the caller to run (see ``run``)."""
+    later = _later.get()
+    if not later:
+        return []
+    out = later[:]
+    later.clear()
+    return out
+
+
+def run(fns: list[Callable[[], object]]) -> None:
+    """Run deferred work in order; one that raises is logged and the rest still run."""
+    for fn in fns:
+        try:
+            fn()
+        except Exception:
+            log.exception("deferred request work failed")
