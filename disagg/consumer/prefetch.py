@@ -21,8 +21,10 @@ Contract:
   prefetch, once granted, is released at once (``abandoned``);
 - any failure (no producer, a producer that dies, a refusal) ends the prefetch with
   nothing held: the continuation claims as usual (a miss there recomputes). ``take``
-  confirms the lease with one ``Renew`` on the engine's thread (bounded as a claim is,
-  and cheaper); a lease whose producer is down, restarted or no longer knows it is given
+  confirms the lease with one ``Renew`` (bounded as a claim is, and cheaper), asked on
+  a background thread as the continuation arrives (``confirm_ahead``, from its HTTP
+  handler: the round trip overlaps the engine's admission), else on the engine's
+  thread; a lease whose producer is down, restarted or no longer knows it is given
   back and claimed afresh, so a producer that died after the grant costs a miss, as a
   plain claim on it would;
 - TP on either side, where the model's KV head count is known (``routes``: every rank's
@@ -42,6 +44,7 @@ prompt + first token's whole blocks, from block 0) must start with exactly those
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ log = logging.getLogger("disagg.consumer")
 
 PREFETCH_WAIT_S = 60.0  # longest wait for a producer to hold the prompt's blocks
 PREFETCH_HOLD_S = 10.0  # a granted lease no continuation took is released after this
+AHEAD_FRESH_S = 0.005  # a confirmation asked ahead counts for a take at most this much later
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02  # Lookup polls back off between these
 MAX_PENDING = 256  # prefetches in flight or held at once; more are declined
 
@@ -68,6 +72,9 @@ class _Entry:
     claimed: Claimed | None = None
     granted_at: float = 0.0
     abandoned: bool = False  # a continuation came first, or the service closes
+    confirmed: threading.Event | None = None  # set once a confirmation asked ahead is in
+    confirm_ok: bool = False
+    confirmed_at: float = 0.0
 
 
 class Prefetches:
@@ -78,6 +85,8 @@ class Prefetches:
         self._lock = threading.Lock()
         self._by_first: dict[bytes, _Entry] = {}  # the prompt's first key -> its prefetch
         self.closed = False
+        self._ahead: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
+        self._confirmer: threading.Thread | None = None
 
     def start(self, keys: KeyBlob) -> str | None:
         """Begin prefetching ``keys`` (a prompt's whole blocks, from block 0) in the
@@ -189,6 +198,36 @@ class Prefetches:
         svc.keepalive.granted(ok.ttl_s)
         return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
 
+    def confirm_ahead(self, first: bytes) -> bool:
+        """The continuation of the prompt whose first key is ``first`` has arrived (its
+        HTTP handler, before the engine sees it): confirm its granted lease now, on the
+        background channel, so that ``take`` finds the answer instead of paying the round
+        trip on the engine's thread. Never blocks; False when there is nothing to confirm
+        (not prefetched, not granted yet, asked already)."""
+        with self._lock:
+            e = self._by_first.get(first)
+            if self.closed or e is None or e.claimed is None or e.confirmed is not None:
+                return False
+            e.confirmed = threading.Event()
+            if self._confirmer is None:
+                self._confirmer = threading.Thread(
+                    target=self._confirm_loop, name="disagg-prefetch-confirm", daemon=True
+                )
+                self._confirmer.start()
+        self._ahead.put(e)
+        self.svc.metrics["prefetch_confirmed_ahead"] += 1
+        return True
+
+    def _confirm_loop(self) -> None:
+        while (e := self._ahead.get()) is not None:
+            assert e.claimed is not None and e.confirmed is not None
+            try:
+                e.confirm_ok = self._confirm(e.claimed, background=True)
+            except Exception:  # unconfirmed: the continuation claims afresh
+                log.exception("prefetched lease confirmation failed")
+            e.confirmed_at = time.monotonic()
+            e.confirmed.set()
+
     def take(self, offer: KeyBlob) -> Claimed | None:
         """The lease prefetched for a prompt whose keys start ``offer`` (taken: the caller
         owns it now), or None. A prefetch still waiting is abandoned: the caller claims."""
@@ -210,7 +249,7 @@ class Prefetches:
             self.svc.metrics["prefetch_taken"] += 1
             return c
         down = any(not r.link.usable() or r.link.stale(r.incarnation) for r in c.all_ranks())
-        if down or not self._confirm(c):
+        if down or not self._confirmed(entry, c):
             self.svc.metrics["prefetch_dropped_down"] += 1  # its producer failed since
             self.svc.release(c)
             return None
@@ -229,7 +268,20 @@ class Prefetches:
             zone.drop(c)
         return bool(st.done)
 
-    def _confirm(self, c: Claimed) -> bool:
+    def _confirmed(self, entry: _Entry, c: Claimed) -> bool:
+        """``_confirm`` for the take: the answer asked ahead (waited for within the claim's
+        budget: a confirmation never answered is a refusal), else, or when that answer is
+        older than ``AHEAD_FRESH_S`` (the engine queued the request), asked now."""
+        ahead = entry.confirmed
+        if ahead is None:
+            return self._confirm(c)
+        if not ahead.wait(self.svc.ccfg.claim_timeout_s) or not entry.confirm_ok:
+            return False
+        if time.monotonic() - entry.confirmed_at > AHEAD_FRESH_S:
+            return self._confirm(c)
+        return True
+
+    def _confirm(self, c: Claimed, background: bool = False) -> bool:
         """Whether ``c``'s producer still holds the lease, every rank's (one ``Renew`` per
         producer rank, each within the claim's budget)."""
         svc = self.svc
@@ -241,7 +293,7 @@ class Prefetches:
                 incarnation=r.incarnation,
             )
             try:
-                ok = svc._call(r.link, renew)
+                ok = svc._call(r.link, renew, background=background)
             except ProtocolError as exc:
                 log.info(
                     "prefetched lease on %s not confirmed (claiming afresh): %s",
@@ -288,5 +340,7 @@ class Prefetches:
             for e in self._by_first.values():
                 e.abandoned = True
             self._by_first.clear()
+            if self._confirmer is not None:
+                self._ahead.put(None)
         for c in held:
             self.svc.release(c)

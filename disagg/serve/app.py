@@ -136,6 +136,8 @@ def build_app(
             requests_total.labels("bad_request").inc()
             log.info("bad request", extra={"request_id": rid, "error": str(e)})
             return _error(str(e), 400)
+        if first and role == "consumer":  # while the engine admits it: lease confirmed
+            confirm_prefetch(_service(role), tokens, salt)
         model = body.get("model") or model_name
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
@@ -405,6 +407,20 @@ def start_prefetch(svc: Any, tokens: list[int], salt: str | None) -> str | None:
     keys = block_key_blob(svc.namespace_seed(salt), tokens[: n * tpb], tpb)
     why: str | None = svc.prefetches.start(keys)
     return why
+
+
+def confirm_prefetch(svc: Any, tokens: list[int], salt: str | None) -> bool:
+    """A continuation of ``tokens`` arrived: have its prefetched lease, if any, confirmed
+    ahead of the engine's take (``Prefetches.confirm_ahead``); whether one was asked."""
+    from ..protocol.keys import KEY_BYTES, block_key_blob
+
+    pool = None if svc is None else svc.pool
+    if pool is None or svc.fingerprint is None or len(tokens) < pool.tokens_per_block:
+        return False
+    tpb = pool.tokens_per_block
+    first = block_key_blob(svc.namespace_seed(salt), tokens[:tpb], tpb).blob[:KEY_BYTES]
+    ok: bool = svc.prefetches.confirm_ahead(first)
+    return ok
 
 
 def _service(role: str) -> Any:

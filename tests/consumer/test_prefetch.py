@@ -25,7 +25,8 @@ from harness import (
 
 from disagg.consumer import prefetch
 from disagg.engine.reference import Engine, EngineConfig
-from disagg.serve.app import start_prefetch
+from disagg.protocol import messages as m
+from disagg.serve.app import confirm_prefetch, start_prefetch
 
 CFG = EngineConfig(**{**SHAPE, "num_blocks": 128, "capture_pages": True, "kv_manager": "v2"})
 TPB = CFG.tokens_per_block
@@ -239,3 +240,61 @@ def test_head_blind_tp_is_not_prefetched_and_says_so(monkeypatch):
     got = continue_after(cons, prompt, first, 4)
     assert got.error is None and [first, *got.tokens] == mono
     assert got.connector_matched_tokens > 0 and csvc.metrics["claims_hit"] == 1
+
+
+def _renews(csvc, monkeypatch) -> list[bool]:
+    """Each Renew the consumer sends from now on, as whether it went on the background
+    channel (False: the engine thread's own)."""
+    sent: list[bool] = []
+    call = csvc._call
+
+    def spy(link, msg, timeout_s=None, background=False):
+        if isinstance(msg, m.Renew):
+            sent.append(background)
+        return call(link, msg, timeout_s, background)
+
+    monkeypatch.setattr(csvc, "_call", spy)
+    return sent
+
+
+@pytest.mark.parametrize("fresh_s", [None, 0.0], ids=["fresh", "stale"])
+def test_a_continuation_has_its_lease_confirmed_as_it_arrives(monkeypatch, fresh_s):
+    """The serve handler asks the confirmation as the continuation arrives: the take
+    uses that answer (no round trip on the engine's thread), unless the answer is older
+    than AHEAD_FRESH_S, when the take asks again."""
+    if fresh_s is not None:
+        monkeypatch.setattr(prefetch, "AHEAD_FRESH_S", fresh_s)
+    prompt = random_prompt(11)
+    mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert not confirm_prefetch(csvc, prompt, None)  # nothing prefetched yet
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    renews = _renews(csvc, monkeypatch)
+    assert confirm_prefetch(csvc, prompt, None)
+    assert not confirm_prefetch(csvc, prompt, None)  # asked once
+    got = continue_after(cons, prompt, mono[0], 4)
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["prefetch_confirmed_ahead"] == 1
+    assert got.connector_matched_tokens == len(prompt) // TPB * TPB
+    assert renews == ([True] if fresh_s is None else [True, False])
+
+
+def test_a_lease_confirmed_ahead_whose_producer_died_is_claimed_afresh(monkeypatch):
+    prompt = random_prompt(12)
+    mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=0.5, load_timeout_s=2.0)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    psvc.close()
+    renews = _renews(csvc, monkeypatch)
+    assert confirm_prefetch(csvc, prompt, None)
+    got = continue_after(cons, prompt, mono[0], 4)
+    assert renews == [True]  # the answer asked ahead refused it: not asked again
+    assert csvc.metrics["prefetch_taken"] == 0 and csvc.metrics["prefetch_dropped_down"] == 1
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert got.connector_matched_tokens == 0  # computed here
