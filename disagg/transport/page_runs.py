@@ -21,6 +21,10 @@ batch's runs are one table and one pass:
   elements). The destination runs may lie in different regions (tensors); their addresses
   are offsets from the first. None where Triton is missing (the caller copies run by run).
 
+Runs that continue one another in the source row and in destination memory (regions
+that are neighbouring columns of one pool, say) are joined into one table row first
+(``coalesce``): fewer, longer rows.
+
 Bounds: the caller has checked every index, that every run lies inside its source row,
 and that every destination run lies inside its region; the C call checks the indices
 again.
@@ -52,6 +56,53 @@ class Run(NamedTuple):
     length: int
 
 
+class HostRuns(NamedTuple):
+    """A host copy of a page's runs into fixed regions, prepared once (``prepare_host``):
+    the C call's table, so a push of a layout seen before builds nothing per run."""
+
+    table: np.ndarray  # int64 [runs, 4]: source column, destination address, stride, length
+    rows: int  # destination rows that every run's region has (a joined run spans regions)
+    page_bytes: int  # bytes of one page's runs together
+
+
+def prepare_host(runs: Sequence[Run]) -> HostRuns | None:
+    """The table of ``runs`` for ``copy_host``; None where the C extension is missing
+    (copy run by run)."""
+    rc = page_copy._rowcopy
+    if rc is None or not hasattr(rc, "copy_runs") or not runs:
+        return None
+    table = np.array(
+        coalesce(
+            [(r.src_col, r.dst.data_ptr() + r.dst_col, r.dst.stride(0), r.length) for r in runs]
+        ),
+        dtype=np.int64,
+    ).reshape(-1, 4)
+    rows = min(int(r.dst.shape[0]) for r in runs)
+    return HostRuns(table, rows, int(table[:, 3].sum()))
+
+
+def copy_host(
+    h: HostRuns,
+    src: torch.Tensor,
+    src_rows: int,
+    src_stride: int,
+    dst_idx: np.ndarray,
+    src_idx: np.ndarray,
+) -> None:
+    """The host copy of every page's runs in one C call. ``src``: the uint8 export
+    (runs' ``src_col`` from its first byte), ``src_stride`` bytes between rows; the C
+    call checks every index against ``src_rows`` and ``h.rows`` before a byte moves."""
+    si = np.ascontiguousarray(src_idx, dtype=np.int64)
+    di = np.ascontiguousarray(dst_idx, dtype=np.int64)
+    if not h.table.size:  # every run empty: nothing to copy
+        return
+    nbytes = si.size * h.page_bytes
+    threads = min(page_copy.HOST_THREADS, os.cpu_count() or 1) if nbytes >= 8 << 20 else 1
+    page_copy._rowcopy.copy_runs(
+        src.data_ptr(), src_rows, src_stride, h.table, h.rows, si, di, threads
+    )
+
+
 def copy_runs_host(
     src: torch.Tensor,
     src_rows: int,
@@ -60,23 +111,32 @@ def copy_runs_host(
     dst_idx: np.ndarray,
     src_idx: np.ndarray,
 ) -> bool:
-    """The host copy of every page's ``runs`` in one C call. ``src``: the uint8 export
-    (runs' ``src_col`` from its first byte), ``src_stride`` bytes between rows. False,
-    copying nothing, where the C extension is missing (copy run by run)."""
-    rc = page_copy._rowcopy
-    if rc is None or not hasattr(rc, "copy_runs"):
+    """``prepare_host`` and ``copy_host`` at once. False, copying nothing, where the C
+    extension is missing (copy run by run)."""
+    h = prepare_host(runs)
+    if h is None:
         return False
-    table = np.array(
-        [(r.src_col, r.dst.data_ptr() + r.dst_col, r.dst.stride(0), r.length) for r in runs],
-        dtype=np.int64,
-    ).reshape(-1, 4)
-    si = np.ascontiguousarray(src_idx, dtype=np.int64)
-    di = np.ascontiguousarray(dst_idx, dtype=np.int64)
-    nbytes = si.size * int(table[:, 3].sum())
-    threads = min(page_copy.HOST_THREADS, os.cpu_count() or 1) if nbytes >= 8 << 20 else 1
-    rows = min(int(r.dst.shape[0]) for r in runs)
-    rc.copy_runs(src.data_ptr(), src_rows, src_stride, table, rows, si, di, threads)
+    copy_host(h, src, src_rows, src_stride, dst_idx, src_idx)
     return True
+
+
+def coalesce(table: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Runs ``(source column, destination address, destination row stride, length)``
+    with each run that continues the one before it in the source row and in destination
+    memory (same row stride) joined to it: one table row, one longer copy. Every slot's
+    bytes are the same either way (row ``i`` of both lies at ``address + i * stride``);
+    the caller bounds slots by every region's row count before joining."""
+    out: list[tuple[int, int, int, int]] = []
+    for s_col, d_at, stride, n in table:
+        if n <= 0:
+            continue
+        if out:
+            ps, pd, pstride, pn = out[-1]
+            if ps + pn == s_col and pd + pn == d_at and pstride == stride:
+                out[-1] = (ps, pd, pstride, pn + n)
+                continue
+        out.append((s_col, d_at, stride, n))
+    return out
 
 
 @functools.cache
@@ -157,9 +217,11 @@ def plan_runs(src: torch.Tensor, src_stride: int, runs: Sequence[Run]) -> RunsCo
     if any(r.dst.stride(1) != 1 and r.dst.shape[1] > 1 for r in runs):
         return None
     base = runs[0].dst.data_ptr()
-    offs = [
-        (r.src_col, r.dst.data_ptr() + r.dst_col - base, r.dst.stride(0), r.length) for r in runs
-    ]
+    offs = coalesce(
+        [(r.src_col, r.dst.data_ptr() + r.dst_col - base, r.dst.stride(0), r.length) for r in runs]
+    )
+    if not offs:
+        return None
     values = [v for o in offs for v in o] + [src.data_ptr(), base, src_stride]
     esz = next(e for e in (8, 4, 2, 1) if all(v % e == 0 for v in values))
     vec = 16 // esz if all(v % 16 == 0 for v in values) else 1

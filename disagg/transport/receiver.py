@@ -60,6 +60,16 @@ class Group:
     page_bytes: int
     num_slots: int
     direct: np.ndarray | None  # [num_slots, page_bytes] view when runs can land in place
+    # Where the regions live, worked out once here: a push's checks and copies read these
+    # per batch, and a TP slice pool has one region per (layer, role) buffer, so a scan of
+    # the regions would be 2 * layers tensor attribute reads on every push.
+    cuda_devices: frozenset[torch.device] = field(init=False)
+    device: torch.device | None = field(init=False)  # the one CUDA device of every region
+
+    def __post_init__(self) -> None:
+        devs = {r.tensor.device for r in self.regions}
+        self.cuda_devices = frozenset(d for d in devs if d.type == "cuda")
+        self.device = next(iter(devs)) if len(devs) == 1 and self.cuda_devices else None
 
     def scatter(self, slots: np.ndarray, src: np.ndarray | torch.Tensor) -> None:
         """Write ``src`` (``[len(slots), page_bytes]`` uint8, host) into ``slots``.

@@ -91,6 +91,60 @@ def test_host_runs_check_indices_first():
     assert pool.equal(before)
 
 
+def test_runs_that_continue_each_other_are_joined():
+    """Joined only where both the source column and the destination address continue
+    the run before, at the same row stride; empty runs dropped."""
+    table = [
+        (0, 1000, 64, 8),
+        (8, 1008, 64, 8),  # continues both: joined
+        (16, 1016, 128, 8),  # another row stride: kept
+        (24, 1024, 128, 0),  # empty: dropped
+        (24, 1030, 128, 8),  # a gap in the destination: kept
+        (40, 1038, 128, 8),  # a gap in the source: kept
+    ]
+    assert page_runs.coalesce(table) == [
+        (0, 1000, 64, 16),
+        (16, 1016, 128, 8),
+        (24, 1030, 128, 8),
+        (40, 1038, 128, 8),
+    ]
+
+
+def _neighbours(pool: torch.Tensor, page: int) -> list[Run]:
+    """Four regions that are neighbouring column ranges of one pool (a layer's K and V
+    registered apart), fed by neighbouring source columns: one run once joined."""
+    q = page // 4
+    return [Run(b * q, pool[:, b * q : (b + 1) * q], 0, q) for b in range(4)]
+
+
+def test_neighbouring_regions_copy_as_one_run():
+    """Regions that are neighbouring columns of one pool, from neighbouring source
+    columns: one table row for the kernel and the C call, bytes as numpy's, indices
+    still bounded by every region's rows."""
+    page, rows, slots = 4096, 12, 16
+    rng = np.random.default_rng(4)
+    src = torch.from_numpy(rng.integers(0, 255, rows * page, dtype=np.uint8))
+    pool = torch.from_numpy(rng.integers(0, 255, (slots, page), dtype=np.uint8))
+    runs = _neighbours(pool, page)
+    c = page_runs.plan_runs(src, page, runs)
+    assert c is not None
+    assert c.chunks == 1, "neighbouring runs were not joined"  # four apart
+    if page_copy._rowcopy is None:
+        return
+    h = page_runs.prepare_host(runs)
+    assert h is not None and h.table.shape == (1, 4) and h.rows == slots
+    si, di = rng.permutation(rows)[:7], rng.permutation(slots)[:7]
+    want = pool.clone()
+    want[torch.from_numpy(di)] = src.view(rows, page)[torch.from_numpy(si)]
+    page_runs.copy_host(h, src, rows, page, di, si)
+    assert pool.equal(want)
+    short = [Run(0, pool[:4, :1024], 0, 1024), Run(1024, pool[:, 1024:2048], 0, 1024)]
+    h = page_runs.prepare_host(short)
+    assert h is not None and h.table.shape == (1, 4) and h.rows == 4
+    with pytest.raises(IndexError, match="destination row 9"):
+        page_runs.copy_host(h, src, rows, page, np.array([9]), np.array([0]))
+
+
 def _device() -> str | None:
     if page_runs._kernel() is None:
         return None

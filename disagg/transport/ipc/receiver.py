@@ -323,7 +323,7 @@ class IpcReceiver(BookedReceiver):
                 if rx.state.final:  # aborted (or expired) between batches
                     break
                 # before the copy: one that fails halfway may have queued some launches
-                devices |= {r.tensor.device for r in plan.grp.regions if r.tensor.is_cuda}
+                devices |= plan.grp.cuda_devices
                 copy_batch(plan)
                 b = plan.batch
                 landing.batches.append((b.group, int(plan.slots.size), b.page_bytes))

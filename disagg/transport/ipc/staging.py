@@ -1,10 +1,13 @@
 """The ipc receiver's copies: one checked batch from the sender's export into the slots.
 
-A batch (``Plan``) is copied piece by piece, where a source column span meets a
-destination region (``pieces``), each piece one ``page_copy`` call over every page of
-the batch: torch's index kernels on the host (done on return), one Triton kernel per
-piece on a GPU (queued on the receiver thread's stream; the caller records a completion
-event and lands the transfer once it fired).
+A batch (``Plan``) is cut where a source column span meets a destination region
+(``pieces``). A batch of one piece is one ``page_copy`` call over every page of the
+batch; one of several pieces (a TP slice's runs) is one ``page_runs`` pass over the
+pages: one C call on the host (done on return), one Triton kernel on a GPU (queued on
+the receiver thread's stream; the caller records a completion event and lands the
+transfer once it fired). Either is worked out once per layout (export, group, spans)
+and kept in the plane's ``Prepared`` cache, so a push of a known layout does nothing
+per run in Python.
 
 Device batches: the batch check (``ReceiverBook.accept_rows``) writes both index arrays
 into a pinned staging buffer as it checks them (``Staging.take``); they go up in one
@@ -27,13 +30,24 @@ import torch
 from ...protocol import ipc as wire
 from .. import cuda_driver
 from ..page_copy import DeviceCopy, copy_indexed, launch_device, launch_raw, prepare_device
-from ..page_runs import Run, RunsCopy, copy_runs_host, launch_runs, launch_runs_raw, prepare_runs
+from ..page_runs import (
+    HostRuns,
+    Run,
+    RunsCopy,
+    copy_host,
+    launch_runs,
+    launch_runs_raw,
+    prepare_host,
+    prepare_runs,
+)
 from ..receiver import Group
 
 # A plane's cache of prepared copies: (export tensor, group, layout) -> the prepared
-# device copy of each piece. The receiver thread's alone. Entries hold the tensor and the
+# device copy of each piece (``DeviceCopy`` / ``RunsCopy``), or, keyed with "host" first,
+# a host batch's one-pass table (``HostRuns``; empty: piece by piece). The receiver
+# thread's alone. Entries hold the tensor and the
 # group themselves, so their ids (in the key) cannot be reused while cached.
-Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[DeviceCopy | RunsCopy]]]
+Prepared = OrderedDict[tuple[Any, ...], tuple[Any, Any, list[Any]]]
 MAX_PREPARED = 256
 _TORCH_INT = {4: torch.int32, 8: torch.int64}
 
@@ -171,12 +185,7 @@ def use_device(dev: torch.device) -> None:
 
 def device_of(grp: Group | None) -> torch.device | None:
     """The CUDA device every region of ``grp`` lives on, or None (host, mixed, no group)."""
-    if grp is None:
-        return None
-    dev = grp.regions[0].tensor.device
-    if dev.type != "cuda" or any(r.tensor.device != dev for r in grp.regions):
-        return None
-    return dev
+    return None if grp is None else grp.device
 
 
 def copy_batch(plan: Plan) -> set[torch.device]:
@@ -208,12 +217,12 @@ def copy_batch(plan: Plan) -> set[torch.device]:
     else:  # host index kernels take int64 (and a copy: the message's view is read-only)
         dst_idx = torch.from_numpy(slots.astype(np.int64))
         src_idx = torch.from_numpy(rows.astype(np.int64))
-    cut = pieces(b.spans, [r.size for r in grp.regions])
-    if len(cut) > 1 and not src.is_cuda and all(not r.tensor.is_cuda for r in grp.regions):
-        # a slice's runs: one pass over the pages rather than one per run
-        runs = [Run(b.base + c, grp.regions[r].tensor, d, k) for c, r, d, k in cut]
-        if copy_runs_host(src, n_rows, b.row_stride, runs, dst_idx.numpy(), src_idx.numpy()):
+    if not src.is_cuda and not grp.cuda_devices:
+        one_pass = prepare_host_runs(plan.cache, grp, b, src)
+        if one_pass is not None:  # a slice's runs: one pass over the pages, not one per run
+            copy_host(one_pass, src, n_rows, b.row_stride, dst_idx.numpy(), src_idx.numpy())
             return set()
+    cut = pieces(b.spans, [r.size for r in grp.regions])
     devices = set()
     for src_col, region, dst_col, length in cut:
         view = src.as_strided(
@@ -224,6 +233,30 @@ def copy_batch(plan: Plan) -> set[torch.device]:
         if t.device.type == "cuda":
             devices.add(t.device)
     return devices
+
+
+def prepare_host_runs(
+    cache: Prepared, grp: Group, b: wire.IpcBatch, src: torch.Tensor
+) -> HostRuns | None:
+    """A host batch's one-pass copy where it has several pieces (a TP slice's runs): the
+    C call's table, built once per layout (a slice pool has 2 * layers regions: building
+    the pieces and the table again on every push is that much Python per push). None:
+    one piece, or no C extension (``copy_indexed`` piece by piece)."""
+    key = ("host", id(src), id(grp), b.base, b.row_stride, tuple(b.spans))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is src and hit[1] is grp:
+        cache.move_to_end(key)
+        return hit[2][0] if hit[2] else None
+    cut = pieces(b.spans, [r.size for r in grp.regions])
+    one_pass = None
+    if len(cut) > 1:
+        one_pass = prepare_host(
+            [Run(b.base + c, grp.regions[r].tensor, d, k) for c, r, d, k in cut]
+        )
+    cache[key] = (src, grp, [] if one_pass is None else [one_pass])
+    while len(cache) > MAX_PREPARED:
+        cache.popitem(last=False)
+    return one_pass
 
 
 def prepare_copies(
