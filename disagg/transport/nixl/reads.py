@@ -251,7 +251,7 @@ class Reader:
                     lidx[:, i : i + k].reshape(-1), ridx[:, i : i + k].reshape(-1),
                 )
             )  # fmt: skip
-        rx.queued += -(-rows.size // per)
+            rx.queued += 1
 
     def _local_list(self, g: int, grp: Group, ps: list[tuple[int, int, int, int]]) -> Any:
         key = (g, tuple(ps))
