@@ -100,6 +100,7 @@ CEILING_NAMES = {
     "nixl": "raw_nixl",
     "nixl-tcp": "raw_nixl_tcp",
 }
+AWAIT_SLICE_S = 0.05  # the longest a failed producer goes unnoticed by _await
 NIXL_TRANSPORTS = {"nixl": None, "nixl-tcp": "tcp,self"}  # UCX's transport list per medium
 
 
@@ -309,9 +310,9 @@ def _consumer(
             for rep in range(repeats + 1):
                 src, dst = draw(rng, slots, n)
                 tid = rep + 1
-                plane.expect(tid, 1, b"bench", [n], 300)
                 c = ceiling()  # paired: the same conditions as the push right after it
                 t = time.perf_counter()
+                plane.expect(tid, 1, b"bench", [n], 300)  # then the Push, as a consumer does
                 conn.send(("push", plane.endpoint, plane.capabilities, tid, src, dst))
                 st, reply = _await(plane, tid, conn, 300)
                 dt = time.perf_counter() - t
@@ -388,21 +389,23 @@ def _ceiling_timer(
 
 
 def _await(plane: Any, tid: int, conn: Any, timeout_s: float) -> tuple[Any, Any]:
-    """The transfer's final status, polled every 0.2 ms (``DataPlane.wait`` backs off to
-    10 ms, too coarse to time a 20-100 ms transfer), and the producer's reply if it came
-    first; a producer that failed (its "error" reply) raises at once instead of leaving
-    the transfer to time out."""
+    """The transfer's final status, and the producer's reply if it came first; a producer
+    that failed (its "error" reply) raises at once instead of leaving the transfer to time
+    out. Waits in the plane's ``wait`` (``BookedReceiver.wait``: woken the moment the plane
+    ends the transfer), in slices of ``AWAIT_SLICE_S`` between which the pipe is read. A
+    sleep-poll here would be a thread waking every 0.2 ms beside the plane's own for the
+    whole transfer, which the paired ceiling runs without: on two cores that alone moved
+    the nixl row from about 0.9 of raw NIXL to 0.7-0.8 (docs/design/nixl-plane.md)."""
     end = time.monotonic() + timeout_s
     reply = None
     while True:
-        st = plane.poll(tid)
+        st = plane.wait(tid, max(0.0, min(AWAIT_SLICE_S, end - time.monotonic())))
         if st.final or time.monotonic() >= end:
             return st, reply
         if reply is None and conn.poll():
             reply = conn.recv()
             if reply[0] == "error":
                 raise RuntimeError(f"producer: {reply[1]}")
-        time.sleep(0.0002)
 
 
 @dataclass

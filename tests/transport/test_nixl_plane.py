@@ -6,6 +6,7 @@ failure report, and an abort that waits for the reads in flight. Skipped without
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -95,6 +96,32 @@ def test_lists_are_prepared_once_and_a_run_is_one_descriptor(pair):
     assert rx.stats["nixl_local_lists"] == rx.stats["nixl_remote_lists"] == 1
     assert torch.equal(pool[8:24], slab[30:46])
     assert torch.equal(pool[[0, 2, 4]], slab[[1, 2, 3]])
+
+
+def test_a_waiter_is_woken_when_the_transfer_ends_not_at_each_chunk(pair, monkeypatch):
+    """``wait`` and ``abort`` wait for a transfer's end: a wake-up per chunk landed would be
+    a thread woken beside the copies all through a transfer."""
+    rx, tx = pair
+    monkeypatch.setattr(reads, "HOST_CHUNK", 2 * W)  # 2 pages a chunk: 16 chunks
+    pool, slab = _setup(rx, tx)
+    book = rx._book
+    wakes = []
+    notify = book.cond.notify_all
+
+    def counted() -> None:
+        rx1 = book.rx.get(1)
+        if rx1 is not None and not rx1.state.final:
+            wakes.append(sys._getframe(1).f_code.co_name)
+        notify()
+
+    monkeypatch.setattr(book.cond, "notify_all", counted)
+    rx.expect(1, 7, b"tok", [32], 20.0, [list(range(0, 64, 2))])
+    h = _push(tx, rx, 1, slab, list(range(32)), list(range(0, 64, 2)))
+    assert rx.wait(1, 20.0).done and tx.wait_push(h, 20.0).done
+    assert rx.stats["nixl_reads"] == 16
+    assert torch.equal(pool[0:64:2], slab[0:32])
+    # the plan's arrival and the deadline sweeps notify; a chunk read or landed does not
+    assert not {"_reap", "_land"} & set(wakes), wakes
 
 
 def test_without_peer_error_handling_pages_still_land_byte_for_byte():

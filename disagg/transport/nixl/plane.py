@@ -23,8 +23,9 @@ Flow of one push:
 ``abort_complete`` is False: NIXL cannot stop a read it has posted, so ``abort`` can only
 wait for the chunks in flight, which a stalled producer may hold (reads.py). The memory
 is registered once (agent.py); one thread per plane makes the NIXL calls of both sides,
-polling every ``POLL_S`` while reads are in flight, backing off to ``WAIT_S`` while
-transfers wait for plans or pushes for answers, and sleeping otherwise;
+polling every ``POLL_S`` while reads are in flight and for ``PLAN_FAST_S`` after an
+``expect``, backing off to ``WAIT_S`` while transfers wait for plans or pushes for
+answers, and sleeping otherwise;
 NIXL's own progress thread moves the bytes. docs/design/nixl-plane.md has the
 measurements behind each choice.
 """
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.0002  # between polls of NIXL while reads are in flight
 WAIT_S = 0.001  # ... while transfers wait for a plan or pushes for an answer (backing off
 # from POLL_S: 13% of a core polled every POLL_S while a transfer waited, 3 s measured)
+PLAN_FAST_S = 0.005  # after an expect, polled every POLL_S this long: its plan follows
+# the Push within a few ms when the producer holds the pages, and a 1 ms nap costs half
+# of it on average (docs/design/nixl-plane.md)
 IDLE_S = 0.05  # ... while nothing is (woken at once by expect / post_push)
 SWEEP_S = 0.01
 
@@ -95,6 +99,7 @@ class NixlDataPlane(BookedReceiver, DataPlane):
         self._sender = Sender(self._agent, self._registry, self.stats)
         self._source_meta = b""
         self._open: set[int] = set()  # expected transfers not seen final yet
+        self._expected_at = 0.0  # the last expect
         self._cuda: int | None = None  # device to make current on this plane's thread
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -170,6 +175,7 @@ class NixlDataPlane(BookedReceiver, DataPlane):
             transfer_id, lease_id, token, total_pages_by_group, deadline_s, slots_by_group
         )
         self._open.add(transfer_id)
+        self._expected_at = time.monotonic()
         self._wake.set()
 
     # ================================= sender ===========================================
@@ -271,7 +277,7 @@ class NixlDataPlane(BookedReceiver, DataPlane):
             if moved:
                 nap = POLL_S
                 continue
-            if reader.posted:
+            if reader.posted or (self._open and now - self._expected_at < PLAN_FAST_S):
                 nap = POLL_S
             elif self._open or reader.busy or sender.busy:
                 nap = min(nap * 2, WAIT_S)

@@ -238,15 +238,17 @@ class Reader:
             raise ValueError(f"{P} pieces x {max(nslots, slab.nrows)} rows exceed NIXL's indices")
         mem = nx.mem_of(grp.regions[0].tensor)[0]
         per = max(1, (DEVICE_CHUNK if mem == "VRAM" else HOST_CHUNK) // b.page_bytes)
-        lbase = (np.arange(P, dtype=np.int64) * nslots)[:, None]
-        rbase = (np.arange(P, dtype=np.int64) * slab.nrows)[:, None]
+        # every chunk's indices in two array operations; a chunk's are a slice of them
+        # (a view when a page is one piece)
+        piece = np.arange(P, dtype=np.int64)[:, None]
+        lidx = (piece * nslots + slots[None, :]).astype(np.int32)
+        ridx = (piece * slab.nrows + rows[None, :]).astype(np.int32)
         for i in range(0, rows.size, per):
-            r, s = rows[i : i + per], slots[i : i + per]
+            k = min(per, rows.size - i)
             self.queue.append(
                 Chunk(
-                    rx, b.group, int(r.size), int(r.size) * b.page_bytes, local, remote,
-                    (lbase + s[None, :]).astype(np.int32).reshape(-1),
-                    (rbase + r[None, :]).astype(np.int32).reshape(-1),
+                    rx, b.group, k, k * b.page_bytes, local, remote,
+                    lidx[:, i : i + k].reshape(-1), ridx[:, i : i + k].reshape(-1),
                 )
             )  # fmt: skip
             rx.queued += 1
@@ -359,7 +361,8 @@ class Reader:
                 self._release(ch)
                 with book.cond:
                     rx.inflight -= 1
-                    book.cond.notify_all()
+                    if rx.state.final:  # an abort waits for its reads to drain
+                        book.cond.notify_all()
             while rx.chunks and rx.chunks[0].final:
                 self._land(rx.chunks.popleft())
             failed = next((c for c in rx.chunks if c.final and c.state != "DONE"), None)
@@ -419,7 +422,8 @@ class Reader:
                 book.landed(rx, ch.group, ch.pages, ch.nbytes)
                 self.stats["nixl_bytes"] += ch.nbytes
             book.maybe_finish(rx, rx.queued + len(rx.chunks))
-            book.cond.notify_all()
+            if rx.state.final:  # waiters wait for the end, not for each chunk
+                book.cond.notify_all()
 
     def _tell(self) -> bool:
         """ReadDone to the producer of each transfer that is over and quiet."""
