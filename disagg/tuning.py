@@ -206,11 +206,12 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         Annotated[
             int,
             Meta(
-                ge=1,
+                ge=0,
                 le=4096,
                 description="producer: a pass's save plan (store rows, copy indices) is made at "
-                "the save of this many layers, the device running those layers meanwhile, the "
-                "layers before copied right after it; default 1 (the first layer's save)",
+                "the save of this many layers, the layers before copied right after it and "
+                "each later one as it is saved; 0 (default): the plan and every layer's copy "
+                "after the pass's last layer, while the device finishes the forward",
             ),
         ]
         | None

@@ -182,10 +182,13 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
-# The pass is planned at the save of this many layers (``tuning.save_plan_layers``): more
-# than 1 gives the device those layers to run while the host plans; not yet shown faster
-# on a GPU (docs/design/first-token.md), so the plan stays at the first layer's save.
-PLAN_AFTER_LAYERS = 1
+# The pass is planned, and every layer copied, after its last layer (``wait_for_save``),
+# unless ``tuning.save_plan_layers`` = N plans at the N-th layer's save and copies each
+# layer as it is saved. The reference engine's prefill is close to launch-bound (at 4k
+# tokens on the H200 its host finishes enqueueing 2-8 ms before the device finishes), so
+# host work between layers delayed the first token by its full cost (~4 ms), where after
+# the last layer it runs while the device finishes (docs/design/first-token.md).
+PLAN_AFTER_LAYERS = 0  # 0: after the last layer
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -225,18 +228,20 @@ class ProducerWorker(KvCacheConnectorWorker):
         """A producer loads nothing."""
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        """Right after layer ``layer_idx`` is enqueued: enqueue the copy of its bytes of
-        this pass's completed blocks into their store rows, ordered after the layer (on
+        """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
+        pass). By default only notes the layer: ``wait_for_save`` plans the pass and
+        copies every layer (``PLAN_AFTER_LAYERS``). With ``tuning.save_plan_layers`` = N,
+        the N-th layer's save plans the pass once, for all its layers (store rows
+        reserved: dedup, evict, drop; the copy indices placed on their devices,
+        ``saving.plan_pass``), and from there each layer's save enqueues the copy of its
+        bytes of the pass's completed blocks into their rows, ordered after the layer (on
         CUDA on the save stream, which waits for the forward stream here:
-        ``tuning.save_stream``). Nothing here waits for the device. The pass is planned
-        once, for all its layers (store rows reserved: dedup, evict, drop; the copy
-        indices placed on their devices, ``saving.plan_pass``), at the save of its
-        ``PLAN_AFTER_LAYERS``-th layer (the first by default), after that layer's kernels
-        are enqueued so the host work overlaps them. Layers saved before the plan are
-        copied right after it (a layer's pages are not written by the layers after it)."""
+        ``tuning.save_stream``); layers saved before the plan are copied right after it (a
+        layer's pages are not written by the layers after it). Nothing here waits for
+        the device."""
         if self._saves:
             after = tuning.current().save_plan_layers or PLAN_AFTER_LAYERS
-            if len(self._held) + 1 < after:
+            if after == 0 or len(self._held) + 1 < after:
                 self._held.append(layer_idx)
                 return
             self._plan(stream)
@@ -265,7 +270,8 @@ class ProducerWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; queue its commit for the
         committer thread (on CUDA once the copies' event fires), never blocking the
-        engine. A forward of fewer layers than ``PLAN_AFTER_LAYERS`` is planned here."""
+        engine. The pass's layers not copied yet (all of them by default) are planned and
+        copied here first."""
         if self._saves and self._held:
             self._plan(stream)
         if self._saves:  # no layer was saved: nothing of the pass is in the store

@@ -41,15 +41,17 @@ def test_cuda_saves_match_monolithic(monkeypatch, store_device, save_stream):
     check_against_monolithic(produced, run(cons, ps, 4), mono)
 
 
+@pytest.mark.parametrize("plan", ["0", "1"], ids=["after-the-pass", "layer-wise"])
 @pytest.mark.parametrize("store_device", ["cuda", "pinned"])
 @pytest.mark.parametrize("save_stream", ["1", "0"], ids=["save-stream", "forward-stream"])
-def test_save_hooks_never_wait_for_the_device(monkeypatch, store_device, save_stream):
+def test_save_hooks_never_wait_for_the_device(monkeypatch, store_device, save_stream, plan):
     """The producer's hooks on the engine thread (planning, each layer's copy, queueing
     the commit) enqueue only: CUDA's sync debug mode raises on any call that makes the
     host wait for the device (a pageable index copy did, once per layer)."""
     from disagg.producer.connector import ProducerWorker
 
     monkeypatch.setenv("DISAGG_SAVE_STREAM", save_stream)
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", plan)
     calls = []
     for name in ("bind_connector_meta", "save_kv_layer", "wait_for_save"):
         hook = getattr(ProducerWorker, name)
