@@ -9,6 +9,7 @@ metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -32,6 +33,15 @@ log = logging.getLogger("disagg.proxy")
 # the consumer answers a prefetch at once (its work runs in the background); past this
 # the proxy stops waiting for that answer, which costs only the prefetch
 PREFETCH_POST_S = 2.0
+
+
+async def _end(resp: web.StreamResponse) -> None:
+    """End a client's stream, its last event (``[DONE]``) written. A client may close its
+    connection as soon as it reads ``[DONE]``, before the chunked encoding's end reaches
+    it: it has the whole answer, so the request still ends as answered (its outcome
+    counted, its ``done`` line and moments logged) instead of failing here."""
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
 
 
 class Superseded(Exception):
@@ -338,7 +348,7 @@ class Forwarding:
             who = f"every consumer failed; last: consumer {last.url}: {last.message}"
             err = {"error": {"message": who, "type": "upstream_error", "code": 502}}
             await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            await resp.write_eof()
+            await _end(resp)
             return resp
         if last.status is not None and 400 <= last.status < 500:
             return _err_json(
@@ -433,7 +443,7 @@ class Forwarding:
                     }
                 }
                 await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-            await resp.write_eof()
+            await _end(resp)
             return resp
         finally:
             await ctx.__aexit__(None, None, None)
@@ -498,7 +508,7 @@ class Forwarding:
             self.m_first_token.labels("producer").inc()
             for event in pre.events[pre.events.index(pre.first_event) + 1 :]:
                 await resp.write(event)
-            await resp.write_eof()
+            await _end(resp)
             return resp
         self.m_first_token.labels("producer").inc()
         return out
@@ -515,7 +525,7 @@ class Forwarding:
         resp = await self.begin_stream(request, rid)
         for event in pre.events:
             await resp.write(event)
-        await resp.write_eof()
+        await _end(resp)
         return resp
 
     async def begin_stream(self, request: web.Request, rid: str) -> web.StreamResponse:
