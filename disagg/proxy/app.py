@@ -432,20 +432,25 @@ def build_app(state: ProxyState) -> web.Application:
                 pre.headers["X-Request-Id"] = rid
                 return pre
             deadline = state.limits.decode_s(len(tokens), max_tokens)
-            resp = await state.answer(
-                request,
-                body,
-                pre,
-                max_tokens,
-                stream,
-                rid,
-                deadline,
-                path,
-                prefer=early.get("told"),
-                template=early.get("template"),
-            )
+            try:
+                resp = await state.answer(
+                    request,
+                    body,
+                    pre,
+                    max_tokens,
+                    stream,
+                    rid,
+                    deadline,
+                    path,
+                    prefer=early.get("told"),
+                    template=early.get("template"),
+                )
+            except ConnectionResetError:  # the client went away mid-answer: not an error
+                # ours; the consumer's stream is closed with it (its request cancelled)
+                resp = web.Response(status=499)  # aiohttp drops it on the closed transport
             timeline.run(timeline.take_deferred())  # before "done": the lines keep their order
-            state.m_requests.labels("ok" if resp.status == 200 else "decode_failed").inc()
+            outcome = {200: "ok", 499: "client_gone"}.get(resp.status, "decode_failed")
+            state.m_requests.labels(outcome).inc()
             state.m_latency.observe(time.monotonic() - t0)
             log.info(
                 "done",

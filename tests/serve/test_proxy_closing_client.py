@@ -1,9 +1,11 @@
 """A streaming client that closes its connection as soon as it reads ``[DONE]`` (as
 ``disagg bench`` does), before the chunked encoding's end reaches it: the proxy's request
 still ends as answered, with its ``done`` line and every moment (``consumer_sent``
-included) logged. The proxy runs in this process in front of two small aiohttp upstreams;
-the consumer holds its stream open after ``[DONE]`` until the client has closed, so the
-proxy's end of the stream always comes after the close."""
+included) logged. One that closes after its first token, mid-answer, ends as
+``client_gone``: counted, its ``done`` line logged, no error. The proxy runs in this
+process in front of two small aiohttp upstreams; the consumer holds its stream (before
+its events, or before its end) until the client has closed, so the proxy's writes after
+that point always come after the close."""
 
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ async def _stream(request: web.Request, events: list[bytes]) -> web.StreamRespon
     return resp
 
 
-async def _through_proxy() -> tuple[int, bytes]:
-    closed = asyncio.Event()  # the client has closed: the consumer may end its stream
+async def _through_proxy(until: bytes = b"data: [DONE]") -> tuple[dict[str, float], bytes]:
+    """The client reads until ``until`` and closes; the request's outcome counts."""
+    closed = asyncio.Event()  # the client has closed: the consumer may go on
 
     async def produce(request: web.Request) -> web.StreamResponse:
         resp = await _stream(request, [_event([5], "length"), b"data: [DONE]\n\n"])
@@ -51,8 +54,18 @@ async def _through_proxy() -> tuple[int, bytes]:
         return resp
 
     async def consume(request: web.Request) -> web.StreamResponse:
-        resp = await _stream(request, [_event([6], None), b"data: [DONE]\n\n"])
-        await asyncio.wait_for(closed.wait(), 10)
+        if until == b"data: [DONE]":
+            resp = await _stream(request, [_event([6], None), b"data: [DONE]\n\n"])
+            await asyncio.wait_for(closed.wait(), 10)
+        else:  # the client leaves before the consumer's token
+            resp = await _stream(request, [_event([6], None)])
+            await asyncio.wait_for(closed.wait(), 10)
+            try:  # the proxy relays these to a closed client, then closes this stream
+                for _ in range(20):
+                    await resp.write(_event([7], None))
+                    await asyncio.sleep(0.01)
+            except ConnectionResetError:
+                return resp
         await resp.write_eof()
         return resp
 
@@ -85,7 +98,7 @@ async def _through_proxy() -> tuple[int, bytes]:
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         got = b""
-        while b"data: [DONE]" not in got:
+        while until not in got:
             data = await asyncio.wait_for(reader.read(65536), 10)
             assert data, got
             got += data
@@ -93,11 +106,13 @@ async def _through_proxy() -> tuple[int, bytes]:
         await writer.wait_closed()
         await asyncio.sleep(0.2)  # the proxy sees the close before the consumer's end
         closed.set()
-        for _ in range(100):  # the handler's end (counted only when it is answered)
-            if state.m_requests.labels("ok")._value.get():
+        counts: dict[str, float] = {}
+        for _ in range(200):  # the handler's end (its outcome counted)
+            counts = {o: state.m_requests.labels(o)._value.get() for o in ("ok", "client_gone")}
+            if any(counts.values()):
                 break
             await asyncio.sleep(0.02)
-        return int(state.m_requests.labels("ok")._value.get()), got
+        return counts, got
     finally:
         for r in reversed(runners):
             await r.cleanup()
@@ -105,7 +120,7 @@ async def _through_proxy() -> tuple[int, bytes]:
 
 def test_done_logged_when_the_client_closes_at_done(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="disagg"):
-        ok, got = asyncio.run(_through_proxy())
+        counts, got = asyncio.run(_through_proxy())
     assert b'"token_ids": [5]' in got and b'"token_ids": [6]' in got  # both tokens came
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     done = [r for r in caplog.records if r.getMessage() == "done"]
@@ -114,4 +129,14 @@ def test_done_logged_when_the_client_closes_at_done(caplog: pytest.LogCaptureFix
     marks = getattr(done[0], "marks", {})
     assert {"client_token", "consumer_sent", "consumer_first"} <= marks.keys(), marks
     assert marks["client_token"] <= marks["consumer_sent"] <= marks["consumer_first"]
-    assert ok == 1
+    assert counts == {"ok": 1, "client_gone": 0}
+
+
+def test_a_client_gone_mid_answer_is_counted_not_an_error(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.INFO, logger="disagg"):
+        counts, got = asyncio.run(_through_proxy(until=b'"token_ids": [5]'))
+    assert b'"token_ids": [5]' in got
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    done = [r for r in caplog.records if r.getMessage() == "done"]
+    assert len(done) == 1 and getattr(done[0], "status", None) == 499, caplog.text
+    assert counts == {"ok": 0, "client_gone": 1}
