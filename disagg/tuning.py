@@ -210,8 +210,9 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                 le=4096,
                 description="producer: a pass's save plan (store rows, copy indices) is made at "
                 "the save of this many layers, the layers before copied right after it and "
-                "each later one as it is saved; 0 (default): the plan and every layer's copy "
-                "after the pass's last layer, while the device finishes the forward",
+                "each later one as it is saved; default 1; 0: the plan and every layer's copy "
+                "after the pass's last layer (less host work between layers, but a prefetch's "
+                "lease is granted only then)",
             ),
         ]
         | None

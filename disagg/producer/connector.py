@@ -182,13 +182,12 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
-# The pass is planned, and every layer copied, after its last layer (``wait_for_save``),
-# unless ``tuning.save_plan_layers`` = N plans at the N-th layer's save and copies each
-# layer as it is saved. The reference engine's prefill is close to launch-bound (at 4k
-# tokens on the H200 its host finishes enqueueing 2-8 ms before the device finishes), so
-# host work between layers delayed the first token by its full cost (~4 ms), where after
-# the last layer it runs while the device finishes (docs/design/first-token.md).
-PLAN_AFTER_LAYERS = 0  # 0: after the last layer
+# The pass is planned at the save of this many layers (``tuning.save_plan_layers``); 0
+# plans it, and copies every layer, after the last layer. 0 took ~3.5 ms of host work off
+# a 4k first token on the H200 (docs/design/first-token.md), but the prefetch's lease and
+# the landing zone are granted on blocks planned at the start of the forward, which 0
+# moves to its end (the continuation then arrives before the grant): the default stays 1.
+PLAN_AFTER_LAYERS = 1
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -229,8 +228,8 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
-        pass). By default only notes the layer: ``wait_for_save`` plans the pass and
-        copies every layer (``PLAN_AFTER_LAYERS``). With ``tuning.save_plan_layers`` = N,
+        pass). With ``tuning.save_plan_layers`` = 0 only notes the layer: ``wait_for_save``
+        plans the pass and copies every layer. With N (default ``PLAN_AFTER_LAYERS``),
         the N-th layer's save plans the pass once, for all its layers (store rows
         reserved: dedup, evict, drop; the copy indices placed on their devices,
         ``saving.plan_pass``), and from there each layer's save enqueues the copy of its
@@ -240,7 +239,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         layer's pages are not written by the layers after it). Nothing here waits for
         the device."""
         if self._saves:
-            after = tuning.current().save_plan_layers or PLAN_AFTER_LAYERS
+            chosen = tuning.current().save_plan_layers
+            after = PLAN_AFTER_LAYERS if chosen is None else chosen
             if after == 0 or len(self._held) + 1 < after:
                 self._held.append(layer_idx)
                 return
@@ -270,8 +270,8 @@ class ProducerWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; queue its commit for the
         committer thread (on CUDA once the copies' event fires), never blocking the
-        engine. The pass's layers not copied yet (all of them by default) are planned and
-        copied here first."""
+        engine. The pass's layers not copied yet are planned and
+        copied here first (all of them with ``save_plan_layers`` 0)."""
         if self._saves and self._held:
             self._plan(stream)
         if self._saves:  # no layer was saved: nothing of the pass is in the store

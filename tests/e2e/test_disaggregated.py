@@ -64,11 +64,11 @@ def test_tokens_and_pages_match_monolithic(case, load_mode):
     assert psvc.store.pinned_blocks() == 0
 
 
-@pytest.mark.parametrize("plan_layers", [1, 3, 9])
+@pytest.mark.parametrize("plan_layers", [0, 1, 3, 9])
 def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers):
     """``tuning.save_plan_layers``: each layer copied as it is saved from the plan on
     (at the 1st or the 3rd of 4 layers, the layers before copied after the plan), or all
-    of them at ``wait_for_save`` (more than it has, as by default)."""
+    of them at ``wait_for_save`` (0, or more than it has)."""
     monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
     shape = {**SHAPE, "num_layers": 4}
     cfg = EngineConfig(**shape, **CASES["v2-vswa-chunked"], capture_pages=True)
