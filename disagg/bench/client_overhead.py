@@ -69,14 +69,14 @@ async def _paired(
     out: list[list[Record]] = [[] for _ in urls]
     timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
     async with contextlib.AsyncExitStack() as stack:
-        sessions = [
+        clients = [
             await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout)) for _ in urls
         ]
         for i, p in enumerate(prompts):
             order = range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))
             for k in order:
                 rec = Record(i, len(p), tokens, 0.0)
-                await _one(sessions[k], urls[k], Request(0.0, p, tokens), rec, f"{tags[k]}-{i}")
+                await _one(clients[k], urls[k], Request(0.0, p, tokens), rec, f"{tags[k]}-{i}")
                 if rec.error:
                     raise RuntimeError(rec.error)
                 out[k].append(rec)
