@@ -208,11 +208,11 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
             Meta(
                 ge=0,
                 le=4096,
-                description="producer: a pass's save plan (store rows, copy indices) is made at "
+                description="producer: a pass's save copies are planned (copy indices placed) at "
                 "the save of this many layers, the layers before copied right after it and "
-                "each later one as it is saved; default 1; 0: the plan and every layer's copy "
-                "after the pass's last layer (less host work between layers, but a prefetch's "
-                "lease is granted only then)",
+                "each later one as it is saved; default 0: every layer's copy after the "
+                "pass's last layer (least host work between layers); the store rows are "
+                "reserved at the first layer's save either way",
             ),
         ]
         | None

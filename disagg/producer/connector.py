@@ -182,12 +182,14 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
-# The pass is planned at the save of this many layers (``tuning.save_plan_layers``); 0
-# plans it, and copies every layer, after the last layer. 0 took ~3.5 ms of host work off
-# a 4k first token on the H200 (docs/design/first-token.md), but the prefetch's lease and
-# the landing zone are granted on blocks planned at the start of the forward, which 0
-# moves to its end (the continuation then arrives before the grant): the default stays 1.
-PLAN_AFTER_LAYERS = 1
+# The pass's copies are planned and enqueued from the save of this many layers on
+# (``tuning.save_plan_layers``). 0 enqueues them all after the last layer, at
+# ``wait_for_save``: per-layer copies, index uploads and stream switches held a 4k first
+# token ~3.5 ms behind a local engine's on the H200, whose prefill is close to launch-bound
+# (docs/design/first-token.md). The store rows are reserved at the first layer's save in
+# every mode: the prefetch's lease and the landing zone are granted on reserved blocks, so
+# a reservation made only at the pass's end would let the continuation arrive first.
+PLAN_AFTER_LAYERS = 0
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -228,36 +230,45 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
-        pass). With ``tuning.save_plan_layers`` = 0 only notes the layer: ``wait_for_save``
-        plans the pass and copies every layer. With N (default ``PLAN_AFTER_LAYERS``),
-        the N-th layer's save plans the pass once, for all its layers (store rows
-        reserved: dedup, evict, drop; the copy indices placed on their devices,
-        ``saving.plan_pass``), and from there each layer's save enqueues the copy of its
-        bytes of the pass's completed blocks into their rows, ordered after the layer (on
-        CUDA on the save stream, which waits for the forward stream here:
-        ``tuning.save_stream``); layers saved before the plan are copied right after it (a
-        layer's pages are not written by the layers after it). Nothing here waits for
-        the device."""
+        pass). The first layer's save reserves the pass's store rows (dedup, evict, drop:
+        host work only, ``_PassPlan.reserve``). With ``tuning.save_plan_layers`` = 0
+        (default ``PLAN_AFTER_LAYERS``) the layer is only noted: ``wait_for_save`` places
+        the copy indices and copies every layer. With N, the N-th layer's save places the
+        indices on their devices once (``saving.plan_pass``) and from there each layer's
+        save enqueues the copy of its bytes of the pass's completed blocks into their
+        rows, ordered after the layer (on CUDA on the save stream, which waits for the
+        forward stream here: ``tuning.save_stream``); layers noted before are copied right
+        after the indices are placed (a layer's pages are not written by the layers after
+        it). Nothing here waits for the device."""
         if self._saves:
+            saves, self._saves = self._saves, []
+            self._pass = _PassPlan.reserve(self.service, saves)
+        plan = self._pass
+        if plan is None:
+            return
+        if plan.copy is None:
             chosen = tuning.current().save_plan_layers
             after = PLAN_AFTER_LAYERS if chosen is None else chosen
-            if after == 0 or len(self._held) + 1 < after:
-                self._held.append(layer_idx)
+            self._held.append(layer_idx)
+            if after == 0 or len(self._held) < after:
                 return
-            self._plan(stream)
+            self._place(stream)
+            return
         self._copy_layer(layer_idx, stream)
 
-    def _plan(self, stream: Any) -> None:
-        saves, self._saves = self._saves, []
+    def _place(self, stream: Any) -> None:
+        """Place the reserved pass's copy indices, then copy the layers noted so far."""
+        plan = self._pass
+        assert plan is not None and self.service.pool is not None
         with self._on_save_stream(stream):  # the indices belong to the copies' stream
-            self._pass = _PassPlan.build(self.service, saves)
+            plan.place(self.service.pool, self.service.store.slab)
         held, self._held = self._held, []
         for layer in held:
             self._copy_layer(layer, stream)
 
     def _copy_layer(self, layer_idx: int, stream: Any) -> None:
         plan = self._pass
-        if plan is None or not plan.keys:
+        if plan is None or plan.copy is None or not plan.keys:
             return
         if not plan.staging:
             self.service.store.mark_staging(plan.keys)
@@ -270,15 +281,17 @@ class ProducerWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         """After the forward: the pass's blocks are complete; queue its commit for the
         committer thread (on CUDA once the copies' event fires), never blocking the
-        engine. The pass's layers not copied yet are planned and
-        copied here first (all of them with ``save_plan_layers`` 0)."""
-        if self._saves and self._held:
-            self._plan(stream)
+        engine. The pass's layers not copied yet are copied here first (all of them with
+        ``save_plan_layers`` 0)."""
         if self._saves:  # no layer was saved: nothing of the pass is in the store
             self._abandon_pass()
-        plan, self._pass = self._pass, None
+        plan = self._pass
         if plan is None:
             return
+        if plan.copy is None:
+            self._place(stream)
+        self._pass = None
+        assert plan.copy is not None
         with self._on_save_stream(stream) as save:
             flush_pass(plan.copy, self.service.store.slab)
         self.service.finish_pass(plan.keys, plan.request_counts, save, plan.copy)
@@ -329,13 +342,18 @@ class ProducerWorker(KvCacheConnectorWorker):
 
 @dataclass
 class _PassPlan:
+    """One pass's saves: its store rows reserved (``reserve``), then its copy indices
+    placed on their devices (``place``)."""
+
     keys: list[bytes]
-    copy: PassCopy
+    rows: np.ndarray  # the store row of each kept block
+    slots: list[np.ndarray]  # per group: the page slot of each kept block
     request_counts: dict[int, int]
+    copy: PassCopy | None = None
     staging: bool = False
 
     @classmethod
-    def build(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:
+    def reserve(cls, service: ProducerService, saves: list[SaveOp]) -> _PassPlan:
         rank = service.tp_rank
         keys = [k for op in saves for k in op.keys_for(rank)]
         groups = len(saves[0].slots)
@@ -350,6 +368,13 @@ class _PassPlan:
             counts[int(rid)] = int(n)
         # saves that were deduplicated or dropped are not in flight
         service.note_planned(saves, counts)
-        assert service.pool is not None
-        copy = plan_pass(service.pool, service.store.slab, rows[keep], list(slots[:, keep]))
-        return cls(keys=[k for k, ok in zip(keys, keep) if ok], copy=copy, request_counts=counts)
+        return cls(
+            keys=[k for k, ok in zip(keys, keep) if ok],
+            rows=rows[keep],
+            slots=list(slots[:, keep]),
+            request_counts=counts,
+        )
+
+    def place(self, pool: PagePool, slab: torch.Tensor) -> None:
+        """Call with the copies' stream current."""
+        self.copy = plan_pass(pool, slab, self.rows, self.slots)
