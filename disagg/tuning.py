@@ -231,6 +231,17 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    uvloop: (
+        Annotated[
+            bool,
+            Meta(
+                description="HTTP servers (serve, proxy) run on uvloop's event loop where it "
+                "is installed (a dependency off Windows): each hop of a request costs less loop time "
+                "than on asyncio's; false: asyncio's; default on",
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

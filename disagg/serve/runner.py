@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from .. import tuning
 from .bodies import json_error
 
 
@@ -47,6 +48,18 @@ class _JsonErrorRunner(web.AppRunner):
         return server
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed and ``tuning.uvloop`` is not off, else asyncio's."""
+    if tuning.current().uvloop is not False:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, then clean it up."""
 
@@ -59,7 +72,7 @@ def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: flo
         finally:
             await runner.cleanup()
 
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     asyncio.set_event_loop(loop)
     task = loop.create_task(serve())
     try:
