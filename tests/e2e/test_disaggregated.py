@@ -80,6 +80,32 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
 
 
+@pytest.mark.parametrize("plan_layers", [0, 3])
+def test_a_pass_reserves_its_store_rows_at_its_first_layers_save(monkeypatch, plan_layers):
+    """Whatever ``save_plan_layers`` says, the first layer's save reserves the pass's
+    blocks in the store (a prefetch's lease is granted on held blocks), before any copy."""
+    from disagg.producer.connector import ProducerWorker
+
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
+    held_after_first_layer: list[int] = []
+    save = ProducerWorker.save_kv_layer
+
+    def spy(self, layer_idx, stream):
+        before = self.service.store.stats.saves_planned
+        save(self, layer_idx, stream)
+        if layer_idx == 0:
+            held_after_first_layer.append(self.service.store.stats.saves_planned - before)
+
+    monkeypatch.setattr(ProducerWorker, "save_kv_layer", spy)
+    cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
+    ps = prompts(n=1)
+    prod, psvc = make_producer(cfg)
+    run(prod, ps, max_tokens=1)
+    assert held_after_first_layer and held_after_first_layer[0] > 0
+    assert psvc.drain_commits()
+    assert psvc.store.stats.saves_committed == sum(held_after_first_layer)
+
+
 def test_cache_salt_isolates_prefixes():
     cfg = EngineConfig(**SHAPE)
     ps = prompts(n=1)
