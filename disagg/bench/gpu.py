@@ -308,7 +308,7 @@ def bench_page_size(
     import torch
     import torch.multiprocessing as mp
 
-    from ..producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
+    from ..producer.saving import copy_pages_to_store, flush_pass, land, plan_pass
     from ..transport.page_copy import copy_indexed
 
     n = max(1, total // page_bytes)
@@ -336,10 +336,10 @@ def bench_page_size(
         )
 
     def save(slab: torch.Tensor, store_rows: torch.Tensor) -> None:
-        copy = plan_pass(pool, slab, store_rows.numpy(), [slots.numpy()])  # bind
-        for layer in range(layers):  # save_kv_layer, once per layer
-            copy_layer_to_store(pool, layer, copy, slab)
-        flush_pass(copy, slab)  # wait_for_save
+        # wait_for_save with the default save_plan_layers 0: every layer, as whole pages
+        copy = plan_pass(pool, slab, store_rows.numpy(), [slots.numpy()])
+        copy_pages_to_store(pool, copy, slab)
+        flush_pass(copy, slab)
         ev = torch.cuda.Event()
         ev.record()
         ev.synchronize()  # ProducerService.poll waits for this event without blocking

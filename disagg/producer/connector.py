@@ -31,7 +31,7 @@ from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, Schedule
 from ..identity import RequestIdentity, request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_keys
-from .saving import PassCopy, copy_layer_to_store, flush_pass, plan_pass
+from .saving import PassCopy, copy_layer_to_store, copy_pages_to_store, flush_pass, plan_pass
 from .service import ProducerService, service_for
 
 log = logging.getLogger("disagg.producer")
@@ -257,22 +257,31 @@ class ProducerWorker(KvCacheConnectorWorker):
         self._copy_layer(layer_idx, stream)
 
     def _place(self, stream: Any) -> None:
-        """Place the reserved pass's copy indices, then copy the layers noted so far."""
+        """Place the reserved pass's copy indices, then copy the layers noted so far: as
+        whole pages when they are every layer of the pool (``save_plan_layers`` 0)."""
         plan = self._pass
-        assert plan is not None and self.service.pool is not None
-        with self._on_save_stream(stream):  # the indices belong to the copies' stream
-            plan.place(self.service.pool, self.service.store.slab)
+        pool = self.service.pool
+        assert plan is not None and pool is not None
         held, self._held = self._held, []
+        with self._on_save_stream(stream):  # the indices belong to the copies' stream
+            copy = plan.place(pool, self.service.store.slab)
+            if plan.keys and len(held) == len(pool.layers) and set(held) == set(pool.layers):
+                self._mark_staging(plan)
+                copy_pages_to_store(pool, copy, self.service.store.slab)
+                return
         for layer in held:
             self._copy_layer(layer, stream)
+
+    def _mark_staging(self, plan: _PassPlan) -> None:
+        if not plan.staging:
+            self.service.store.mark_staging(plan.keys)
+            plan.staging = True
 
     def _copy_layer(self, layer_idx: int, stream: Any) -> None:
         plan = self._pass
         if plan is None or plan.copy is None or not plan.keys:
             return
-        if not plan.staging:
-            self.service.store.mark_staging(plan.keys)
-            plan.staging = True
+        self._mark_staging(plan)
         pool = self.service.pool
         assert pool is not None
         with self._on_save_stream(stream):
@@ -375,6 +384,7 @@ class _PassPlan:
             request_counts=counts,
         )
 
-    def place(self, pool: PagePool, slab: torch.Tensor) -> None:
+    def place(self, pool: PagePool, slab: torch.Tensor) -> PassCopy:
         """Call with the copies' stream current."""
         self.copy = plan_pass(pool, slab, self.rows, self.slots)
+        return self.copy

@@ -3,13 +3,15 @@
 Shared by ``ProducerWorker`` (the engine hooks) and ``disagg bench gpu`` (which times this
 exact code on a GPU), so the benchmark measures what the connector runs.
 
-The plan is made once per forward pass (``plan_pass``, at its first layer's save): the pass's
+The copies are planned once per forward pass (``plan_pass``, before its first copy): the pass's
 page slots and store rows move to their devices once, from pinned memory and without the
 host waiting (a pageable host->device copy of an index makes the host wait for the stream,
 which holds the engine thread behind the GPU at every layer); whether the rows are one run
 of consecutive rows is decided there too. Each layer then only enqueues its copy
 (``copy_layer_to_store``): one batched gather per buffer span of the layer, and one copy
-into the store (a slice copy when the rows are a run, else one index copy).
+into the store (a slice copy when the rows are a run, else one index copy); a pass whose
+every layer is copied at its end copies whole pages instead (``copy_pages_to_store``: one
+gather and one copy per region).
 
 Same device (host pool and host store, or device pool and device store): each layer's
 bytes go straight into the store rows. Device pool and host store: each layer is gathered
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..pages import PagePool, copy_rows, scatter_rows
+from ..pages import PagePool, copy_rows, gather_rows, scatter_rows
 
 
 @dataclass
@@ -70,18 +72,38 @@ def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def copy_layer_to_store(pool: PagePool, layer: int, copy: PassCopy, slab: torch.Tensor) -> None:
     """Enqueue the copy of layer ``layer``'s bytes of the pass's pages toward their rows."""
-    n = copy.rows.numel()
-    if n == 0:
+    if copy.rows.numel() == 0:
         return
     for col, chunk in pool.gather_layer(layer, copy.slots):
-        width = chunk.shape[1]
-        if copy.stage is not None:
-            copy_rows(copy.stage[:, col : col + width], chunk)
-        elif copy.run is not None:
-            copy_rows(slab[copy.run : copy.run + n, col : col + width], chunk)
-        else:
-            assert copy.rows_dst is not None
-            scatter_rows(slab[:, col : col + width], copy.rows_dst, chunk)
+        _put(copy, slab, col, chunk)
+
+
+def copy_pages_to_store(pool: PagePool, copy: PassCopy, slab: torch.Tensor) -> None:
+    """Enqueue the copy of the pass's whole group pages (every layer) toward their rows:
+    one gather and one copy per region, where a layer at a time takes one per layer."""
+    if copy.rows.numel() == 0:
+        return
+    for gi, regions in enumerate(pool.regions):
+        slots = copy.slots[gi]
+        if slots.numel() == 0:
+            continue
+        col = pool.page_offsets[gi]
+        for region in regions:
+            _put(copy, slab, col, gather_rows(region, slots))
+            col += region.shape[1]
+
+
+def _put(copy: PassCopy, slab: torch.Tensor, col: int, chunk: torch.Tensor) -> None:
+    """``chunk`` ([n, width] on the pool's device) toward store columns ``col:col+width``
+    of the pass's rows (or of its device staging)."""
+    n, width = chunk.shape
+    if copy.stage is not None:
+        copy_rows(copy.stage[:, col : col + width], chunk)
+    elif copy.run is not None:
+        copy_rows(slab[copy.run : copy.run + n, col : col + width], chunk)
+    else:
+        assert copy.rows_dst is not None
+        scatter_rows(slab[:, col : col + width], copy.rows_dst, chunk)
 
 
 def flush_pass(copy: PassCopy, slab: torch.Tensor) -> None:
