@@ -246,10 +246,10 @@ def _consumer(
                     jobs.append((plane.endpoint, plane.capabilities, *job))
                 t = time.perf_counter()
                 conn.send(("push", jobs))
-                for job in jobs:
-                    if job[0] != plane.endpoint:
-                        continue
-                    st = plane.wait(job[2], 300)
+                for posted in jobs:
+                    if posted[0] != plane.endpoint:
+                        continue  # the second rank's: it answers "landed"
+                    st = plane.wait(posted[2], 300)
                     if not st.done:
                         raise RuntimeError(f"{kind} transfer failed: {st.error}")
                 end = time.perf_counter()
