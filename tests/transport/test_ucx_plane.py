@@ -195,6 +195,20 @@ def test_planes_leave_the_process_environment_alone(monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_shm_headers_go_eager_unless_the_operator_chose(monkeypatch):
+    """shm planes send messages up to 128 KiB eager (an RMA batch header of the most pages
+    a batch holds among them); tcp planes keep UCX's threshold; an operator's
+    ``UCX_RNDV_THRESH`` wins."""
+    from disagg.transport.ucx import plan, settings
+
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    shm = settings.context_config("shm", None, False)
+    assert settings.ucx_bytes(shm["RNDV_THRESH"]) >= 16 * plan.RMA_MAX_PAGES + 4096
+    assert "RNDV_THRESH" not in settings.context_config("tcp", "127.0.0.1", False)
+    monkeypatch.setenv("UCX_RNDV_THRESH", "8k")
+    assert "RNDV_THRESH" not in settings.context_config("shm", None, False)
+
+
 def test_push_to_a_receiver_with_small_tcp_segments_is_refused_by_name():
     """A receiver that says it runs UCX's 8 KiB tcp segments would never take this plane's
     2 MiB fragments: refused before anything is sent, naming the way out."""
