@@ -197,7 +197,7 @@ def test_planes_leave_the_process_environment_alone(monkeypatch):
 
 def test_shm_headers_go_eager_unless_the_operator_chose(monkeypatch):
     """shm planes send messages up to 128 KiB eager (an RMA batch header of the most pages
-    a batch holds among them); tcp planes keep UCX's threshold; an operator's
+    a batch holds among them); tcp and CUDA planes keep UCX's threshold; an operator's
     ``UCX_RNDV_THRESH`` wins."""
     from disagg.transport.ucx import plan, settings
 
@@ -205,6 +205,7 @@ def test_shm_headers_go_eager_unless_the_operator_chose(monkeypatch):
     shm = settings.context_config("shm", None, False)
     assert settings.ucx_bytes(shm["RNDV_THRESH"]) >= 16 * plan.RMA_MAX_PAGES + 4096
     assert "RNDV_THRESH" not in settings.context_config("tcp", "127.0.0.1", False)
+    assert "RNDV_THRESH" not in settings.context_config("shm", None, True)
     monkeypatch.setenv("UCX_RNDV_THRESH", "8k")
     assert "RNDV_THRESH" not in settings.context_config("shm", None, False)
 

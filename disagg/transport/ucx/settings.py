@@ -14,7 +14,8 @@ What a plane asks for (``context_config``):
   variables;
 - ``shm``: no tcp transport at all (``TLS=^tcp``): worker-address endpoints on one host
   need none, and UCX's tcp transport executes any peer's put at any address; messages
-  up to 128 KiB eager (``SHM_TUNING``: an RMA batch header must not wait on a rendezvous);
+  up to 128 KiB eager where the plane is not a CUDA one (``SHM_TUNING``: an RMA batch
+  header must not wait on a rendezvous);
 - ``tcp``: tcp only on the device that owns the bind address (``NET_DEVICES``), the put
   refused and large messages as active-message rendezvous in 2 MiB socket segments
   (``TCP_HARDENING``), up to 64 iov entries per ``writev`` (``TCP_TUNING``);
@@ -84,8 +85,6 @@ def exposure_config(channel: str, bind_host: str | None) -> dict[str, str]:
         out["RNDV_SCHEME"] = RNDV_SCHEME
     if channel == "shm" and not os.environ.get("UCX_TLS"):
         out["TLS"] = "^tcp"
-    if channel == "shm":
-        out.update({k: v for k, v in SHM_TUNING.items() if f"UCX_{k}" not in os.environ})
     if channel == "tcp":
         if not os.environ.get("UCX_NET_DEVICES"):
             device = net_device(bind_host or "127.0.0.1")
@@ -119,6 +118,8 @@ def context_config(channel: str, bind_host: str | None, cuda: bool) -> dict[str,
         out["WARN_UNUSED_ENV_VARS"] = "n"
     if cuda:
         out.update(cuda_transports())
+    elif channel == "shm":  # a CUDA plane's loop spins while requests are in flight
+        out.update({k: v for k, v in SHM_TUNING.items() if f"UCX_{k}" not in os.environ})
     return out
 
 
