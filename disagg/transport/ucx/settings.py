@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ... import tuning
-from . import iov, native_rma, wire
+from . import OPERATOR_ENV, iov, native_rma, wire
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ TCP_TUNING = {"TCP_MAX_IOV": "64"}
 # 2.5-3 ms after it was posted by rendezvous, 0.4 ms eager (the consumer copying the first
 # batch meanwhile), a fixed cost per push of ~16 ms transfers.
 SHM_TUNING = {"RNDV_THRESH": "128k"}
+# What ucxx writes into os.environ when imported, where unset (``ucxx/__init__.py``)
+UCXX_SETS = {"UCX_RNDV_THRESH": "8192"}
 UCX_TCP_SEG_DEFAULT = 8 << 10  # UCX 1.21's tcp TX/RX_SEG_SIZE
 _SIOCGIFADDR = 0x8915
 
@@ -119,8 +121,17 @@ def context_config(channel: str, bind_host: str | None, cuda: bool) -> dict[str,
     if cuda:
         out.update(cuda_transports())
     elif channel == "shm":  # a CUDA plane's loop spins while requests are in flight
-        out.update({k: v for k, v in SHM_TUNING.items() if f"UCX_{k}" not in os.environ})
+        out.update({k: v for k, v in SHM_TUNING.items() if not operator_set(f"UCX_{k}")})
     return out
+
+
+def operator_set(name: str) -> bool:
+    """Whether the operator set the environment variable ``name``: it is set, and either
+    was before ucxx was imported or holds another value than the one ucxx writes."""
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    return name in OPERATOR_ENV or value != UCXX_SETS.get(name)
 
 
 def ucx_setting(name: str, config: Mapping[str, str]) -> str | None:
