@@ -613,7 +613,7 @@ def tp_kit(roles: Roles) -> SimpleNamespace:
         make_plane=_make_plane,
         device=roles.of,
         store=_store,
-        pair=_pair,
+        result=_result,
         unavailable=unavailable,
         spec=SPEC,
     )

@@ -195,6 +195,24 @@ def test_planes_leave_the_process_environment_alone(monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_shm_headers_go_eager_unless_the_operator_chose(monkeypatch):
+    """shm planes send messages up to 128 KiB eager (an RMA batch header of the most pages
+    a batch holds among them); tcp and CUDA planes keep UCX's threshold; an operator's
+    ``UCX_RNDV_THRESH`` wins, the value ucxx writes on import where unset does not."""
+    import ucxx  # noqa: F401  (writes UCX_RNDV_THRESH=8192 where unset)
+
+    from disagg.transport.ucx import plan, settings
+
+    if "UCX_RNDV_THRESH" in settings.OPERATOR_ENV:
+        pytest.skip("UCX_RNDV_THRESH is set in this test run's environment")
+    shm = settings.context_config("shm", None, False)
+    assert settings.ucx_bytes(shm["RNDV_THRESH"]) >= 16 * plan.RMA_MAX_PAGES + 4096
+    assert "RNDV_THRESH" not in settings.context_config("tcp", "127.0.0.1", False)
+    assert "RNDV_THRESH" not in settings.context_config("shm", None, True)
+    monkeypatch.setenv("UCX_RNDV_THRESH", "8k")
+    assert "RNDV_THRESH" not in settings.context_config("shm", None, False)
+
+
 def test_push_to_a_receiver_with_small_tcp_segments_is_refused_by_name():
     """A receiver that says it runs UCX's 8 KiB tcp segments would never take this plane's
     2 MiB fragments: refused before anything is sent, naming the way out."""

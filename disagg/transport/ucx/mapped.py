@@ -38,14 +38,14 @@ import os
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
 from ... import tuning
-from .. import page_copy
+from .. import page_copy, page_runs
 from ..receiver import Group
 from . import native_rma
 from .link import Link
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _THREADS_MIN = 8 << 20  # a mapped copy this big uses HOST_THREADS threads
 _POPULATE_CHUNK = 32 << 20  # a mapped segment's pages are mapped ahead this much a call
+_MAX_LAYOUTS = 256  # copy_runs tables kept (per group and pieces)
 
 
 class MappedRangeError(ValueError):
@@ -75,6 +76,10 @@ class MappedStores:
         # None where ``rkey_ptr`` failed: read with gets), dropped with the key
         self._maps: dict[tuple[str, bytes], tuple[int, int] | None] = {}
         self._populator = _Populator()
+        # consumer: copy_runs tables per (group, pieces) (``_host_runs``; progress thread)
+        self._runs: OrderedDict[tuple[Any, ...], tuple[Group, page_runs.HostRuns | None]] = (
+            OrderedDict()
+        )
 
     # --------------------------------------------------------------- producer
     def place(self, tensor: torch.Tensor, why: str | None) -> torch.Tensor:
@@ -188,30 +193,28 @@ class MappedStores:
         if self._maps.pop(key, None) is not None:
             self._populator.cancel(key)
 
-    @staticmethod
-    def copy(grp: Group, hdr: RmaHeader, ptr: int, pieces: list[tuple[int, int, int, int]]) -> None:
+    def copy(
+        self, grp: Group, hdr: RmaHeader, ptr: int, pieces: list[tuple[int, int, int, int]]
+    ) -> None:
         """Copy a batch's pages from the producer's slab mapped at ``ptr`` into its slots
         of ``grp``: per piece (a column span of the row into one region,
         ``native_rma.page_pieces``) one C row copy (which checks every index against its
         side's rows again; a batch of several pieces, a TP slice's runs, is one ``copy_runs``
-        call over the pages), else ``page_copy.copy_indexed`` on views."""
+        call over the pages, its table built once per layout: ``_host_runs``), else
+        ``page_copy.copy_indexed`` on views."""
         rows, slots = hdr.rows, hdr.slots
         nbytes = int(slots.size) * hdr.page_bytes
         rc = page_copy._rowcopy
         threads = 1
         if nbytes >= _THREADS_MIN:
             threads = min(page_copy.HOST_THREADS, len(os.sched_getaffinity(0)))
-        if rc is not None and len(pieces) > 1:  # a TP slice's runs: one pass over the pages
-            table = np.array(
-                [
-                    (soff, grp.regions[reg].tensor.data_ptr() + doff,
-                     grp.regions[reg].tensor.stride(0), plen)
-                    for soff, reg, doff, plen in pieces
-                ],
-                dtype=np.int64,
-            )  # fmt: skip
-            dst_rows = min(int(grp.regions[reg].tensor.shape[0]) for _, reg, _, _ in pieces)
-            rc.copy_runs(ptr, hdr.nrows, hdr.stride, table, dst_rows, rows, slots, threads)
+        one_pass = self._host_runs(grp, pieces) if len(pieces) > 1 else None
+        if one_pass is not None:  # a TP slice's runs: one pass over the pages
+            if one_pass.table.size:
+                assert rc is not None  # prepare_host found it
+                rc.copy_runs(
+                    ptr, hdr.nrows, hdr.stride, one_pass.table, one_pass.rows, rows, slots, threads
+                )
             return
         for soff, reg, doff, plen in pieces:
             dst = grp.regions[reg].tensor
@@ -230,6 +233,28 @@ class MappedStores:
                 torch.from_numpy(src),
                 torch.from_numpy(rows.copy()),
             )
+
+    def _host_runs(
+        self, grp: Group, pieces: list[tuple[int, int, int, int]]
+    ) -> page_runs.HostRuns | None:
+        """The ``copy_runs`` table of a group's pieces (runs that continue one another on
+        both sides joined: ``page_runs.coalesce``), kept per (group, pieces): a slice
+        layout's table is ``2 * layers`` rows, the same for every batch of the layout.
+        None without the C extension."""
+        key = (id(grp), tuple(pieces))
+        hit = self._runs.get(key)
+        if hit is not None and hit[0] is grp:
+            self._runs.move_to_end(key)
+            return hit[1]
+        runs = [
+            page_runs.Run(soff, grp.regions[reg].tensor, doff, plen)
+            for soff, reg, doff, plen in pieces
+        ]
+        one_pass = page_runs.prepare_host(runs)
+        self._runs[key] = (grp, one_pass)  # holds the group: its id is not reused meanwhile
+        while len(self._runs) > _MAX_LAYOUTS:
+            self._runs.popitem(last=False)
+        return one_pass
 
 
 class _Populator:

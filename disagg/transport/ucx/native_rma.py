@@ -29,6 +29,7 @@ raises at import.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -413,7 +414,16 @@ def page_pieces(
     ``cols`` of a store row, in page order) and one span of one destination region
     (``parts``: the group's region sizes, in page order); both partitions cover the same
     ``page_bytes``. Returns (source column offset in the row, destination region,
-    offset in that region's row, length) per piece."""
+    offset in that region's row, length) per piece. Worked out once per layout: every
+    RMA batch asks, and a TP slice's layout has ``2 * layers`` pieces (a numpy search
+    per edge)."""
+    return list(_pieces(tuple((int(o), int(n)) for o, n in cols), tuple(int(n) for n in parts)))
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces(
+    cols: tuple[tuple[int, int], ...], parts: tuple[int, ...]
+) -> tuple[tuple[int, int, int, int], ...]:
     cuts = {0}
     at = 0
     for _, n in cols:
@@ -434,7 +444,7 @@ def page_pieces(
         c = int(np.searchsorted(col_starts, a, side="right")) - 1
         r = int(np.searchsorted(reg_starts, a, side="right")) - 1
         out.append((cols[c][0] + a - int(col_starts[c]), r, a - int(reg_starts[r]), b - a))
-    return out
+    return tuple(out)
 
 
 def op_lists(

@@ -13,7 +13,9 @@ What a plane asks for (``context_config``):
   collapses to ~0.5 GB/s over tcp with ucxx) and no warning about unused ``UCX_*``
   variables;
 - ``shm``: no tcp transport at all (``TLS=^tcp``): worker-address endpoints on one host
-  need none, and UCX's tcp transport executes any peer's put at any address;
+  need none, and UCX's tcp transport executes any peer's put at any address; messages
+  up to 128 KiB eager where the plane is not a CUDA one (``SHM_TUNING``: an RMA batch
+  header must not wait on a rendezvous);
 - ``tcp``: tcp only on the device that owns the bind address (``NET_DEVICES``), the put
   refused and large messages as active-message rendezvous in 2 MiB socket segments
   (``TCP_HARDENING``), up to 64 iov entries per ``writev`` (``TCP_TUNING``);
@@ -39,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ... import tuning
-from . import iov, native_rma, wire
+from . import OPERATOR_ENV, iov, native_rma, wire
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,16 @@ TCP_HARDENING = {
 # Not part of the protocol (either side may set it alone): up to 64 iov entries per tcp
 # writev instead of UCX's 6, so an iov send of scattered store rows writes ~60 rows a call
 TCP_TUNING = {"TCP_MAX_IOV": "64"}
+# Not part of the protocol either (a sender's choice): on shm, messages up to 128 KiB go
+# eager. An RMA batch header (16 bytes a page: up to 4096 pages, ~65 KiB) sent by
+# rendezvous waits for the producer's progress thread to answer the consumer's request
+# (put_zcopy), and nothing wakes that thread for it: it sleeps out its poll. Timed
+# with stamps on both sides (64 KiB pages, 2048 a push): a push's second header landed
+# 2.5-3 ms after it was posted by rendezvous, 0.4 ms eager (the consumer copying the first
+# batch meanwhile), a fixed cost per push of ~16 ms transfers.
+SHM_TUNING = {"RNDV_THRESH": "128k"}
+# What ucxx writes into os.environ when imported, where unset (``ucxx/__init__.py``)
+UCXX_SETS = {"UCX_RNDV_THRESH": "8192"}
 UCX_TCP_SEG_DEFAULT = 8 << 10  # UCX 1.21's tcp TX/RX_SEG_SIZE
 _SIOCGIFADDR = 0x8915
 
@@ -108,7 +120,18 @@ def context_config(channel: str, bind_host: str | None, cuda: bool) -> dict[str,
         out["WARN_UNUSED_ENV_VARS"] = "n"
     if cuda:
         out.update(cuda_transports())
+    elif channel == "shm":  # a CUDA plane's loop spins while requests are in flight
+        out.update({k: v for k, v in SHM_TUNING.items() if not operator_set(f"UCX_{k}")})
     return out
+
+
+def operator_set(name: str) -> bool:
+    """Whether the operator set the environment variable ``name``: it is set, and either
+    was before ucxx was imported or holds another value than the one ucxx writes."""
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    return name in OPERATOR_ENV or value != UCXX_SETS.get(name)
 
 
 def ucx_setting(name: str, config: Mapping[str, str]) -> str | None:
