@@ -101,6 +101,11 @@ CEILING_NAMES = {
     "nixl-tcp": "raw_nixl_tcp",
 }
 AWAIT_SLICE_S = 0.05  # the longest a failed producer goes unnoticed by _await
+# between a ceiling's run and the timed transfer: what the ceiling left running settles,
+# as it has before the ceiling (the previous transfer's checks). On two cores a raw NIXL
+# read slows what starts right after it: the nixl plane's transfer then ran 0.75-0.85 of
+# raw NIXL's pace, 10 ms later 0.88-0.95 (docs/design/nixl-plane.md)
+SETTLE_S = 0.01
 NIXL_TRANSPORTS = {"nixl": None, "nixl-tcp": "tcp,self"}  # UCX's transport list per medium
 
 
@@ -311,6 +316,7 @@ def _consumer(
                 src, dst = draw(rng, slots, n)
                 tid = rep + 1
                 c = ceiling()  # paired: the same conditions as the push right after it
+                time.sleep(SETTLE_S)
                 t = time.perf_counter()
                 plane.expect(tid, 1, b"bench", [n], 300)  # then the Push, as a consumer does
                 conn.send(("push", plane.endpoint, plane.capabilities, tid, src, dst))

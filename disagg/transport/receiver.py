@@ -302,6 +302,7 @@ class ReceiverBook:
             if rx is None:
                 return 0
             self.fail(rx, reason)
+            self.cond.notify_all()  # its waiters: the transfer is final
             end = time.monotonic() + wait_s
             while rx.inflight and time.monotonic() < end:
                 self.cond.wait(0.05)

@@ -258,14 +258,29 @@ def test_abort_cannot_be_promised():
     assert TcpDataPlane.abort_complete is True
 
 
+def test_a_push_leaves_in_post_push_not_at_the_plane_threads_wake(pair, monkeypatch):
+    """post_push sends its plan itself: waiting for the plane's thread to wake would add
+    a wake-up to every transfer's start. The thread still ends the push on its answer."""
+    rx, tx = pair
+    pool, slab = _setup(rx, tx)
+    rx.expect(1, 7, b"tok", [4], 20.0, [[3, 4, 5, 6]])
+    monkeypatch.setattr(tx._wake, "set", lambda: None)  # the thread stays asleep
+    sent = tx.stats["nixl_plans"]
+    h = _push(tx, rx, 1, slab, [9, 10, 11, 12], [3, 4, 5, 6])
+    assert tx.stats["nixl_plans"] == sent + 1
+    assert rx.wait(1, 20.0).done
+    assert torch.equal(pool[3:7], slab[9:13])
+    assert tx.wait_push(h, 20.0).done  # the thread's own naps notice the answer
+
+
 def test_pieces_split_a_page_where_either_side_breaks():
     # two regions of 3 and 5 bytes; the source row's columns (10, 4) and (20, 4)
-    assert reads.pieces([3, 5], [(10, 4), (20, 4)]) == [
+    assert reads.pieces((3, 5), ((10, 4), (20, 4))) == (
         (0, 0, 10, 3),
         (1, 0, 13, 1),
         (1, 1, 20, 4),
-    ]
-    assert reads.pieces([8], [(0, 8)]) == [(0, 0, 0, 8)]
+    )
+    assert reads.pieces((8,), ((0, 8),)) == ((0, 0, 0, 8),)
 
 
 def test_a_layer_wise_push_lands_layer_by_layer(pair):

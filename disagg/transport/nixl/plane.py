@@ -72,7 +72,6 @@ class NixlDataPlane(BookedReceiver, DataPlane):
 
     accepts_store_rows = True  # producers hand StoreRows: read where they lie
     abort_complete = False  # a posted NIXL read cannot be stopped (module docstring)
-    wait_slice_s = 0.002
     close_wait_s = 5.0
 
     def __init__(
@@ -197,10 +196,15 @@ class NixlDataPlane(BookedReceiver, DataPlane):
         deadline_s: float = 30.0,
         caps: m.DataCaps | None = None,
     ) -> PushHandle:
-        """Queue read plans for the consumer at ``endpoint`` (push.py); returns at once.
-        ``caps`` must carry the consumer's NIXL metadata (its ``capabilities``)."""
+        """Send read plans to the consumer at ``endpoint`` from this thread (push.py);
+        returns once they are sent, the push's answer left to the plane's thread. ``caps``
+        must carry the consumer's NIXL metadata (its ``capabilities``)."""
         handle = self._sender.plan(endpoint, transfer_id, lease_id, token, pages, deadline_s, caps)
-        self._wake.set()
+        if self._stop.is_set():  # the thread has failed or will fail what is queued
+            self._wake.set()
+            return handle
+        self._sender.send()  # here: a wake-up of the plane's thread costs ~0.25 ms
+        self._wake.set()  # it waits for the answer
         return handle
 
     def poll_push(self, handle: PushHandle) -> TransferStatus:
@@ -257,7 +261,7 @@ class NixlDataPlane(BookedReceiver, DataPlane):
             if self._cuda is not None and cuda_set != self._cuda:
                 torch.cuda.set_device(self._cuda)  # UCX's cuda transports want it current
                 cuda_set = self._cuda
-            moved = sender.send()
+            moved = sender.send(block=False)
             for who, msgs in self._agent.get_new_notifs().items():
                 who = who.decode() if isinstance(who, bytes) else str(who)
                 for raw in msgs:

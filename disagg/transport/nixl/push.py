@@ -12,10 +12,13 @@ read plans for the consumer, and the consumer's answer turned into the push's st
   from the Push's ``DataCaps`` (its agent is named by the endpoint ``nixl://NAME``), and
   cuts the push into ``ReadPlan`` parts of at most ``wire.PART_PAGES`` pages. ValueError
   at once for anything malformed.
-- The plane's thread sends the parts (``send``), then waits for the consumer's
-  ``ReadDone``, checked against the push's token: DONE when it says every page landed,
-  FAILED with its reason otherwise, or at the push's deadline when none came. A push is
-  final only then, so the rows it names stay pinned while the consumer may read them.
+- ``plan``'s caller sends the parts itself (``send``: NIXL's agent is thread-safe in the
+  plane's sync mode), so the plan leaves without waiting for the plane's thread to wake;
+  that thread sends what a caller left queued (failure reports) and waits for the
+  consumer's ``ReadDone``, checked against the push's token: DONE when it says every page
+  landed, FAILED with its reason otherwise, or at the push's deadline when none came. A
+  push is final only then, so the rows it names stay pinned while the consumer may read
+  them.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class Sender:
         self.consumers: dict[str, bytes] = {}  # consumer agent -> the metadata loaded
         self.todo: deque[PushHandle | tuple[str, bytes]] = deque()
         self.waiting: dict[tuple[str, int], PushHandle] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # todo, waiting and consumers change under it
+        self._sending = threading.Lock()  # one sender at a time: a push's parts in order
 
     @property
     def busy(self) -> bool:
@@ -213,31 +217,41 @@ class Sender:
                 self.todo.append((name, wire.encode(msg)))
 
     # ------------------------------------------------------------- plane thread
-    def send(self) -> bool:
-        """Send what is queued; True when anything was."""
+    def send(self, block: bool = True) -> bool:
+        """Send what is queued (``plan``'s caller, or the plane's thread with ``block``
+        False: it leaves the queue to a caller sending it); True when anything was."""
+        if not self._sending.acquire(blocking=block):
+            return False
+        try:
+            return self._send()
+        finally:
+            self._sending.release()
+
+    def _send(self) -> bool:
         moved = False
         while True:
             with self.lock:
                 if not self.todo:
                     return moved
                 job = self.todo.popleft()
+                if isinstance(job, PushHandle):
+                    self.waiting[(job.agent, job.transfer_id)] = job
             moved = True
             if isinstance(job, tuple):
                 self._notify(*job)
                 continue
             left_ms = int(max(0.0, job.deadline - time.monotonic()) * 1000)
-            if left_ms == 0:
-                job.end(False, "the push deadline passed before it was sent")
-                continue
-            self.waiting[(job.agent, job.transfer_id)] = job
-            for plan in job.plans:
+            why = "the push deadline passed before it was sent" if left_ms == 0 else None
+            for plan in job.plans if why is None else ():
                 data = wire.encode(msgspec.structs.replace(plan, deadline_ms=left_ms))
                 why = self._notify(job.agent, data)
                 if why is not None:
-                    job.end(False, why)
-                    self.waiting.pop((job.agent, job.transfer_id), None)
                     break
                 self.stats["nixl_plans"] += 1
+            if why is not None:
+                job.end(False, why)
+                with self.lock:
+                    self.waiting.pop((job.agent, job.transfer_id), None)
 
     def _notify(self, name: str, data: bytes) -> str | None:
         try:
@@ -248,27 +262,30 @@ class Sender:
         return None
 
     def on_done(self, sender: str, msg: wire.ReadDone) -> None:
-        job = self.waiting.get((sender, msg.transfer_id))
-        if job is None or not hmac.compare_digest(job.token, msg.token):
-            self.stats["rejected_ack"] += 1
-            return
-        del self.waiting[(sender, msg.transfer_id)]
+        with self.lock:
+            job = self.waiting.get((sender, msg.transfer_id))
+            if job is None or not hmac.compare_digest(job.token, msg.token):
+                self.stats["rejected_ack"] += 1
+                return
+            del self.waiting[(sender, msg.transfer_id)]
         job.end(msg.ok, None if msg.ok else f"consumer: {msg.error}")
         self.stats["pushes_done" if msg.ok else "pushes_failed"] += 1
 
     def sweep(self, now: float) -> None:
-        for key, job in list(self.waiting.items()):
-            if job.state.final or now > job.deadline:
-                job.status()  # ends it at its deadline
-                del self.waiting[key]
+        with self.lock:
+            for key, job in list(self.waiting.items()):
+                if job.state.final or now > job.deadline:
+                    job.status()  # ends it at its deadline
+                    del self.waiting[key]
 
     def fail_all(self, why: str) -> None:
         with self.lock:
             jobs = [j for j in self.todo if isinstance(j, PushHandle)]
+            jobs += self.waiting.values()
             self.todo.clear()
-        for job in [*jobs, *self.waiting.values()]:
+            self.waiting.clear()
+        for job in jobs:
             job.end(False, why)
-        self.waiting.clear()
 
 
 def _parts(

@@ -16,8 +16,8 @@ Contract (``Reader``, the plane's thread unless said otherwise):
   has one region and the producer sends whole rows). A read is posted as index lists into
   them (``make_prepped_xfer``); NIXL merges descriptors that are adjacent on both sides,
   so a run of consecutive rows into consecutive slots goes as one descriptor.
-- Chunks of at most ``chunk_bytes`` are posted in plan order, at most ``WINDOW`` at once
-  per producer (a stalled producer holds its own window, never another's reads); a
+- Chunks of at most ``HOST_CHUNK`` / ``DEVICE_CHUNK`` bytes are posted in plan order, at
+  most ``HOST_WINDOW`` / ``DEVICE_WINDOW`` at once per producer (a stalled producer holds its own window, never another's reads); a
   chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
   stop there), and its pages land only when every earlier chunk of the transfer landed
   (a layer-wise load sees its layers complete in order). A failed chunk fails the
@@ -42,6 +42,7 @@ returns them as still under way).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import threading
@@ -60,10 +61,13 @@ from . import wire
 
 log = logging.getLogger(__name__)
 
-WINDOW = 4  # chunks in flight at once
-HOST_CHUNK = 8 << 20  # bytes per chunk read into host memory
+HOST_CHUNK = 32 << 20  # bytes per chunk read into host memory: on cma each request costs
+# ~40 us of NIXL and the plane's Python between copies (docs/design/nixl-plane.md)
+HOST_WINDOW = 2  # chunks in flight at once per producer: 64 MiB, what abort may wait for
 DEVICE_CHUNK = 512 << 20  # ... into device memory (a chunk costs ~0.1 ms to post)
+DEVICE_WINDOW = 4
 DEADLINE_MARGIN_S = 0.25
+DRAIN_S = 0.02  # the longest pump keeps posting before the plane's loop looks at notices
 PROBE_S = 0.1  # a producer's reads quiet this long: is it still connected?
 _INT32 = (1 << 31) - 1
 
@@ -88,14 +92,19 @@ class Chunk:
     remote: Any
     lidx: np.ndarray  # int32 indices into them, piece-major
     ridx: np.ndarray
+    window: int  # chunks of its producer in flight at once
     xfer: Any = None
     state: str = ""  # "" queued, PROC, DONE, or an error text
     final: bool = False
 
 
-def pieces(region_sizes: list[int], cols: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+@functools.lru_cache(maxsize=256)
+def pieces(
+    region_sizes: tuple[int, ...], cols: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int, int, int], ...]:
     """(region, offset in its slot, offset in the source row, length) for each stretch of
-    a page that is contiguous on both sides, in page order."""
+    a page that is contiguous on both sides, in page order (cached: a layout repeats for
+    every plan, and this costs ~20 us of numpy)."""
     lcuts = np.cumsum([0, *region_sizes])
     ccuts = np.cumsum([0, *(c for _, c in cols)])
     cuts = np.union1d(lcuts, ccuts)
@@ -106,7 +115,7 @@ def pieces(region_sizes: list[int], cols: list[tuple[int, int]]) -> list[tuple[i
         r = int(np.searchsorted(lcuts, a, side="right") - 1)
         k = int(np.searchsorted(ccuts, a, side="right") - 1)
         out.append((r, int(a - lcuts[r]), int(cols[k][0] + a - ccuts[k]), int(b - a)))
-    return out
+    return tuple(out)
 
 
 class Reader:
@@ -230,14 +239,16 @@ class Reader:
         slots: np.ndarray,
     ) -> None:
         grp = self.book.groups[b.group]
-        ps = pieces([r.size for r in grp.regions], [(int(o), int(c)) for o, c in b.cols])
+        ps = pieces(tuple(r.size for r in grp.regions), tuple((int(o), int(c)) for o, c in b.cols))
         local, nslots = self._local_list(b.group, grp, ps)
         remote = self._remote_list(sender, slab, ps)
         P = len(ps)
         if P * max(nslots, slab.nrows) > _INT32:
             raise ValueError(f"{P} pieces x {max(nslots, slab.nrows)} rows exceed NIXL's indices")
         mem = nx.mem_of(grp.regions[0].tensor)[0]
-        per = max(1, (DEVICE_CHUNK if mem == "VRAM" else HOST_CHUNK) // b.page_bytes)
+        device = mem == "VRAM"
+        per = max(1, (DEVICE_CHUNK if device else HOST_CHUNK) // b.page_bytes)
+        window = DEVICE_WINDOW if device else HOST_WINDOW
         # every chunk's indices in two array operations; a chunk's are a slice of them
         # (a view when a page is one piece)
         piece = np.arange(P, dtype=np.int64)[:, None]
@@ -248,12 +259,12 @@ class Reader:
             self.queue.append(
                 Chunk(
                     rx, b.group, k, k * b.page_bytes, local, remote,
-                    lidx[:, i : i + k].reshape(-1), ridx[:, i : i + k].reshape(-1),
+                    lidx[:, i : i + k].reshape(-1), ridx[:, i : i + k].reshape(-1), window,
                 )
             )  # fmt: skip
             rx.queued += 1
 
-    def _local_list(self, g: int, grp: Group, ps: list[tuple[int, int, int, int]]) -> Any:
+    def _local_list(self, g: int, grp: Group, ps: tuple[tuple[int, int, int, int], ...]) -> Any:
         key = (g, tuple(ps))
         got = self._local.get(key)
         if got is None:
@@ -269,7 +280,7 @@ class Reader:
         return got
 
     def _remote_list(
-        self, sender: str, slab: wire.Slab, ps: list[tuple[int, int, int, int]]
+        self, sender: str, slab: wire.Slab, ps: tuple[tuple[int, int, int, int], ...]
     ) -> Any:
         key = (sender, slab, tuple((ro, ln) for _, _, ro, ln in ps))
         got = self._remote.get(key)
@@ -289,9 +300,31 @@ class Reader:
 
     # ---------------------------------------------------------------- reading
     def pump(self) -> bool:
-        """Post queued chunks (up to ``WINDOW`` in flight), reap those NIXL finished, land
+        """Post queued chunks (up to a window in flight), reap those NIXL finished, land
         them in order; tell producers about transfers that are over. True when anything
         moved."""
+        moved = False
+        until = time.monotonic() + DRAIN_S
+        while True:
+            moved = self._post_queued() or moved
+            if not self.posted:
+                break
+            reaped = self._reap()
+            moved = reaped or moved
+            # chunks that ended inside their post (cma copies in ``transfer``) free their
+            # window at once: the next ones go without a round of the plane's loop (~0.2
+            # ms on two cores, docs/design/nixl-plane.md), for at most DRAIN_S
+            if not (reaped and self.queue) or time.monotonic() > until:
+                break
+        if self.posted:
+            self._probe_quiet()
+        if self.reading:
+            moved = self._tell() or moved
+        return moved
+
+    def _post_queued(self) -> bool:
+        """Post queued chunks while their producers' windows allow; True when any was
+        taken from the queue."""
         moved = False
         book = self.book
         while self.queue:
@@ -311,18 +344,13 @@ class Reader:
             self.posted_by[rx.source] += 1
             self.moved_at[rx.source] = time.monotonic()
             self._post(ch)
-        if self.posted:
-            moved = self._reap() or moved
-            self._probe_quiet()
-        if self.reading:
-            moved = self._tell() or moved
         return moved
 
     def _next(self) -> Chunk | None:
         """Take the first queued chunk that is over (dropped when posted) or whose
-        producer has fewer than ``WINDOW`` chunks in flight."""
+        producer has fewer than its window of chunks in flight."""
         for i, ch in enumerate(self.queue):
-            if ch.rx.state.final or self.posted_by[ch.rx.source] < WINDOW:
+            if ch.rx.state.final or self.posted_by[ch.rx.source] < ch.window:
                 del self.queue[i]
                 return ch
         return None
