@@ -80,6 +80,27 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
 
 
+@pytest.mark.parametrize("replicated", [False, True], ids=["one-region", "two-regions"])
+@pytest.mark.parametrize("chunk_bytes", [1, 64 << 20], ids=["row-chunks", "one-gather"])
+def test_whole_pages_saved_at_the_pass_end_match_monolithic(monkeypatch, chunk_bytes, replicated):
+    """``save_plan_layers`` 0 copies whole pages at ``wait_for_save``: straight into the
+    rows, or through gathers of a row at a time (``GATHER_CHUNK_BYTES``), one region per
+    group or two (a replicated region), layer groups of two windows."""
+    from disagg.producer import saving
+
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", "0")
+    monkeypatch.setattr(saving, "GATHER_CHUNK_BYTES", chunk_bytes)
+    cfg = EngineConfig(
+        **SHAPE, **CASES["v2-vswa-chunked"], capture_pages=True, replicated_regions=replicated
+    )
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=6)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
+
+
 @pytest.mark.parametrize("plan_layers", [0, 3])
 def test_a_pass_reserves_its_store_rows_at_its_first_layers_save(monkeypatch, plan_layers):
     """Whatever ``save_plan_layers`` says, the first layer's save reserves the pass's
