@@ -92,19 +92,11 @@ SPEC = {
     "mooncake": ("mooncake", "tcp", "tcp"),
 }
 # the medium's paired ceiling, by name in the report
-CEILING_NAMES = {
-    "shm": "memcpy",
-    "tcp": "raw_tcp",
-    "ipc": "raw_unix",
-    "d2d": "d2d",
-    "nixl": "raw_nixl",
-    "nixl-tcp": "raw_nixl_tcp",
-}
+CEILING_NAMES = {"shm": "memcpy", "tcp": "raw_tcp", "ipc": "raw_unix", "d2d": "d2d"}
+CEILING_NAMES.update({"nixl": "raw_nixl", "nixl-tcp": "raw_nixl_tcp"})
 AWAIT_SLICE_S = 0.05  # the longest a failed producer goes unnoticed by _await
-# between a ceiling's run and the timed transfer: what the ceiling left running settles,
-# as it has before the ceiling (the previous transfer's checks). On two cores a raw NIXL
-# read slows what starts right after it: the nixl plane's transfer then ran 0.75-0.85 of
-# raw NIXL's pace, 10 ms later 0.88-0.95 (docs/design/nixl-plane.md)
+# a pause between a ceiling's run and the timed transfer, as before the ceiling: right
+# after a raw NIXL read the next read ran 0.75-0.85 of its pace (design/nixl-plane.md)
 SETTLE_S = 0.01
 NIXL_TRANSPORTS = {"nixl": None, "nixl-tcp": "tcp,self"}  # UCX's transport list per medium
 

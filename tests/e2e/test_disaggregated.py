@@ -64,6 +64,17 @@ def test_tokens_and_pages_match_monolithic(case, load_mode):
     assert psvc.store.pinned_blocks() == 0
 
 
+def _prefill_then_decode_match_monolithic(cfg: EngineConfig) -> None:
+    """One token from a producer, six from a consumer loading its pages: tokens and
+    pages equal to the monolithic run's."""
+    ps = prompts()
+    mono = Engine(cfg).generate(ps, max_tokens=6)
+    prod, psvc = make_producer(cfg)
+    produced = run(prod, ps, max_tokens=1)
+    cons, _ = make_consumer(cfg, [psvc.endpoint])
+    check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
+
+
 @pytest.mark.parametrize("plan_layers", [0, 1, 3, 9])
 def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers):
     """``tuning.save_plan_layers``: each layer copied as it is saved from the plan on
@@ -72,12 +83,7 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
     shape = {**SHAPE, "num_layers": 4}
     cfg = EngineConfig(**shape, **CASES["v2-vswa-chunked"], capture_pages=True)
-    ps = prompts()
-    mono = Engine(cfg).generate(ps, max_tokens=6)
-    prod, psvc = make_producer(cfg)
-    produced = run(prod, ps, max_tokens=1)
-    cons, _ = make_consumer(cfg, [psvc.endpoint])
-    check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
+    _prefill_then_decode_match_monolithic(cfg)
 
 
 @pytest.mark.parametrize("replicated", [False, True], ids=["one-region", "two-regions"])
@@ -93,12 +99,7 @@ def test_whole_pages_saved_at_the_pass_end_match_monolithic(monkeypatch, chunk_b
     cfg = EngineConfig(
         **SHAPE, **CASES["v2-vswa-chunked"], capture_pages=True, replicated_regions=replicated
     )
-    ps = prompts()
-    mono = Engine(cfg).generate(ps, max_tokens=6)
-    prod, psvc = make_producer(cfg)
-    produced = run(prod, ps, max_tokens=1)
-    cons, _ = make_consumer(cfg, [psvc.endpoint])
-    check_against_monolithic(produced, run(cons, ps, max_tokens=6), mono)
+    _prefill_then_decode_match_monolithic(cfg)
 
 
 @pytest.mark.parametrize("plan_layers", [0, 3])

@@ -9,14 +9,9 @@ needs ucxx.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-# The UCX_* variables the environment held before ucxx was imported: ucxx sets some in
-# os.environ when imported, where unset (UCX_RNDV_THRESH=8192 among them), and the plane
-# tells the operator's settings from ucxx's by this (``settings.operator_set``). Taken
-# here, before any module of this package imports ucxx.
-OPERATOR_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
+from . import environ  # noqa: F401  (the environment's snapshot, before ucxx is imported)
 
 
 def __getattr__(name: str) -> Any:  # ucx.UcxDataPlane, importing ucxx only when asked

@@ -41,7 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ... import tuning
-from . import OPERATOR_ENV, iov, native_rma, wire
+from . import iov, native_rma, wire
+from .environ import OPERATOR_ENV
 
 log = logging.getLogger(__name__)
 
