@@ -308,7 +308,7 @@ def bench_page_size(
     import torch
     import torch.multiprocessing as mp
 
-    from ..producer.saving import copy_pages_to_store, flush_pass, land, plan_pass
+    from ..producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
     from ..transport.page_copy import copy_indexed
 
     n = max(1, total // page_bytes)
@@ -336,9 +336,10 @@ def bench_page_size(
         )
 
     def save(slab: torch.Tensor, store_rows: torch.Tensor) -> None:
-        # wait_for_save with the default save_plan_layers 0: every layer, as whole pages
+        # wait_for_save with the default save_plan_layers 0: every layer, one at a time
         copy = plan_pass(pool, slab, store_rows.numpy(), [slots.numpy()])
-        copy_pages_to_store(pool, copy, slab)
+        for layer in pool.layers:
+            copy_layer_to_store(pool, layer, copy, slab)
         flush_pass(copy, slab)
         ev = torch.cuda.Event()
         ev.record()

@@ -31,7 +31,7 @@ from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, Schedule
 from ..identity import RequestIdentity, request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_keys
-from .saving import PassCopy, copy_layer_to_store, copy_pages_to_store, flush_pass, plan_pass
+from .saving import PassCopy, copy_layer_to_store, flush_pass, plan_pass
 from .service import ProducerService, service_for
 
 log = logging.getLogger("disagg.producer")
@@ -257,18 +257,13 @@ class ProducerWorker(KvCacheConnectorWorker):
         self._copy_layer(layer_idx, stream)
 
     def _place(self, stream: Any) -> None:
-        """Place the reserved pass's copy indices, then copy the layers noted so far: as
-        whole pages when they are every layer of the pool (``save_plan_layers`` 0)."""
+        """Place the reserved pass's copy indices, then copy the layers noted so far."""
         plan = self._pass
         pool = self.service.pool
         assert plan is not None and pool is not None
         held, self._held = self._held, []
         with self._on_save_stream(stream):  # the indices belong to the copies' stream
-            copy = plan.place(pool, self.service.store.slab)
-            if plan.keys and len(held) == len(pool.layers) and set(held) == set(pool.layers):
-                self._mark_staging(plan)
-                copy_pages_to_store(pool, copy, self.service.store.slab)
-                return
+            plan.place(pool, self.service.store.slab)
         for layer in held:
             self._copy_layer(layer, stream)
 

@@ -9,9 +9,10 @@ host waiting (a pageable host->device copy of an index makes the host wait for t
 which holds the engine thread behind the GPU at every layer); whether the rows are one run
 of consecutive rows is decided there too. Each layer then only enqueues its copy
 (``copy_layer_to_store``): one batched gather per buffer span of the layer, and one copy
-into the store (a slice copy when the rows are a run, else one index copy); a pass whose
-every layer is copied at its end copies whole pages instead (``copy_pages_to_store``: one
-gather and one copy per region).
+into the store (a slice copy when the rows are a run, else one index copy). A pass copied
+at its end (``save_plan_layers`` 0) copies it a layer at a time too: on the H200 whole
+pages (one gather per region) held a 4k first token 2.3 ms behind a local engine's where
+a layer at a time held it 0.95 ms (docs/design/first-token.md).
 
 Same device (host pool and host store, or device pool and device store): each layer's
 bytes go straight into the store rows. Device pool and host store: each layer is gathered
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..pages import PagePool, copy_rows, gather_rows, scatter_rows, wide
+from ..pages import PagePool, copy_rows, scatter_rows
 
 
 @dataclass
@@ -78,60 +79,17 @@ def copy_layer_to_store(pool: PagePool, layer: int, copy: PassCopy, slab: torch.
         _put(copy, slab, col, chunk)
 
 
-# A whole-page gather's temporary, at most (a pool sized to fill the device leaves little
-# room; a layer at a time gathered a few MiB): larger passes gather in row chunks.
-GATHER_CHUNK_BYTES = 64 << 20
-
-
-def copy_pages_to_store(pool: PagePool, copy: PassCopy, slab: torch.Tensor) -> None:
-    """Enqueue the copy of the pass's whole group pages (every layer) toward their rows:
-    per region, one gather straight into the rows where they are one contiguous run of
-    the destination (no temporary), else gathers of at most ``GATHER_CHUNK_BYTES`` and
-    their copies; a layer at a time takes two launches per buffer span per layer."""
-    n = copy.rows.numel()
-    if n == 0:
-        return
-    for gi, regions in enumerate(pool.regions):
-        slots = copy.slots[gi]
-        if slots.numel() == 0:
-            continue
-        col = pool.page_offsets[gi]
-        for region in regions:
-            width = region.shape[1]
-            dst = copy.stage if copy.stage is not None else None
-            if dst is None and copy.run is not None:
-                dst = slab[copy.run : copy.run + n]
-            if dst is not None and width == dst.shape[1] and dst.is_contiguous():
-                _gather_into(region, slots, dst)
-            else:
-                step = max(1, GATHER_CHUNK_BYTES // max(1, width))
-                for lo in range(0, n, step):
-                    hi = min(n, lo + step)
-                    _put(copy, slab, col, gather_rows(region, slots[lo:hi]), lo)
-            col += width
-
-
-def _gather_into(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst[:] = src[idx]`` in one index_select into ``dst`` (contiguous rows)."""
-    ws, wd = wide(src), wide(dst)
-    if ws is not src and wd is not dst:
-        torch.index_select(ws, 0, idx, out=wd)
-    else:
-        torch.index_select(src, 0, idx, out=dst)
-
-
-def _put(copy: PassCopy, slab: torch.Tensor, col: int, chunk: torch.Tensor, lo: int = 0) -> None:
-    """``chunk`` ([m, width] on the pool's device) toward store columns ``col:col+width``
-    of the pass's rows ``lo:lo+m`` (or of its device staging)."""
-    m, width = chunk.shape
+def _put(copy: PassCopy, slab: torch.Tensor, col: int, chunk: torch.Tensor) -> None:
+    """``chunk`` ([n, width] on the pool's device) toward store columns ``col:col+width``
+    of the pass's rows (or of its device staging)."""
+    n, width = chunk.shape
     if copy.stage is not None:
-        copy_rows(copy.stage[lo : lo + m, col : col + width], chunk)
+        copy_rows(copy.stage[:, col : col + width], chunk)
     elif copy.run is not None:
-        start = copy.run + lo
-        copy_rows(slab[start : start + m, col : col + width], chunk)
+        copy_rows(slab[copy.run : copy.run + n, col : col + width], chunk)
     else:
         assert copy.rows_dst is not None
-        scatter_rows(slab[:, col : col + width], copy.rows_dst[lo : lo + m], chunk)
+        scatter_rows(slab[:, col : col + width], copy.rows_dst, chunk)
 
 
 def flush_pass(copy: PassCopy, slab: torch.Tensor) -> None:

@@ -86,18 +86,13 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     _prefill_then_decode_match_monolithic(cfg)
 
 
-@pytest.mark.parametrize("replicated", [False, True], ids=["one-region", "two-regions"])
-@pytest.mark.parametrize("chunk_bytes", [1, 64 << 20], ids=["row-chunks", "one-gather"])
-def test_whole_pages_saved_at_the_pass_end_match_monolithic(monkeypatch, chunk_bytes, replicated):
-    """``save_plan_layers`` 0 copies whole pages at ``wait_for_save``: straight into the
-    rows, or through gathers of a row at a time (``GATHER_CHUNK_BYTES``), one region per
-    group or two (a replicated region), layer groups of two windows."""
-    from disagg.producer import saving
-
-    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", "0")
-    monkeypatch.setattr(saving, "GATHER_CHUNK_BYTES", chunk_bytes)
+@pytest.mark.parametrize("plan_layers", [0, 2])
+def test_a_pass_with_two_regions_per_group_saves_them_all(monkeypatch, plan_layers):
+    """A group of two regions (a replicated one) saved at the pass's end or from its
+    second layer on, layer groups of two windows."""
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
     cfg = EngineConfig(
-        **SHAPE, **CASES["v2-vswa-chunked"], capture_pages=True, replicated_regions=replicated
+        **SHAPE, **CASES["v2-vswa-chunked"], capture_pages=True, replicated_regions=True
     )
     _prefill_then_decode_match_monolithic(cfg)
 
