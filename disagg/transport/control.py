@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -42,7 +43,7 @@ from .security import CurveClientKeys, CurveServerKeys, ServerAuth, secure_clien
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, m.Message], "m.Message | None"]
-_POLL_MS = 50  # how often the server thread checks for close()
+_POLL_MS = 50  # how often the server thread, and a client's call, check for close()
 
 
 class ControlServer:
@@ -336,7 +337,7 @@ class ControlClient:
             refused = watch.refusal()
             if refused is not None:
                 raise refused
-            ready = dict(connecting.poll(self._ms_left(deadline)))
+            ready = dict(self._poll(connecting, deadline))
             if ready.get(sock, 0) & zmq.POLLOUT:
                 return True
             if not ready:
@@ -368,7 +369,7 @@ class ControlClient:
                     sock.send_multipart([corr, body], zmq.NOBLOCK)
                 sent = True
                 while True:
-                    if not replies.poll(self._ms_left(deadline)):
+                    if not self._poll(replies, deadline):
                         raise self._timeout(msg, timeout, "no reply")
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and frames[0] == corr:
@@ -386,6 +387,20 @@ class ControlClient:
     @staticmethod
     def _ms_left(deadline: float) -> int:
         return max(0, int((deadline - time.monotonic()) * 1000))
+
+    def _poll(self, poller: zmq.Poller, deadline: float) -> list[tuple[Any, int]]:
+        """``poller``'s ready sockets, or [] once the deadline passed; PEER_GONE as soon as
+        ``close`` was called (a call to a silent peer would otherwise hold ``close``, and
+        its service's shutdown, for the rest of its timeout)."""
+        while True:
+            left = self._ms_left(deadline)
+            ready = poller.poll(min(left, _POLL_MS))
+            if ready:
+                return ready
+            if self._closed:
+                raise ProtocolError(ErrorCode.PEER_GONE, "control client is closed")
+            if left <= _POLL_MS:
+                return []
 
     def _timeout(self, msg: m.Message, timeout: float, why: str) -> ProtocolError:
         return ProtocolError(
@@ -406,8 +421,9 @@ class ControlClient:
             self._lock.release()
 
     def close(self) -> None:
+        """No call is made after this; a call under way ends within ``_POLL_MS``."""
+        self._closed = True
         with self._lock:
-            self._closed = True
             self._reset()
 
     def __enter__(self) -> ControlClient:

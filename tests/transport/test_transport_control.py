@@ -101,6 +101,41 @@ def test_timeout_on_dead_server():
         assert ei.value.code == ErrorCode.TIMEOUT
 
 
+@pytest.mark.parametrize("peer", ["silent", "absent"])
+def test_close_ends_a_call_under_way(peer):
+    """``close`` from another thread ends a call waiting on a silent peer's reply, or on
+    a connection to an absent one, at once (PEER_GONE), not at the call's timeout; no
+    call is made after it."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.ROUTER)  # bound but never answers
+    s.bind("tcp://127.0.0.1:0")
+    ep = s.getsockopt_string(zmq.LAST_ENDPOINT) if peer == "silent" else "tcp://127.0.0.1:1"
+    c = ControlClient(ep)
+    got: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            c.call(Heartbeat(owner="c"), timeout_s=30.0)
+        except ProtocolError as e:
+            got.append(e)
+
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        time.sleep(0.3)  # the call is waiting
+        assert t.is_alive() and not got
+        c.close()
+        t.join(10.0)
+        assert not t.is_alive(), "the call outlived close()"
+        assert got and got[0].code == ErrorCode.PEER_GONE, got
+        with pytest.raises(ProtocolError) as ei:
+            c.call(Heartbeat(owner="c"))
+        assert ei.value.code == ErrorCode.PEER_GONE
+    finally:
+        c.close()
+        s.close(linger=0)
+
+
 def test_late_reply_not_matched_to_next_call(server):
     with ControlClient(server.endpoint) as c:
         with pytest.raises(ProtocolError) as ei:
