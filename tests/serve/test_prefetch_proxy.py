@@ -46,8 +46,11 @@ class StoppingProducer(sp.ThreadedApp):
         return resp
 
     def routes(self, app: web.Application) -> None:
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
 
 @pytest.fixture(scope="module")
