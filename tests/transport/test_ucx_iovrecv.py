@@ -284,6 +284,9 @@ def _stalling_sender(endpoint, caps, pushes, q_out, q_go, stall_after, stalled, 
 
     iov.tag_send = tag_send  # the sender calls iov.tag_send by attribute
     Sender.reap = tx_reap
+    # a small socket buffer: one progress call cannot write the whole push (with the
+    # kernel's auto-tuned one a fast box took it all before the stall)
+    os.environ["UCX_TCP_SNDBUF"] = "256k"
     _sender(endpoint, caps, pushes, q_out, q_go)
 
 
