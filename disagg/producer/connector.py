@@ -267,16 +267,13 @@ class ProducerWorker(KvCacheConnectorWorker):
         for layer in held:
             self._copy_layer(layer, stream)
 
-    def _mark_staging(self, plan: _PassPlan) -> None:
-        if not plan.staging:
-            self.service.store.mark_staging(plan.keys)
-            plan.staging = True
-
     def _copy_layer(self, layer_idx: int, stream: Any) -> None:
         plan = self._pass
         if plan is None or plan.copy is None or not plan.keys:
             return
-        self._mark_staging(plan)
+        if not plan.staging:
+            self.service.store.mark_staging(plan.keys)
+            plan.staging = True
         pool = self.service.pool
         assert pool is not None
         with self._on_save_stream(stream):

@@ -333,8 +333,8 @@ def test_malformed_bodies_get_json_errors(system: dict[str, Any], target: str) -
     if target == "x":  # none of them reached an upstream
         assert {k: _requests_seen(urls[k]) for k in ("p0", "p1", "c", "c1")} == seen
     # a string full of brackets is not nesting (600 of them: past the bound the bracket
-    # count gives, so the exact scan runs; a short prompt, as its prefill is not what is
-    # judged here: a 6,000-token one took 30 s on a loaded 2-core box)
+    # count gives, so the exact scan runs); a short prompt, as its prefill is not what is
+    # judged here, and a long one's on a loaded 2-core box can outlast the prefill deadline
     status, body = _raw_post(
         url, json.dumps({"prompt": "[" * 300 + "{" * 300, "max_tokens": 1}).encode()
     )
