@@ -17,8 +17,12 @@ Contract:
 - the wait for the producer is bounded by ``PREFETCH_WAIT_S`` (polls back off to
   ``POLL_MAX_S``); a lease no continuation takes is released ``PREFETCH_HOLD_S`` after its
   grant (``sweep``, from the keepalive thread, which also renews it meanwhile);
-- a continuation that arrives before the lease is granted claims as usual and the
-  prefetch, once granted, is released at once (``abandoned``);
+- a continuation that arrives while the prefetch still polls wakes it (``confirm_ahead``,
+  from its HTTP handler) and ``take`` waits for its answer within the claim's budget: a
+  producer that answered the first token holds the prompt's blocks, so the lease is one
+  ``Lookup`` and one ``Claim`` away, asked while the engine admits the request. Past that
+  budget the continuation claims as usual and the prefetch, once granted, is released
+  at once (``abandoned``, counted ``prefetch_late``);
 - any failure (no producer, a producer that dies, a refusal) ends the prefetch with
   nothing held: the continuation claims as usual (a miss there recomputes). ``take``
   confirms the lease with one ``Renew`` (bounded as a claim is, and cheaper), asked on
@@ -47,7 +51,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..protocol import messages as m
 from ..protocol.errors import ProtocolError
@@ -75,6 +79,8 @@ class _Entry:
     confirmed: threading.Event | None = None  # set once a confirmation asked ahead is in
     confirm_ok: bool = False
     confirmed_at: float = 0.0
+    wake: threading.Event = field(default_factory=threading.Event)  # poll now
+    settled: threading.Event = field(default_factory=threading.Event)  # the poll ended
 
 
 class Prefetches:
@@ -143,6 +149,7 @@ class Prefetches:
             drop = claimed is None or entry.abandoned or self.closed
             if drop:
                 self._forget(entry)
+        entry.settled.set()
         if claimed is None:
             svc.metrics["prefetch_missed"] += 1
         elif drop:
@@ -168,8 +175,11 @@ class Prefetches:
                     continue  # that producer is down or refuses us: the others may hold it
                 if held >= want:
                     return self._claim(link, keys)
-            time.sleep(pause)
-            pause = min(POLL_MAX_S, pause * 2)
+            if entry.wake.wait(pause):  # the continuation is here: its blocks are held
+                entry.wake.clear()
+                pause = POLL_MIN_S
+            else:
+                pause = min(POLL_MAX_S, pause * 2)
         return None
 
     def _ranks(self, link: ProducerLink) -> list[ProducerLink]:
@@ -202,11 +212,17 @@ class Prefetches:
         """The continuation of the prompt whose first key is ``first`` has arrived (its
         HTTP handler, before the engine sees it): confirm its granted lease now, on the
         background channel, so that ``take`` finds the answer instead of paying the round
-        trip on the engine's thread. Never blocks; False when there is nothing to confirm
-        (not prefetched, not granted yet, asked already)."""
+        trip on the engine's thread; a prefetch still polling is woken to poll at once.
+        Never blocks; False when there is nothing to confirm (not prefetched, not granted
+        yet, asked already)."""
         with self._lock:
             e = self._by_first.get(first)
-            if self.closed or e is None or e.claimed is None or e.confirmed is not None:
+            if self.closed or e is None or e.confirmed is not None:
+                return False
+            if e.claimed is None:
+                if not e.settled.is_set():
+                    e.wake.set()
+                    self.svc.metrics["prefetch_woken"] += 1
                 return False
             e.confirmed = threading.Event()
             if self._confirmer is None:
@@ -230,12 +246,19 @@ class Prefetches:
 
     def take(self, offer: KeyBlob) -> Claimed | None:
         """The lease prefetched for a prompt whose keys start ``offer`` (taken: the caller
-        owns it now), or None. A prefetch still waiting is abandoned: the caller claims."""
+        owns it now), or None. A prefetch still polling is woken and waited for within the
+        claim's budget; past it, it is abandoned and the caller claims."""
         first = offer.blob[:KEY_BYTES]
         with self._lock:
             entry = self._by_first.get(first)
             if entry is None or offer.blob[: len(entry.keys.blob)] != entry.keys.blob:
                 return None
+        if entry.claimed is None:
+            entry.wake.set()
+            entry.settled.wait(self.svc.ccfg.claim_timeout_s)
+        with self._lock:
+            if entry.abandoned or self._by_first.get(first) is not entry:
+                return None  # closed, swept, or missed meanwhile
             self._forget(entry)
             if entry.claimed is None:
                 entry.abandoned = True
@@ -271,10 +294,12 @@ class Prefetches:
     def _confirmed(self, entry: _Entry, c: Claimed) -> bool:
         """``_confirm`` for the take: the answer asked ahead (waited for within the claim's
         budget: a confirmation never answered is a refusal), else, or when that answer is
-        older than ``AHEAD_FRESH_S`` (the engine queued the request), asked now."""
+        older than ``AHEAD_FRESH_S`` (the engine queued the request), asked now; a grant
+        younger than that needs none."""
         ahead = entry.confirmed
-        if ahead is None:
-            return self._confirm(c)
+        if ahead is None:  # a grant this fresh answered for the lease as a renewal would
+            fresh = time.monotonic() - entry.granted_at <= AHEAD_FRESH_S
+            return fresh or self._confirm(c)
         if not ahead.wait(self.svc.ccfg.claim_timeout_s) or not entry.confirm_ok:
             return False
         if time.monotonic() - entry.confirmed_at > AHEAD_FRESH_S:

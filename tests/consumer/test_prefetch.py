@@ -62,6 +62,76 @@ def test_the_continuation_takes_the_prefetched_lease(length: int):
     assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["woken-on-arrival", "woken-by-the-take"])
+def test_a_continuation_before_the_grant_wakes_the_prefetch_and_takes_its_lease(
+    monkeypatch, told: bool
+):
+    """The prefetch polls while the producer has not planned the prompt yet; its next
+    poll is seconds away when the continuation comes. The continuation wakes it (its
+    HTTP handler, or the take itself) and the take waits for the grant instead of
+    claiming the same blocks again."""
+    monkeypatch.setattr(prefetch, "POLL_MIN_S", 30.0)
+    prompt = random_prompt(13)
+    mono = Engine(CFG).generate([prompt], max_tokens=4)[0]
+    prod, psvc = make_producer(CFG)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=5.0)
+    lookups = _count_lookups(csvc, monkeypatch)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: lookups[0] == 1)  # a miss: then a sleep of POLL_MIN_S
+    prod.generate([prompt], max_tokens=1)  # the producer holds the blocks now
+    t0 = time.monotonic()
+    if told:
+        assert not confirm_prefetch(csvc, prompt, None)  # nothing granted to confirm yet
+        assert csvc.metrics["prefetch_woken"] == 1
+    got = continue_after(cons, prompt, mono[0], 4)
+    assert time.monotonic() - t0 < 10.0
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["prefetch_late"] == 0
+    assert csvc.metrics["claims_hit"] == 0, "the engine thread claimed the same blocks"
+    assert got.connector_matched_tokens == len(prompt) // TPB * TPB
+    assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
+def test_a_take_waits_for_a_prefetch_only_within_the_claims_budget(monkeypatch):
+    """A prefetch that cannot answer (its lookups stall) is abandoned once the claim's
+    budget is spent: the continuation claims as usual; the prefetch's lease, if it
+    comes, is released."""
+    prompt = random_prompt(14)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt], max_tokens=1)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=0.3)
+    call = csvc._call
+
+    def stalled(link, msg, background=False, **kw):
+        if isinstance(msg, m.Lookup) and background:
+            time.sleep(1.0)
+        return call(link, msg, background=background, **kw)
+
+    monkeypatch.setattr(csvc, "_call", stalled)
+    assert start_prefetch(csvc, prompt, None) is None
+    got = continue_after(cons, prompt, mono[0], 3)
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_late"] == 1 and csvc.metrics["claims_hit"] == 1
+    assert wait_for(lambda: csvc.metrics["prefetch_abandoned"] == 1)
+    assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
+def _count_lookups(csvc, monkeypatch) -> list[int]:
+    """How many lookups the prefetch has had answered (background channel)."""
+    seen = [0]
+    call = csvc._call
+
+    def spy(link, msg, background=False, **kw):
+        out = call(link, msg, background=background, **kw)
+        if isinstance(msg, m.Lookup) and background:
+            seen[0] += 1
+        return out
+
+    monkeypatch.setattr(csvc, "_call", spy)
+    return seen
+
+
 def test_a_prefetch_no_continuation_takes_is_released_after_its_hold(monkeypatch):
     monkeypatch.setattr(prefetch, "PREFETCH_HOLD_S", 0.4)
     prompt = random_prompt(2)
