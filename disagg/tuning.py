@@ -210,9 +210,22 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                 le=4096,
                 description="producer: a pass's save copies are planned (copy indices placed) at "
                 "the save of this many layers, the layers before copied right after it and "
-                "each later one as it is saved; default 0: every layer's copy after the "
-                "pass's last layer (least host work between layers); the store rows are "
-                "reserved at the first layer's save either way",
+                "each later one as it is saved (never before the rows are reserved: "
+                "save_reserve_layers); default 0: every layer's copy after the pass's last "
+                "layer (least host work between layers)",
+            ),
+        ]
+        | None
+    ) = None
+    save_reserve_layers: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=4096,
+                description="producer: a pass's store rows are reserved (dedup, evict, drop) "
+                "at the save of this many layers, so a prefetch's lease can be granted while "
+                "the pass runs; 0: after its last layer; default 1",
             ),
         ]
         | None

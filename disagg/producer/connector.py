@@ -190,6 +190,7 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
 # every mode: the prefetch's lease and the landing zone are granted on reserved blocks, so
 # a reservation made only at the pass's end would let the continuation arrive first.
 PLAN_AFTER_LAYERS = 0
+RESERVE_AFTER_LAYERS = 1
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -230,31 +231,38 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
-        pass). The first layer's save reserves the pass's store rows (dedup, evict, drop:
-        host work only, ``_PassPlan.reserve``). With ``tuning.save_plan_layers`` = 0
+        pass). The save of ``tuning.save_reserve_layers`` layers (default
+        ``RESERVE_AFTER_LAYERS``: the first) reserves the pass's store rows (dedup, evict,
+        drop: host work only, ``_PassPlan.reserve``). With ``tuning.save_plan_layers`` = 0
         (default ``PLAN_AFTER_LAYERS``) the layer is only noted: ``wait_for_save`` places
-        the copy indices and copies every layer. With N, the N-th layer's save places the
-        indices on their devices once (``saving.plan_pass``) and from there each layer's
-        save enqueues the copy of its bytes of the pass's completed blocks into their
-        rows, ordered after the layer (on CUDA on the save stream, which waits for the
-        forward stream here: ``tuning.save_stream``); layers noted before are copied right
-        after the indices are placed (a layer's pages are not written by the layers after
-        it). Nothing here waits for the device."""
-        if self._saves:
-            saves, self._saves = self._saves, []
-            self._pass = _PassPlan.reserve(self.service, saves)
+        the copy indices and copies every layer. With N, the N-th layer's save (or the
+        reservation, if later) places the indices on their devices once
+        (``saving.plan_pass``) and from there each layer's save enqueues the copy of its
+        bytes of the pass's completed blocks into their rows, ordered after the layer (on
+        CUDA on the save stream, which waits for the forward stream here:
+        ``tuning.save_stream``); layers noted before are copied right after the indices
+        are placed (a layer's pages are not written by the layers after it). Nothing here
+        waits for the device."""
         plan = self._pass
+        if plan is not None and plan.copy is not None:
+            self._copy_layer(layer_idx, stream)
+            return
+        if plan is None and not self._saves:
+            return
+        self._held.append(layer_idx)
+        t = tuning.current()
         if plan is None:
-            return
-        if plan.copy is None:
-            chosen = tuning.current().save_plan_layers
-            after = PLAN_AFTER_LAYERS if chosen is None else chosen
-            self._held.append(layer_idx)
-            if after == 0 or len(self._held) < after:
+            at = RESERVE_AFTER_LAYERS if t.save_reserve_layers is None else t.save_reserve_layers
+            if at == 0 or len(self._held) < at:
                 return
+            self._reserve()
+        after = PLAN_AFTER_LAYERS if t.save_plan_layers is None else t.save_plan_layers
+        if after and len(self._held) >= after:
             self._place(stream)
-            return
-        self._copy_layer(layer_idx, stream)
+
+    def _reserve(self) -> None:
+        saves, self._saves = self._saves, []
+        self._pass = _PassPlan.reserve(self.service, saves)
 
     def _place(self, stream: Any) -> None:
         """Place the reserved pass's copy indices, then copy the layers noted so far."""
@@ -284,6 +292,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         committer thread (on CUDA once the copies' event fires), never blocking the
         engine. The pass's layers not copied yet are copied here first (all of them with
         ``save_plan_layers`` 0)."""
+        if self._saves and self._held:  # saved, its rows not reserved yet
+            self._reserve()
         if self._saves:  # no layer was saved: nothing of the pass is in the store
             self._abandon_pass()
         plan = self._pass

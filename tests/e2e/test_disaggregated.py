@@ -97,30 +97,37 @@ def test_a_pass_with_two_regions_per_group_saves_them_all(monkeypatch, plan_laye
     _prefill_then_decode_match_monolithic(cfg)
 
 
-@pytest.mark.parametrize("plan_layers", [0, 3])
-def test_a_pass_reserves_its_store_rows_at_its_first_layers_save(monkeypatch, plan_layers):
-    """Whatever ``save_plan_layers`` says, the first layer's save reserves the pass's
-    blocks in the store (a prefetch's lease is granted on held blocks), before any copy."""
+@pytest.mark.parametrize(("reserve", "plan"), [(1, 0), (1, 3), (3, 0), (3, 2), (0, 0), (0, 2)])
+def test_a_pass_reserves_its_store_rows_at_the_chosen_layers_save(monkeypatch, reserve, plan):
+    """``tuning.save_reserve_layers``: the save of that many layers reserves the pass's
+    blocks in the store (a prefetch's lease is granted on held blocks), none before and
+    whatever ``save_plan_layers`` says (a plan asked for earlier waits for the rows); 0
+    reserves them after the last layer. Tokens and pages stay the monolithic run's."""
     from disagg.producer.connector import ProducerWorker
 
-    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan_layers))
-    held_after_first_layer: list[int] = []
+    monkeypatch.setenv("DISAGG_SAVE_PLAN_LAYERS", str(plan))
+    monkeypatch.setenv("DISAGG_SAVE_RESERVE_LAYERS", str(reserve))
+    held: list[int] = []  # the first pass: blocks held after each layer's save
     save = ProducerWorker.save_kv_layer
 
     def spy(self, layer_idx, stream):
-        before = self.service.store.stats.saves_planned
         save(self, layer_idx, stream)
-        if layer_idx == 0:
-            held_after_first_layer.append(self.service.store.stats.saves_planned - before)
+        if len(held) < 4:
+            held.append(self.service.store.stats.saves_planned)
 
     monkeypatch.setattr(ProducerWorker, "save_kv_layer", spy)
     cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
-    ps = prompts(n=1)
     prod, psvc = make_producer(cfg)
-    run(prod, ps, max_tokens=1)
-    assert held_after_first_layer and held_after_first_layer[0] > 0
+    run(prod, prompts(n=1), max_tokens=1)
+    assert len(held) == 4
+    first = reserve - 1 if reserve else 4
+    assert held[:first] == [0] * first and all(n > 0 for n in held[first:])
     assert psvc.drain_commits()
-    assert psvc.store.stats.saves_committed == sum(held_after_first_layer)
+    assert psvc.store.stats.saves_committed == psvc.store.stats.saves_planned > 0
+    shape = {**SHAPE, "num_layers": 4}
+    _prefill_then_decode_match_monolithic(
+        EngineConfig(**shape, **CASES["v2-vswa-chunked"], capture_pages=True)
+    )
 
 
 def test_cache_salt_isolates_prefixes():
