@@ -230,6 +230,18 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    save_after_responses: (
+        Annotated[
+            bool,
+            Meta(
+                description="producer: a pass's store copies (and its reservation, with "
+                "save_reserve_layers 0) are enqueued in get_finished, after the iteration's "
+                "responses, so the first token is not sent behind their host work; false: "
+                "in wait_for_save, before sampling; default on",
+            ),
+        ]
+        | None
+    ) = None
     engine_idle_wait_us: (
         Annotated[
             int,

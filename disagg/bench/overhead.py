@@ -178,16 +178,31 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
     return [rng.integers(0, 512, size=n).tolist() for n in lens]
 
 
+def _first_token_clock(eng: Any, res: Any, t0: float) -> list[float]:
+    """Set ``eng.respond`` to note when ``res`` first has a token (seconds after ``t0``):
+    where a server sends it, before the iteration's ``get_finished``."""
+    first: list[float] = []
+
+    def respond() -> None:
+        if res.tokens and not first:
+            first.append(time.perf_counter() - t0)
+
+    eng.respond = respond
+    return first
+
+
 def _until(eng: Any, prompt: list[int], first_token: bool) -> float:
     """Seconds from ``add_request`` to the first token (or to the request's end)."""
     t0 = time.perf_counter()
     rid = eng.add_request(prompt, 1)
     res = eng.results[rid]
+    first = _first_token_clock(eng, res, t0)
     while not (res.tokens if first_token else res.finished):
         eng.step()
-    t = time.perf_counter() - t0
+    t = first[0] if first_token and first else time.perf_counter() - t0
     while eng.has_work():
         eng.step()
+    eng.respond = None
     if res.error:
         raise RuntimeError(f"request failed: {res.error}")
     return t
@@ -198,17 +213,16 @@ def _until2(eng: Any, prompt: list[int]) -> tuple[float, float]:
     t0 = time.perf_counter()
     rid = eng.add_request(prompt, 1)
     res = eng.results[rid]
-    first = 0.0
+    first = _first_token_clock(eng, res, t0)
     while not res.finished:
         eng.step()
-        if res.tokens and not first:
-            first = time.perf_counter() - t0
     done = time.perf_counter() - t0
     while eng.has_work():
         eng.step()
+    eng.respond = None
     if res.error:
         raise RuntimeError(f"request failed: {res.error}")
-    return first or done, done
+    return first[0] if first else done, done
 
 
 def run_producer(args: argparse.Namespace) -> int:

@@ -205,6 +205,10 @@ class ProducerWorker(KvCacheConnectorWorker):
         self._pass: _PassPlan | None = None
         self._finished_saving: list[int] = []
         self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
+        # a pass whose forward ended (``wait_for_save``) and whose copies wait for
+        # ``get_finished``: the forward's stream, and its end as an event on CUDA
+        self._ended: tuple[Any, Any] | None = None
+        self._after: Any = None  # the event the save stream waits for instead of the stream
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -217,8 +221,10 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def bind_connector_meta(self, metadata: object) -> None:
         """Every iteration, before the forward: take this pass's saves. They are planned
-        during the forward, while the device runs its first layers (``save_kv_layer``)."""
+        during the forward, while the device runs its first layers (``save_kv_layer``).
+        A pass ended but not copied yet (no ``get_finished`` since) is copied first."""
         super().bind_connector_meta(metadata)
+        self._copy_ended()
         self._abandon_pass()
         if isinstance(metadata, ProducerMeta) and metadata.saves:
             self._saves = metadata.saves
@@ -288,10 +294,36 @@ class ProducerWorker(KvCacheConnectorWorker):
             copy_layer_to_store(pool, layer_idx, plan.copy, self.service.store.slab)
 
     def wait_for_save(self, stream: Any) -> None:
-        """After the forward: the pass's blocks are complete; queue its commit for the
-        committer thread (on CUDA once the copies' event fires), never blocking the
-        engine. The pass's layers not copied yet are copied here first (all of them with
-        ``save_plan_layers`` 0)."""
+        """After the forward (engine thread, before sampling): the pass's blocks are
+        complete. With ``tuning.save_after_responses`` (default on) only the pass's end is
+        noted (on CUDA an event on ``stream``): ``get_finished``, after the iteration's
+        responses, copies it, so the first token is not sent behind that host work.
+        Else the pass is copied here. Either way its commit is queued for the committer
+        thread (on CUDA once the copies' event fires); nothing waits for the device."""
+        if tuning.current().save_after_responses is False:
+            self._end_pass(stream)
+            return
+        event = None
+        pool = self.service.pool
+        if pool is not None and pool.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(stream if isinstance(stream, torch.cuda.Stream) else None)
+        self._ended = (stream, event)
+
+    def _copy_ended(self) -> None:
+        """Copy the pass whose forward ended, if its copies were left for later."""
+        ended, self._ended = self._ended, None
+        if ended is None:
+            return
+        stream, self._after = ended
+        try:
+            self._end_pass(stream)
+        finally:
+            self._after = None
+
+    def _end_pass(self, stream: Any) -> None:
+        """Reserve (if not yet), place and copy the ended pass's layers not copied yet
+        (all of them with ``save_plan_layers`` 0), then queue its commit."""
         if self._saves and self._held:  # saved, its rows not reserved yet
             self._reserve()
         if self._saves:  # no layer was saved: nothing of the pass is in the store
@@ -321,7 +353,10 @@ class ProducerWorker(KvCacheConnectorWorker):
         forward = forward or torch.cuda.current_stream(pool.device)
         if self._save_stream is None:
             self._save_stream = torch.cuda.Stream(pool.device)
-        self._save_stream.wait_stream(forward)
+        if self._after is not None:  # the pass's end, not what the stream ran since
+            self._save_stream.wait_event(self._after)
+        else:
+            self._save_stream.wait_stream(forward)
         with torch.cuda.stream(self._save_stream):
             yield self._save_stream
 
@@ -342,7 +377,9 @@ class ProducerWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        """Every iteration: report each handed-in request once its saves have landed."""
+        """Every iteration, after its responses: copy the pass that ended (see
+        ``wait_for_save``); report each handed-in request once its saves have landed."""
+        self._copy_ended()
         self._abandon_pass()  # a pass still planned here never reached wait_for_save
         self._finished_saving.extend(finished_gen_req_ids)
         done = [r for r in self._finished_saving if not self.service.saves_in_flight(r)]

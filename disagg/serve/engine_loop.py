@@ -98,6 +98,7 @@ class EngineLoop:
             return
         self._ready.set()
         eng = self.engine
+        eng.respond = self._respond  # new tokens out before the connector's get_finished
         try:
             while not self._stop.is_set():
                 busy = bool(self._jobs) or eng.has_work()
@@ -141,6 +142,17 @@ class EngineLoop:
         self.in_flight = len(self._jobs)
 
     def _report(self) -> None:
+        self._respond()
+        eng = self.engine
+        # Forget requests the engine is completely done with (results would grow forever).
+        for rid, req in list(eng.requests.items()):
+            if req.state == "done" and rid not in self._jobs:
+                eng.requests.pop(rid, None)
+                eng.results.pop(rid, None)
+
+    def _respond(self) -> None:
+        """Each job's new tokens, and its end once its request finished (engine thread:
+        inside a step, as the engine's ``respond``, and after it)."""
         eng = self.engine
         for rid, job in list(self._jobs.items()):
             res = eng.results[rid]
@@ -159,11 +171,6 @@ class EngineLoop:
                     },
                 )
         self.in_flight = len(self._jobs)
-        # Forget requests the engine is completely done with (results would grow forever).
-        for rid, req in list(eng.requests.items()):
-            if req.state == "done" and rid not in self._jobs:
-                eng.requests.pop(rid, None)
-                eng.results.pop(rid, None)
 
     def _drain_after_stop(self) -> None:
         why = f"engine failed: {self.fatal}" if self.fatal else "server is shutting down"

@@ -86,6 +86,41 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     _prefill_then_decode_match_monolithic(cfg)
 
 
+@pytest.mark.parametrize("after", ["0", "1"], ids=["in-wait-for-save", "after-responses"])
+def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after):
+    """``tuning.save_after_responses``: the pass's copies are enqueued in ``get_finished``,
+    after the engine's responses (its first token out), or in ``wait_for_save`` before
+    sampling; tokens and pages are the monolithic run's either way."""
+    import disagg.producer.connector as pc
+
+    monkeypatch.setenv("DISAGG_SAVE_AFTER_RESPONSES", after)
+    order: list[str] = []
+    copy = pc.copy_layer_to_store
+
+    def spy(*a, **k):
+        order.append("copy")
+        return copy(*a, **k)
+
+    monkeypatch.setattr(pc, "copy_layer_to_store", spy)
+    cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
+    prod, psvc = make_producer(cfg)
+    rid = prod.add_request(prompts(n=1)[0], 1)
+    prod.respond = lambda: order.append("respond")
+    while not prod.results[rid].finished or prod.has_work():
+        prod.step()
+    first = order.index("respond")
+    assert order.count("copy") == 4
+    if after == "1":
+        assert order[:first] == [] and order[first + 1 :] == ["copy"] * 4
+    else:
+        assert order[:first] == ["copy"] * 4
+    assert psvc.drain_commits() and psvc.store.stats.saves_committed > 0
+    shape = {**SHAPE, "num_layers": 4}
+    _prefill_then_decode_match_monolithic(
+        EngineConfig(**shape, **CASES["v2-vswa-chunked"], capture_pages=True)
+    )
+
+
 @pytest.mark.parametrize("plan_layers", [0, 2])
 def test_a_pass_with_two_regions_per_group_saves_them_all(monkeypatch, plan_layers):
     """A group of two regions (a replicated one) saved at the pass's end or from its

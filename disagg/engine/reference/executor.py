@@ -24,6 +24,8 @@ with in-flight batching as its scheduler does it. One ``Engine.step()`` is one i
    process, ``connector_driver.TpComm``) only this rank's hook runs and each layer
    all-gathers the heads (``RankHangError`` after the comm's ``hang_timeout_s``);
 5. sampling (greedy, one call), block registration for reuse, sliding-window reclamation;
+   then the responses (``_handle_responses``): ``Engine.respond``, if set, is called, so a
+   server sends the new tokens before the connector's ``get_finished`` work;
 6. finished requests: ``request_finished`` (grouped form in V2); ``True`` keeps pages until
    every rank reports the save;
 7. ``get_finished`` every iteration, forward or not.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,6 +119,9 @@ class Engine:
         self._spans: dict[int, tuple[int, int]] = {}
         self._cancels: list[int] = []
         self._replays: list[int] = []
+        # called (engine thread) once per iteration after sampling, before step 6: where
+        # TensorRT-LLM's executor enqueues its responses (``_handle_responses``)
+        self.respond: Callable[[], None] | None = None
         # prefix reservations (opt-in): the connector's capability decides, as in
         # TensorRT-LLM's configure_prefix_reservations (partial implementation: ValueError)
         self.prefix_reservations = bool(
@@ -375,6 +381,8 @@ class Engine:
         sampled = self._sample(batch) if batch else {}
         for req in batch:
             self._after_forward(req, it, sampled.get(req.request_id))
+        if self.respond is not None and batch:
+            self.respond()
 
         # 6. terminate finished requests (one iteration late under the overlap scheduler)
         for req in list(self._active):
