@@ -225,7 +225,8 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                 le=4096,
                 description="producer: a pass's store rows are reserved (dedup, evict, drop) "
                 "at the save of this many layers, so a prefetch's lease can be granted while "
-                "the pass runs; 0: after its last layer; default 1",
+                "the pass runs; default 0: at the pass's end (with save_after_responses, "
+                "after the first token is sent)",
             ),
         ]
         | None

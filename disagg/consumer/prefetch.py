@@ -20,7 +20,7 @@ Contract:
 - a continuation that arrives while the prefetch still polls wakes it (``confirm_ahead``,
   from its HTTP handler) and ``take`` waits for its answer within the claim's budget: a
   producer that answered the first token holds the prompt's blocks, so the lease is one
-  ``Lookup`` and one ``Claim`` away, asked while the engine admits the request. Past that
+  ``Claim`` away (no lookup first), asked while the engine admits the request. Past that
   budget the continuation claims as usual and the prefetch, once granted, is released
   at once (``abandoned``, counted ``prefetch_late``);
 - any failure (no producer, a producer that dies, a refusal) ends the prefetch with
@@ -165,8 +165,14 @@ class Prefetches:
         deadline = time.monotonic() + PREFETCH_WAIT_S
         pause = POLL_MIN_S
         msg = m.Lookup(v=PROTOCOL_VERSION, owner=svc.owner, keys=keys)
+        woken = False
         while not entry.abandoned and not self.closed and time.monotonic() < deadline:
             for link in [lk for lk in svc.links if lk.usable()]:
+                if woken:  # one producer holds the blocks: ask for them without a lookup
+                    got = self._claim_all(link, keys)
+                    if got is not None:
+                        return got
+                    continue
                 try:  # every rank of a TP producer: each plans its saves on its own
                     held = min(
                         svc._call(lk, msg, background=True).num_blocks for lk in self._ranks(link)
@@ -175,12 +181,24 @@ class Prefetches:
                     continue  # that producer is down or refuses us: the others may hold it
                 if held >= want:
                     return self._claim(link, keys)
-            if entry.wake.wait(pause):  # the continuation is here: its blocks are held
+            woken = entry.wake.wait(pause)  # the continuation is here: its blocks are held
+            if woken:
                 entry.wake.clear()
                 pause = POLL_MIN_S
             else:
                 pause = min(POLL_MAX_S, pause * 2)
         return None
+
+    def _claim_all(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
+        """``_claim``, kept only if it leases every key (else given back at once)."""
+        try:
+            got = self._claim(link, keys)
+        except ProtocolError:
+            return None
+        if got is not None and got.num_blocks < len(keys):
+            self.svc.release(got)
+            return None
+        return got
 
     def _ranks(self, link: ProducerLink) -> list[ProducerLink]:
         """The links to every rank of ``link``'s producer the prefetch leases on."""

@@ -183,14 +183,16 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
 
 
 # The pass's copies are planned and enqueued from the save of this many layers on
-# (``tuning.save_plan_layers``). 0 enqueues them all after the last layer, at
-# ``wait_for_save``: per-layer copies, index uploads and stream switches held a 4k first
-# token ~3.5 ms behind a local engine's on the H200, whose prefill is close to launch-bound
-# (docs/design/first-token.md). The store rows are reserved at the first layer's save in
-# every mode: the prefetch's lease and the landing zone are granted on reserved blocks, so
-# a reservation made only at the pass's end would let the continuation arrive first.
+# (``tuning.save_plan_layers``); its store rows are reserved at the save of this many
+# layers (``tuning.save_reserve_layers``). 0 does either at the pass's end, and with
+# ``tuning.save_after_responses`` that end is ``get_finished``, after the first token is
+# sent: the reference engine's prefill is close to launch-bound on the H200, so the
+# connector's host work during the forward (per-layer copies, index uploads, the
+# reservation, and the prefetch's lookups it answers on another thread, contending for the
+# GIL) went onto the first token (docs/design/first-token.md). A continuation that comes
+# before the reservation wakes the consumer's prefetch, which then claims at once.
 PLAN_AFTER_LAYERS = 0
-RESERVE_AFTER_LAYERS = 1
+RESERVE_AFTER_LAYERS = 0
 
 
 class ProducerWorker(KvCacheConnectorWorker):
@@ -237,11 +239,12 @@ class ProducerWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
-        pass). The save of ``tuning.save_reserve_layers`` layers (default
-        ``RESERVE_AFTER_LAYERS``: the first) reserves the pass's store rows (dedup, evict,
-        drop: host work only, ``_PassPlan.reserve``). With ``tuning.save_plan_layers`` = 0
-        (default ``PLAN_AFTER_LAYERS``) the layer is only noted: ``wait_for_save`` places
-        the copy indices and copies every layer. With N, the N-th layer's save (or the
+        pass). With ``tuning.save_reserve_layers`` = N the N-th layer's save reserves the
+        pass's store rows (dedup, evict, drop: host work only, ``_PassPlan.reserve``); with
+        0 (default ``RESERVE_AFTER_LAYERS``) the pass's end does. With
+        ``tuning.save_plan_layers`` = 0 (default ``PLAN_AFTER_LAYERS``) the layer is only
+        noted: the pass's end (``wait_for_save``, or ``get_finished`` after the responses)
+        places the copy indices and copies every layer. With N, the N-th layer's save (or the
         reservation, if later) places the indices on their devices once
         (``saving.plan_pass``) and from there each layer's save enqueues the copy of its
         bytes of the pass's completed blocks into their rows, ordered after the layer (on

@@ -26,6 +26,8 @@ from typing import Any
 
 log = logging.getLogger("disagg.serve.engine")
 
+FIRST_TOKEN_HANDOFF_S = 100e-6  # see EngineLoop._respond
+
 
 @dataclass
 class Job:
@@ -152,13 +154,18 @@ class EngineLoop:
 
     def _respond(self) -> None:
         """Each job's new tokens, and its end once its request finished (engine thread:
-        inside a step, as the engine's ``respond``, and after it)."""
+        inside a step, as the engine's ``respond``, and after it). After a job's first
+        token the thread sleeps ``FIRST_TOKEN_HANDOFF_S``, so the event loop takes the GIL
+        and writes it at once instead of after the engine's next work (the connector's
+        end-of-pass copies) has held the GIL for a switch interval."""
         eng = self.engine
+        first = False
         for rid, job in list(self._jobs.items()):
             res = eng.results[rid]
             if len(res.tokens) > job.sent:
                 if not job.sent:
                     job.marks["first_token"] = time.monotonic()
+                    first = True
                 job.on_tokens(list(res.tokens[job.sent :]))
                 job.sent = len(res.tokens)
             if res.finished:
@@ -171,6 +178,8 @@ class EngineLoop:
                     },
                 )
         self.in_flight = len(self._jobs)
+        if first:
+            time.sleep(FIRST_TOKEN_HANDOFF_S)
 
     def _drain_after_stop(self) -> None:
         why = f"engine failed: {self.fatal}" if self.fatal else "server is shutting down"

@@ -88,6 +88,7 @@ def test_a_continuation_before_the_grant_wakes_the_prefetch_and_takes_its_lease(
     assert got.error is None and [mono[0], *got.tokens] == mono
     assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["prefetch_late"] == 0
     assert csvc.metrics["claims_hit"] == 0, "the engine thread claimed the same blocks"
+    assert lookups[0] == 1, "woken, the prefetch claims without looking up first"
     assert got.connector_matched_tokens == len(prompt) // TPB * TPB
     assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
 

@@ -141,9 +141,12 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         pausing = Pausing(d, "decode-pausing", _consumer_yaml(d, "decode-pausing", late_control))
         victims["late_producer"] = late
         # a producer killed mid-prefill while a landing zone waits for its pages: the
-        # zone's consumer knows it and the surviving producer
+        # zone's consumer knows it and the surviving producer; its rows are reserved at the
+        # first layer's save, so the prefetch leases them before the stall
         zcfg, zcontrol = _producer_yaml(d, "prefill-zone")
-        zvictim = victims["zone_producer"] = Victim(d, "prefill-zone", "producer", zcfg)
+        zvictim = victims["zone_producer"] = Victim(
+            d, "prefill-zone", "producer", zcfg, DISAGG_SAVE_RESERVE_LAYERS="1"
+        )
         zone = sp.spawn(
             sp.serve_args(
                 "consumer",
