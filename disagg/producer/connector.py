@@ -211,6 +211,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         # ``get_finished``: the forward's stream, and its end as an event on CUDA
         self._ended: tuple[Any, Any] | None = None
         self._after: Any = None  # the event the save stream waits for instead of the stream
+        self._copied: Any = None  # CUDA: the last pass's copies, on the save stream
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Bring-up, V1: the rank's single pool tensor."""
@@ -232,7 +233,16 @@ class ProducerWorker(KvCacheConnectorWorker):
             self._saves = metadata.saves
 
     def start_load_kv(self, stream: Any) -> None:
-        """A producer loads nothing."""
+        """Every iteration, before the forward: a producer loads nothing, but the forward
+        ``stream`` waits (on the device) for the copies of the passes before it, so no
+        page they read is written first: the engine may have freed it meanwhile (a
+        sliding window's page behind the window, a cancelled request's pages)."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            pool = self.service.pool
+            assert pool is not None
+            forward = stream if isinstance(stream, torch.cuda.Stream) else None
+            (forward or torch.cuda.current_stream(pool.device)).wait_event(copied)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """A producer loads nothing."""
@@ -340,6 +350,9 @@ class ProducerWorker(KvCacheConnectorWorker):
         assert plan.copy is not None
         with self._on_save_stream(stream) as save:
             flush_pass(plan.copy, self.service.store.slab)
+        if isinstance(save, torch.cuda.Stream) and save is not stream:
+            self._copied = torch.cuda.Event()
+            self._copied.record(save)
         self.service.finish_pass(plan.keys, plan.request_counts, save, plan.copy)
 
     @contextlib.contextmanager
