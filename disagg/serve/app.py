@@ -162,16 +162,17 @@ def build_app(
         except RuntimeError as e:
             requests_total.labels("unavailable").inc()
             return _error(str(e), 503, "server_error")
-        # logged once the first event is handled: formatting it while the engine thread
-        # waits for the GIL to admit the job would delay the first token
-        started = {
-            "request_id": rid,
-            "prompt_tokens": len(tokens),
-            "max_tokens": max_tokens,
-            "stream": stream,
-            "cache_salt": salt is not None,
-            "first_tokens": len(first),
-        }
+        log.info(
+            "completion",
+            extra={
+                "request_id": rid,
+                "prompt_tokens": len(tokens),
+                "max_tokens": max_tokens,
+                "stream": stream,
+                "cache_salt": salt is not None,
+                "first_tokens": len(first),
+            },
+        )
         created = int(time.time())
         out: list[int] = list(first)  # a continuation's answer counts the given tokens
         text = tokenizer.StreamDecoder(first)  # whose text the client has already had
@@ -218,12 +219,7 @@ def build_app(
                     if resp is None:
                         resp = await _start_sse(request, headers)
                     await resp.write(b"data: " + encode_json(chunk(a, None, False)) + b"\n\n")
-                if started:
-                    log.info("completion", extra=started)
-                    started = {}
                 continue
-            if started:
-                log.info("completion", extra=started)
             err: str | None = a
             latency.observe(time.monotonic() - job.t0)
             extra = {"request_id": rid, "completion_tokens": len(out), **(info or {})}
