@@ -208,9 +208,9 @@ class ProducerWorker(KvCacheConnectorWorker):
         self._finished_saving: list[int] = []
         self._save_stream: Any = None  # CUDA: the save copies' stream (made on first use)
         # a pass whose forward ended (``wait_for_save``) and whose copies wait for
-        # ``get_finished``: the forward's stream, and its end as an event on CUDA
-        self._ended: tuple[Any, Any] | None = None
-        self._after: Any = None  # the event the save stream waits for instead of the stream
+        # ``get_finished``: the forward's stream, in a list so that ``None`` (the current
+        # stream) is kept apart from no pass
+        self._ended: list[Any] = []
         self._copied: Any = None  # CUDA: the last pass's copies, on the save stream
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -309,30 +309,21 @@ class ProducerWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         """After the forward (engine thread, before sampling): the pass's blocks are
         complete. With ``tuning.save_after_responses`` (default on) only the pass's end is
-        noted (on CUDA an event on ``stream``): ``get_finished``, after the iteration's
-        responses, copies it, so the first token is not sent behind that host work.
+        noted: ``get_finished``, after the iteration's responses, copies it, so the first
+        token is not sent behind that host work (its copies wait for the forward stream
+        then, as in every mode: by that time it has only sampled since the pass).
         Else the pass is copied here. Either way its commit is queued for the committer
         thread (on CUDA once the copies' event fires); nothing waits for the device."""
         if tuning.current().save_after_responses is False:
             self._end_pass(stream)
             return
-        event = None
-        pool = self.service.pool
-        if pool is not None and pool.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(stream if isinstance(stream, torch.cuda.Stream) else None)
-        self._ended = (stream, event)
+        self._ended = [stream]
 
     def _copy_ended(self) -> None:
         """Copy the pass whose forward ended, if its copies were left for later."""
-        ended, self._ended = self._ended, None
-        if ended is None:
-            return
-        stream, self._after = ended
-        try:
+        ended, self._ended = self._ended, []
+        for stream in ended:
             self._end_pass(stream)
-        finally:
-            self._after = None
 
     def _end_pass(self, stream: Any) -> None:
         """Reserve (if not yet), place and copy the ended pass's layers not copied yet
@@ -369,10 +360,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         forward = forward or torch.cuda.current_stream(pool.device)
         if self._save_stream is None:
             self._save_stream = torch.cuda.Stream(pool.device)
-        if self._after is not None:  # the pass's end, not what the stream ran since
-            self._save_stream.wait_event(self._after)
-        else:
-            self._save_stream.wait_stream(forward)
+        self._save_stream.wait_stream(forward)
         with torch.cuda.stream(self._save_stream):
             yield self._save_stream
 
