@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +43,33 @@ def _consumer_yaml(d: Path, name: str, controls: list[str]) -> Path:
     return path
 
 
-def _start(
-    d: Path, procs: list[subprocess.Popen[bytes]], args: list[str], name: str
-) -> tuple[str, subprocess.Popen[bytes], Path]:
+Started = tuple[str, subprocess.Popen[bytes], Path, Callable[[], "Started"]]
+
+
+def _start(d: Path, procs: list[subprocess.Popen[bytes]], args: list[str], name: str) -> Started:
+    """Spawn on a free port; with the way to spawn it again on another one."""
     port = sp.free_port()
     log = d / f"{name}.log"
     procs.append(sp.spawn([*args, "--host", "127.0.0.1", "--port", str(port)], log))
-    return f"http://127.0.0.1:{port}", procs[-1], log
+    return f"http://127.0.0.1:{port}", procs[-1], log, lambda: _start(d, procs, args, name)
 
 
-def _healthy(started: list[tuple[str, subprocess.Popen[bytes], Path]]) -> list[str]:
-    for url, proc, log in started:
-        sp.wait_healthy(url, proc, log)
-    return [url for url, _, _ in started]
+def _healthy(started: list[Started]) -> list[str]:
+    """Each server's URL once healthy. Servers started at once bind ports of their own
+    while they start, so one may take the port another was handed before it bound it:
+    that one is started again on another port."""
+    urls = []
+    for url, proc, log, again in started:
+        for _ in range(3):
+            try:
+                sp.wait_healthy(url, proc, log)
+                break
+            except RuntimeError:
+                if "address already in use" not in log.read_text():
+                    raise
+                url, proc, log, again = again()
+        urls.append(url)
+    return urls
 
 
 def _info(url: str) -> dict[str, Any]:
