@@ -266,6 +266,12 @@ def test_a_producer_killed_after_its_first_token_costs_a_recompute(
     body = {"prompt": tokens, "max_tokens": MAX_TOKENS, "stream": True}
     t, out = _in_background(f"{url}/v1/completions", body)
     pausing.wait_stalled()  # the continuation reached the consumer: the first token is out
+    # the producer commits its blocks after answering: the kill waits for the prefetch's
+    # lease on them, or the take would find no lease to drop
+    deadline = time.monotonic() + 30
+    while _counter(pausing.url, "prefetch_granted") < 1:
+        assert time.monotonic() < deadline, "the prefetch was never granted its lease"
+        time.sleep(0.02)
     os.kill(victim.proc.pid, signal.SIGKILL)
     assert victim.proc.wait(timeout=10) == -signal.SIGKILL
     pausing.resume()
