@@ -116,6 +116,9 @@ class ProducerLink:
         # the optional requests the producer announced (HelloOk.features); None until the
         # first Hello answered
         self.features: frozenset[str] | None = None
+        # the layer whose save makes a pass's blocks leasable there (HelloOk; 0: the
+        # pass's end, 1 until greeted, as an older producer)
+        self.reserves_at_layer = 1
         # our data plane's ``add_source``: takes the producer's HelloOk.data_caps (set by
         # the service once its plane exists)
         self.data_source: Callable[[m.DataCaps], None] | None = None
@@ -199,6 +202,7 @@ class ProducerLink:
                     ErrorCode.INCOMPATIBLE_PEER, f"{self.endpoint}: {exc}"
                 ) from None
         self.features = frozenset(getattr(ok, "features", ()) or ())
+        self.reserves_at_layer = int(getattr(ok, "reserves_at_layer", 1))
         inc = int(getattr(ok, "incarnation", 0) or 0)
         if self.incarnation and inc != self.incarnation:
             self.restarts += 1

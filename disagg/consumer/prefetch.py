@@ -4,8 +4,9 @@ The proxy tells the consumer about a request when it sends the prefill (``POST
 /disagg/prefetch``, :mod:`disagg.serve.app`); the continuation (prompt + the producer's
 first token) arrives once the producer's first token is back. Between the two, this
 module waits for a producer to hold every whole block of the prompt (a block is held from
-the moment the producer plans its save, at the start of the forward that computes it:
-``Lookup`` answers for planned, staging and stored blocks alike) and leases them
+the moment the producer reserves its row: at the end of the pass that computes it, or at
+a layer's save, ``HelloOk.reserves_at_layer``; ``Lookup`` answers for reserved, staging
+and stored blocks alike) and leases them
 (``Claim``). When the continuation reaches the scheduler, ``take`` hands that lease over,
 so the engine's thread skips the claim's round trip; the push itself still waits, on the
 producer, until the blocks are stored.
@@ -15,7 +16,8 @@ Contract:
   producer's blocks), so the fence and the load states are untouched: a lease taken is
   one more ``Claimed`` for an ordinary ``Load``;
 - the wait for the producer is bounded by ``PREFETCH_WAIT_S`` (polls back off to
-  ``POLL_MAX_S``); a lease no continuation takes is released ``PREFETCH_HOLD_S`` after its
+  ``POLL_MAX_S``; a producer that reserves blocks only at a pass's end is asked once and
+  then every ``POLL_AFTER_PASS_S``); a lease no continuation takes is released ``PREFETCH_HOLD_S`` after its
   grant (``sweep``, from the keepalive thread, which also renews it meanwhile);
 - a continuation that arrives while the prefetch still polls wakes it (``confirm_ahead``,
   from its HTTP handler) and ``take`` waits for its answer within the claim's budget: a
@@ -67,6 +69,11 @@ PREFETCH_WAIT_S = 60.0  # longest wait for a producer to hold the prompt's block
 PREFETCH_HOLD_S = 10.0  # a granted lease no continuation took is released after this
 AHEAD_FRESH_S = 0.005  # a confirmation asked ahead counts for a take at most this much later
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02  # Lookup polls back off between these
+# a producer that reserves a pass's blocks at its end (``HelloOk.reserves_at_layer`` 0)
+# holds none of the prompt's while it prefills: each lookup it answered then would only
+# take its GIL from the forward, so it is asked at once (a prompt it holds already) and
+# then only this seldom; the continuation, sent after the first token, wakes the prefetch
+POLL_AFTER_PASS_S = 0.1
 MAX_PENDING = 256  # prefetches in flight or held at once; more are declined
 
 
@@ -166,6 +173,7 @@ class Prefetches:
         pause = POLL_MIN_S
         msg = m.Lookup(v=PROTOCOL_VERSION, owner=svc.owner, keys=keys)
         woken = False
+        asked: dict[int, float] = {}  # link index -> its last lookup
         while not entry.abandoned and not self.closed and time.monotonic() < deadline:
             for link in [lk for lk in svc.links if lk.usable()]:
                 if woken:  # one producer holds the blocks: ask for them without a lookup
@@ -173,6 +181,13 @@ class Prefetches:
                     if got is not None:
                         return got
                     continue
+                now = time.monotonic()
+                last = asked.get(link.index)
+                # one that holds them once its pass has ended (known after its first answer)
+                if link.reserves_at_layer == 0 and last is not None:
+                    if now - last < POLL_AFTER_PASS_S:
+                        continue
+                asked[link.index] = now
                 try:  # every rank of a TP producer: each plans its saves on its own
                     held = min(
                         svc._call(lk, msg, background=True).num_blocks for lk in self._ranks(link)

@@ -31,7 +31,14 @@ from ..engine import KvCacheConnectorScheduler, KvCacheConnectorWorker, Schedule
 from ..identity import RequestIdentity, request_identity
 from ..pages import PagePool
 from ..protocol.keys import block_keys
-from .saving import PassCopy, copy_layer_to_store, flush_pass, plan_pass
+from .saving import (
+    PassCopy,
+    copy_layer_to_store,
+    flush_pass,
+    plan_layers,
+    plan_pass,
+    reserve_layers,
+)
 from .service import ProducerService, service_for
 
 log = logging.getLogger("disagg.producer")
@@ -182,19 +189,6 @@ def _save_op(request_id: int, st: _RequestState, start: int, end: int) -> SaveOp
     return SaveOp(request_id, keys[0], [[g[i] for i in keep] for g in st.slots], keys[1:])
 
 
-# The pass's copies are planned and enqueued from the save of this many layers on
-# (``tuning.save_plan_layers``); its store rows are reserved at the save of this many
-# layers (``tuning.save_reserve_layers``). 0 does either at the pass's end, and with
-# ``tuning.save_after_responses`` that end is ``get_finished``, after the first token is
-# sent: the reference engine's prefill is close to launch-bound on the H200, so the
-# connector's host work during the forward (per-layer copies, index uploads, the
-# reservation, and the prefetch's lookups it answers on another thread, contending for the
-# GIL) went onto the first token (docs/design/first-token.md). A continuation that comes
-# before the reservation wakes the consumer's prefetch, which then claims at once.
-PLAN_AFTER_LAYERS = 0
-RESERVE_AFTER_LAYERS = 0
-
-
 class ProducerWorker(KvCacheConnectorWorker):
     """Worker side of the producer: copies planned pages into the block store."""
 
@@ -251,8 +245,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         """Right after layer ``layer_idx`` is enqueued (engine thread, once per layer per
         pass). With ``tuning.save_reserve_layers`` = N the N-th layer's save reserves the
         pass's store rows (dedup, evict, drop: host work only, ``_PassPlan.reserve``); with
-        0 (default ``RESERVE_AFTER_LAYERS``) the pass's end does. With
-        ``tuning.save_plan_layers`` = 0 (default ``PLAN_AFTER_LAYERS``) the layer is only
+        0 (the default, ``saving.RESERVE_AFTER_LAYERS``) the pass's end does. With
+        ``tuning.save_plan_layers`` = 0 (the default, ``saving.PLAN_AFTER_LAYERS``) the layer is only
         noted: the pass's end (``wait_for_save``, or ``get_finished`` after the responses)
         places the copy indices and copies every layer. With N, the N-th layer's save (or the
         reservation, if later) places the indices on their devices once
@@ -269,13 +263,12 @@ class ProducerWorker(KvCacheConnectorWorker):
         if plan is None and not self._saves:
             return
         self._held.append(layer_idx)
-        t = tuning.current()
         if plan is None:
-            at = RESERVE_AFTER_LAYERS if t.save_reserve_layers is None else t.save_reserve_layers
+            at = reserve_layers()
             if at == 0 or len(self._held) < at:
                 return
             self._reserve()
-        after = PLAN_AFTER_LAYERS if t.save_plan_layers is None else t.save_plan_layers
+        after = plan_layers()
         if after and len(self._held) >= after:
             self._place(stream)
 

@@ -21,6 +21,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
+from .saving import reserve_layers
 
 if TYPE_CHECKING:
     from ..transport.control import ControlServer
@@ -167,6 +168,7 @@ class ControlPlane:
             features=list(self.features),
             incarnation=self.incarnation,
             data_caps=self.data.source_caps if self.data is not None else m.DataCaps(),
+            reserves_at_layer=reserve_layers(),
         )
 
     def _note_owner_incarnation(self, msg: Any) -> None:

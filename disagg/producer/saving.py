@@ -30,7 +30,35 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import tuning
 from ..pages import PagePool, copy_rows, scatter_rows
+
+# The pass's copies are planned and enqueued from the save of this many layers on
+# (``tuning.save_plan_layers``); its store rows are reserved at the save of this many
+# layers (``tuning.save_reserve_layers``). 0 does either at the pass's end, and with
+# ``tuning.save_after_responses`` that end is ``get_finished``, after the first token is
+# sent: the reference engine's prefill is close to launch-bound on the H200, so the
+# connector's host work during the forward (per-layer copies, index uploads, the
+# reservation, and the prefetch's lookups it answers on another thread, contending for the
+# GIL) went onto the first token (docs/design/first-token.md). A continuation that comes
+# before the reservation wakes the consumer's prefetch, which then claims at once.
+PLAN_AFTER_LAYERS = 0
+RESERVE_AFTER_LAYERS = 0
+
+
+def plan_layers() -> int:
+    """The layer whose save plans a pass's copies (``tuning.save_plan_layers``; 0: the
+    pass's end)."""
+    at = tuning.current().save_plan_layers
+    return PLAN_AFTER_LAYERS if at is None else at
+
+
+def reserve_layers() -> int:
+    """The layer whose save reserves a pass's store rows (``tuning.save_reserve_layers``;
+    0: the pass's end). A producer names it in its ``HelloOk``: a consumer's prefetch
+    polls only a producer that holds blocks while the pass runs."""
+    at = tuning.current().save_reserve_layers
+    return RESERVE_AFTER_LAYERS if at is None else at
 
 
 @dataclass

@@ -111,6 +111,10 @@ class HelloOk(Message, frozen=True, tag="hello_ok"):
     features: Annotated[list[Str], msgspec.Meta(max_length=64)] = []
     incarnation: Incarnation = 0  # the producer process's
     data_caps: DataCaps = DataCaps()  # what a consumer needs to read from this producer
+    # the layer whose save reserves a pass's blocks (a Lookup or Claim finds them from
+    # then on); 0: the pass's end, after its first token is sent. An older producer names
+    # none: read as 1 (held while the pass runs)
+    reserves_at_layer: NonNeg = 1
 
 
 # --- generic replies -------------------------------------------------------------------

@@ -93,6 +93,44 @@ def test_a_continuation_before_the_grant_wakes_the_prefetch_and_takes_its_lease(
     assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
 
 
+@pytest.mark.parametrize("reserve", [0, 1], ids=["at-the-pass-end", "at-the-first-layer"])
+def test_a_producer_is_polled_while_it_prefills_only_if_it_holds_blocks_then(
+    monkeypatch, reserve: int
+):
+    """A producer names where its passes reserve their blocks (``HelloOk``). One that
+    reserves at the pass's end holds none of the prompt's while it prefills: the prefetch
+    asks it once, then waits for the continuation's wake, which it then answers with a
+    claim. One that reserves at a layer's save is polled while it prefills."""
+    monkeypatch.setenv("DISAGG_SAVE_RESERVE_LAYERS", str(reserve))
+    monkeypatch.setattr(prefetch, "POLL_AFTER_PASS_S", 30.0)
+    prompt = random_prompt(15)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=5.0)
+    lookups = _count_lookups(csvc, monkeypatch)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: lookups[0] >= 1)
+    assert csvc.links[0].reserves_at_layer == reserve
+    if reserve:
+        assert wait_for(lambda: lookups[0] >= 3), "a producer holding blocks mid-pass is polled"
+    else:
+        time.sleep(0.3)  # the backoff alone would have polled ~10 times by now
+        assert lookups[0] == 1
+    prod.generate([prompt], max_tokens=1)
+    asked = lookups[0]
+    if reserve:  # its polls find the blocks
+        assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    else:  # only the continuation's arrival can wake it
+        assert not confirm_prefetch(csvc, prompt, None)
+        assert csvc.metrics["prefetch_woken"] == 1
+    got = continue_after(cons, prompt, mono[0], 3)
+    assert got.error is None and [mono[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["claims_hit"] == 0
+    if not reserve:
+        assert lookups[0] == asked == 1, "woken, the prefetch claims without a lookup"
+    assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
 def test_a_take_waits_for_a_prefetch_only_within_the_claims_budget(monkeypatch):
     """A prefetch that cannot answer (its lookups stall) is abandoned once the claim's
     budget is spent: the continuation claims as usual; the prefetch's lease, if it
