@@ -125,8 +125,9 @@ def _stall_first_pull(q_out):
 
 def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
     """Consumer: serves transfers 7, 8, ... one after another on one plane: for each,
-    waits for "go" on ``q_in`` (the test's producer is up by then), expects it, reports
-    its endpoint, then (state, error, pages, pool, stats); with ``victim``, the first
+    waits for "go" on ``q_in`` (the test's producer is up by then), expects it (with
+    ``deadline_s``, or its own entry when ``deadline_s`` is a list), reports its
+    endpoint, then (state, error, pages, pool, stats); with ``victim``, the first
     one's producer is killed during its reads (``_kill_during_reads``); with ``stall``,
     the first batch never ends on the progress thread (``_stall_first_pull``)."""
     from disagg.transport.ucx.plane import UcxDataPlane
@@ -139,12 +140,13 @@ def _receiver(n_transfers, deadline_s, q_out, q_in, victim, stall=False):
     pool = torch.zeros(SLOTS, WIDTH, dtype=torch.uint8)
     plane.register_regions([[pool]])
     q_out.put("ready")
+    deadlines = deadline_s if isinstance(deadline_s, list) else [deadline_s] * n_transfers
     for k in range(n_transfers):
         assert q_in.get(timeout=300) == "go"
         pool.zero_()
-        plane.expect(7 + k, 3, b"tok", [N], deadline_s)
+        plane.expect(7 + k, 3, b"tok", [N], deadlines[k])
         q_out.put((plane.endpoint, plane.capabilities))
-        st = plane.wait(7 + k, deadline_s + 10)
+        st = plane.wait(7 + k, deadlines[k] + 10)
         q_out.put((st.state.value, st.error, st.pages, pool.numpy().copy(), dict(plane.stats)))
     q_in.get(timeout=60)
     plane.close()
@@ -290,7 +292,9 @@ def test_batch_that_never_ends_does_not_wedge_the_consumer():
     dst = rng.permutation(SLOTS)[:N].tolist()
     rows2 = rng.permutation(N).tolist()
     dst2 = rng.permutation(SLOTS)[:N].tolist()
-    r = ctx.Process(target=_receiver, args=(2, 8.0, q_r, q_in, None, True))
+    # the first transfer can only miss its deadline (its batch never ends; its reads
+    # start within ms of the push): a short one; the second lands in under 1 s: 8 s
+    r = ctx.Process(target=_receiver, args=(2, [3.0, 8.0], q_r, q_in, None, True))
     r.start()
     procs = [r]
     try:
