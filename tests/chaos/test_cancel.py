@@ -286,7 +286,10 @@ def test_a_cached_prefix_still_landing_is_awaited_never_served_half(monkeypatch,
     ps = prompts(n=1, length=300)
     prod, psvc = make_producer(cfg)
     run(prod, ps, 1)
-    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=10.0)
+    # a push that fails on the producer ends the load at its timeout: 3 s there, 30x
+    # what the pass takes to be waiting for the load
+    load_timeout_s = 3.0 if fails else 10.0
+    cons, csvc = make_consumer(cfg, [psvc.endpoint], load_timeout_s=load_timeout_s)
     started, go = hold_pushes(psvc)
     if fails:
         monkeypatch.setattr(psvc.data, "post_push", lambda *a, **k: (go.wait(30), 1 / 0))
