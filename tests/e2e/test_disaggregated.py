@@ -446,7 +446,8 @@ def test_failed_load_fails_over_to_another_producer_holding_the_blocks(monkeypat
         [psvc0.endpoint, psvc1.endpoint],
         load_timeout_s=10.0,
         load_mode="async",
-        heartbeat_s=0.3,  # the keepalive finds the dead producer fast
+        heartbeat_s=0.3,  # the keepalive finds the dead producer fast ...
+        claim_timeout_s=1.0,  # ... once a call to it times out (a live one answers in ms)
     )
     rid = cons.add_request(ps[0], 4)
     cons.step()  # claimed from producer 0 (configured first on a tie), push stalls
