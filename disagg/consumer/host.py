@@ -72,6 +72,7 @@ class LinkHost(Protocol):
         msg: Any,
         timeout_s: float | None = None,
         background: bool = False,
+        waits: bool = False,
     ) -> Any: ...
 
     def release(self, claimed: Claimed) -> None: ...

@@ -1,7 +1,8 @@
 """The consumer's channels to one producer (``ProducerLink``), and how a call on one ends.
 
-A link holds two DEALER channels (``fg``: the engine thread's claims, lookups and pushes;
-``bg``: the keepalive's renewals and releases), each greeted with ``Hello`` before its
+A link holds three DEALER channels (``fg``: the engine thread's claims, lookups and pushes;
+``bg``: the keepalive's renewals and releases, the prefetch's lookups and claims;
+``waits``: a prefetch's claim waiting at the producer for its blocks), each greeted with ``Hello`` before its
 first request and again after any failure. Every call is bounded by one deadline, the
 Hello and one retry included.
 
@@ -104,6 +105,9 @@ class ProducerLink:
         self.producer_tp = 0
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
+        # a prefetch's claim waiting at the producer for its blocks (``Claim.wait_s``):
+        # its own channel, so no renewal or lookup queues behind it
+        self.waits = _Channel(endpoint, timeout_s, curve)
         self.down_until = 0.0
         # why the producer refuses us (``refusals.Refusal``; None while it does not): a
         # refused link is skipped until a background retry finds it accepting us again
@@ -240,3 +244,4 @@ class ProducerLink:
     def close(self) -> None:
         self.fg.client.close()
         self.bg.client.close()
+        self.waits.client.close()

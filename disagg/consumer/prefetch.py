@@ -3,22 +3,23 @@
 The proxy tells the consumer about a request when it sends the prefill (``POST
 /disagg/prefetch``, :mod:`disagg.serve.app`); the continuation (prompt + the producer's
 first token) arrives once the producer's first token is back. Between the two, this
-module waits for a producer to hold every whole block of the prompt (a block is held from
-the moment the producer reserves its row: at the end of the pass that computes it, or at
-a layer's save, ``HelloOk.reserves_at_layer``; ``Lookup`` answers for reserved, staging
-and stored blocks alike) and leases them
-(``Claim``). When the continuation reaches the scheduler, ``take`` hands that lease over,
-so the engine's thread skips the claim's round trip; the push itself still waits, on the
+module leases every whole block of the prompt as soon as a producer holds them (from the
+reservation of their rows: a pass's end, or a layer's save, ``HelloOk.reserves_at_layer``).
+With one producer serving ``claim_wait`` it sends one ``Claim`` that waits there for the
+blocks (``_park``, on the link's ``waits`` channel); else it polls with ``Lookup`` and
+claims. When the continuation reaches the scheduler, ``take`` hands that lease over, so
+the engine's thread skips the claim's round trip; the push itself still waits, on the
 producer, until the blocks are stored.
 
 Contract:
 - nothing here runs on the engine's thread; nothing writes a page (a lease only pins the
   producer's blocks), so the fence and the load states are untouched: a lease taken is
   one more ``Claimed`` for an ordinary ``Load``;
-- the wait for the producer is bounded by ``PREFETCH_WAIT_S`` (polls back off to
-  ``POLL_MAX_S``; a producer that reserves blocks only at a pass's end is asked once and
-  then every ``POLL_AFTER_PASS_S``); a lease no continuation takes is released ``PREFETCH_HOLD_S`` after its
-  grant (``sweep``, from the keepalive thread, which also renews it meanwhile);
+- the wait for the producer is bounded by ``PREFETCH_WAIT_S`` (a waiting claim by
+  ``PARK_S`` each; polls back off to ``POLL_MAX_S``, a producer reserving at a pass's end
+  is asked once, then every ``POLL_AFTER_PASS_S``); a lease no continuation takes is
+  released ``PREFETCH_HOLD_S`` after its grant (``sweep``, from the keepalive thread,
+  which also renews it meanwhile);
 - a continuation that arrives while the prefetch still polls wakes it (``confirm_ahead``,
   from its HTTP handler) and ``take`` waits for its answer within the claim's budget: a
   producer that answered the first token holds the prompt's blocks, so the lease is one
@@ -56,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..protocol import messages as m
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.keys import KEY_BYTES, KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
 from .host import LinkHost
@@ -74,6 +75,11 @@ POLL_MIN_S, POLL_MAX_S = 0.001, 0.02  # Lookup polls back off between these
 # take its GIL from the forward, so it is asked at once (a prompt it holds already) and
 # then only this seldom; the continuation, sent after the first token, wakes the prefetch
 POLL_AFTER_PASS_S = 0.1
+# a consumer of one producer that serves ``Claim.wait_s`` asks once and the answer comes as
+# the producer reserves the blocks (at its pass's end, after the first token is sent), no
+# polling and no round trip after the continuation came; a claim waits this long at most,
+# then is asked again
+PARK_S = 2.0
 MAX_PENDING = 256  # prefetches in flight or held at once; more are declined
 
 
@@ -175,7 +181,18 @@ class Prefetches:
         woken = False
         asked: dict[int, float] = {}  # link index -> its last lookup
         while not entry.abandoned and not self.closed and time.monotonic() < deadline:
-            for link in [lk for lk in svc.links if lk.usable()]:
+            links = [lk for lk in svc.links if lk.usable()]
+            if len(links) == 1 and self._parks(links[0]):
+                got = self._park(links[0], keys)
+                if isinstance(got, Claimed):
+                    return got
+                if got is None:  # a miss at the wait's end (or at once): ask again
+                    if entry.wake.wait(pause):
+                        entry.wake.clear()
+                    pause = min(POLL_MAX_S, pause * 2)
+                    continue
+                # the link's waiting channel is taken by another prefetch: poll it
+            for link in links:
                 if woken:  # one producer holds the blocks: ask for them without a lookup
                     got = self._claim_all(link, keys)
                     if got is not None:
@@ -203,6 +220,39 @@ class Prefetches:
             else:
                 pause = min(POLL_MAX_S, pause * 2)
         return None
+
+    def _parks(self, link: ProducerLink) -> bool:
+        """Whether a claim on ``link`` waits there for its blocks: its producer serves
+        ``Claim.wait_s`` and is one rank (a TP producer's ranks are polled)."""
+        features = link.features
+        return (
+            features is not None
+            and m.FEATURE_CLAIM_WAIT in features
+            and len(self._ranks(link)) == 1
+        )
+
+    def _park(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None | bool:
+        """Claim ``keys`` on ``link``, the answer waiting at the producer until it holds
+        every one (at most ``PARK_S``): the lease, None on a miss (or a failure: the link
+        is then down for a while), False if another prefetch waits on the link already."""
+        svc = self.svc
+        claim = m.Claim(
+            v=PROTOCOL_VERSION,
+            owner=svc.owner,
+            request_id="prefetch",
+            keys=keys,
+            ttl_s=svc.ccfg.lease_ttl_s,
+            wait_s=PARK_S,
+        )
+        try:
+            ok = svc._call(link, claim, PARK_S + svc.ccfg.claim_timeout_s, waits=True)
+        except ProtocolError as exc:
+            return False if exc.code is ErrorCode.BUSY else None
+        if ok.num_blocks <= 0:
+            return None
+        svc.metrics["prefetch_parked_granted"] += 1
+        svc.keepalive.granted(ok.ttl_s)
+        return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
 
     def _claim_all(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
         """``_claim``, kept only if it leases every key (else given back at once)."""

@@ -252,13 +252,15 @@ class ConsumerService(ConnectorService):
         msg: Any,
         timeout_s: float | None = None,
         background: bool = False,
+        waits: bool = False,
     ) -> Any:
+        """``msg``'s reply; ``waits``: on the channel of waiting claims (BUSY at once)."""
         assert self.fingerprint is not None and self.data is not None
         timeout = timeout_s or self.ccfg.claim_timeout_s
-        ch = link.bg if background else link.fg
+        ch = link.waits if waits else link.bg if background else link.fg
         # Bounded even while another thread (a lookup) holds the channel: the engine thread
         # calls this and must never wait without a deadline.
-        if not ch.lock.acquire(timeout=timeout):
+        if not (ch.lock.acquire(blocking=False) if waits else ch.lock.acquire(timeout=timeout)):
             raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
             fp = self.fingerprint if self.routes is not None else self.fingerprint_for(link.tp_rank)

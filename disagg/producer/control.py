@@ -21,6 +21,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
+from .parked import ParkedClaims
 from .saving import reserve_layers
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class ControlPlane:
         store: BlockStore
         data: DataPlane | None
         leases: LeaseTable
+        parked: ParkedClaims
         events: EventPublisher | None
         server: ControlServer | None
         _curve: Any
@@ -78,6 +80,8 @@ class ControlPlane:
                 f"this connection said Hello as {owner!r}, not {msg.owner!r}",
             )
         if isinstance(msg, m.Claim):  # the hot path: first
+            if msg.wait_s > 0:  # a prefetch's: answered once every key is held
+                return self.parked.claim(owner, msg)
             # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
             lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1

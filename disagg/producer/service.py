@@ -77,6 +77,7 @@ from ..transport.security import server_keys_from
 from .commits import Committer, PendingPass
 from .control import ControlPlane
 from .leases import LeaseTable
+from .parked import ParkedClaims
 from .saving import PassCopy, land
 from .store import BlockStore
 
@@ -142,6 +143,7 @@ class ProducerService(ControlPlane, ConnectorService):
         self.features: tuple[str, ...] = m.FEATURES
         self.store: BlockStore = None  # type: ignore[assignment]  # set by attach()
         self.leases: LeaseTable = None  # type: ignore[assignment]
+        self.parked: ParkedClaims = None  # type: ignore[assignment]  # set by attach()
         self._in_flight: Counter[int] = Counter()
         self._in_flight_lock = threading.Lock()
         self._committer: Committer = None  # type: ignore[assignment]  # set by attach()
@@ -206,6 +208,7 @@ class ProducerService(ControlPlane, ConnectorService):
             first_id=secrets.randbits(40) + 1,
             stall_after_s=_stall_after(self._sweep_period()),
         )
+        self.parked = ParkedClaims(self.leases, self.metrics, self.incarnation)
         self.data = make_data_plane(
             self.config.transport,
             checksum=self.config.transport_checksum,
@@ -227,6 +230,8 @@ class ProducerService(ControlPlane, ConnectorService):
             name=f"producer {self.name} control",
             refusal_counts=self.metrics,  # refused_<reason>, exported per reason
         )
+        self.parked.server = self.server
+        self.server.every_poll = self.parked.expire
         self.server.start()
         self._committer = Committer(self._commit_pass, self._abort_pass)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="disagg-sweep", daemon=True)
@@ -267,6 +272,7 @@ class ProducerService(ControlPlane, ConnectorService):
         """Saves the store deduplicated or dropped are not in flight. Rank 0's scheduler
         counted every planned save already (``note_saving``); the other ranks have no
         scheduler, so their worker counts only what its store kept."""
+        self.parked.held()  # claims waiting for these blocks are answered now
         if self.tp_rank != 0:
             with self._in_flight_lock:
                 self._in_flight.update({rid: n for rid, n in kept.items() if n > 0})

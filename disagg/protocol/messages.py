@@ -57,6 +57,7 @@ else:  # the decoder checks a bin natively (type, size); __post_init__ makes it 
 Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Slot = Annotated[int, msgspec.Meta(ge=-1)]  # -1: skip this group's page of the block
 Ttl = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+MAX_CLAIM_WAIT_S = 60.0  # the longest a Claim may wait for its blocks (Claim.wait_s)
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
@@ -165,13 +166,18 @@ class LookupOk(Message, frozen=True, tag="lookup_ok"):
 
 
 class Claim(Message, frozen=True, tag="claim"):
-    """Pin the longest held prefix of ``keys`` for ``request_id`` for ``ttl_s``."""
+    """Pin the longest held prefix of ``keys`` for ``request_id`` for ``ttl_s``.
+
+    ``wait_s`` > 0 (to a producer announcing ``claim_wait``): if not every key is held,
+    the answer waits until they are (a lease of all of them) or ``wait_s`` has passed (a
+    miss); never a part. An older producer ignores it and answers at once."""
 
     owner: Str
     request_id: Str
     keys: PackedKeys
     ttl_s: Ttl = 30.0
     incarnation: Incarnation = 0
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_CLAIM_WAIT_S)] = 0.0
 
     def __post_init__(self) -> None:
         _pack_keys(self)
@@ -217,7 +223,8 @@ class ReleaseRange(Message, frozen=True, tag="release_range"):
 
 # Optional requests a producer may serve, by name (HelloOk.features).
 FEATURE_RELEASE_RANGE = "release_range"
-FEATURES = (FEATURE_RELEASE_RANGE,)
+FEATURE_CLAIM_WAIT = "claim_wait"  # Claim.wait_s
+FEATURES = (FEATURE_RELEASE_RANGE, FEATURE_CLAIM_WAIT)
 
 
 class Push(Message, frozen=True, tag="push"):

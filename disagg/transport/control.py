@@ -18,8 +18,11 @@ refused with BAD_VERSION and logged the same way.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import queue
+import socket
 import threading
 import time
 from collections import Counter
@@ -42,7 +45,7 @@ from .security import CurveClientKeys, CurveServerKeys, ServerAuth, secure_clien
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes, m.Message], "m.Message | None"]
+Handler = Callable[[bytes, m.Message], "m.Message | Later | None"]
 _POLL_MS = 50  # how often the server thread, and a client's call, check for close()
 
 
@@ -62,6 +65,11 @@ class ControlServer:
     address; both are only meaningful on the server thread, where handlers run.
     ``refusals`` says and counts who was refused (into ``refusal_counts``, default
     ``stats``, as ``refused_<reason>``); a handler may report its own refusals there.
+
+    A handler may answer later: it returns ``later()`` (a ``Later`` bound to the message
+    being served) and calls its ``answer`` on the server thread, from a function given to
+    ``call_soon`` (any thread: it runs on the server thread between messages, at once).
+    ``every_poll``, if set, runs on the server thread at least every ``_POLL_MS``.
     """
 
     def __init__(
@@ -93,6 +101,12 @@ class ControlServer:
         )
         self.peer_key: bytes | None = None
         self._head: zmq.Frame | None = None  # the message being served: its peer's metadata
+        self._serving: tuple[bytes, bytes] | None = None  # its identity and correlation id
+        self._soon: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()  # call_soon wakes the poll
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.every_poll: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
@@ -119,11 +133,46 @@ class ControlServer:
         self._thread.start()
         return self
 
+    def later(self) -> Later:
+        """Inside a handler: the message being served, to be answered later."""
+        assert self._serving is not None, "later() is for a handler, on the server thread"
+        return Later(self, *self._serving)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the server thread, between messages (any thread may call this)."""
+        self._soon.put(fn)
+        with contextlib.suppress(BlockingIOError, OSError):  # a wake already pending
+            self._wake_w.send(b"\0")
+
+    def _run_soon(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while True:
+            try:
+                fn = self._soon.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:  # the server must outlive any of them
+                log.exception("a control server callback failed")
+
+    def _send_later(self, ident: bytes, corr: bytes, reply: m.Message) -> None:
+        assert self._sock is not None and threading.current_thread() is self._thread
+        try:
+            self._sock.send_multipart([ident, corr, m.encode(reply)], zmq.NOBLOCK)
+            self.stats["ok"] += 1
+        except zmq.Again:
+            self.stats["reply_dropped"] += 1
+
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        self._wake_r.close()
+        self._wake_w.close()
         if self._auth is not None:
             self._auth.close()
             self._auth = None
@@ -139,6 +188,7 @@ class ControlServer:
         assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         monitor = None
         if self._auth is not None:  # failed handshakes are only visible to a monitor
             monitor = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
@@ -146,7 +196,11 @@ class ControlServer:
         try:
             while not self._stop.is_set():
                 ready = poller.poll(_POLL_MS)
-                if not ready:
+                if self.every_poll is not None:
+                    self.every_poll()
+                if any(s == self._wake_r.fileno() for s, _ in ready):
+                    self._run_soon()
+                if not any(s is sock or s is monitor for s, _ in ready):
                     continue
                 if monitor is not None and any(s is monitor for s, _ in ready):
                     self._count_monitor_events(monitor)
@@ -169,6 +223,7 @@ class ControlServer:
                 finally:
                     self.peer_key = None
                     self._head = None
+                    self._serving = None
                 if reply is not None:
                     try:
                         sock.send_multipart(reply, zmq.NOBLOCK)
@@ -234,7 +289,10 @@ class ControlServer:
             log.exception("decoding a control frame failed")
             return self._error(ident, corr, ProtocolError(ErrorCode.BAD_FRAME, repr(e)))
         try:
+            self._serving = (ident, corr)
             reply = self._handler(ident, msg)
+            if isinstance(reply, Later):  # answered by the handler's own time
+                return None
             if reply is None:
                 reply = m.Ok()
             out = m.encode(reply)
@@ -249,6 +307,20 @@ class ControlServer:
         reply = m.error_reply(exc)
         self.stats[ErrorCode.from_wire(reply.code).name] += 1
         return [ident, corr, m.encode(reply)]
+
+
+class Later:
+    """A request its handler answers later (``ControlServer.later``): ``answer`` once, on
+    the server thread. Never answered, the client's call times out as for a dead peer."""
+
+    def __init__(self, server: ControlServer, ident: bytes, corr: bytes) -> None:
+        self._server, self._ident, self._corr = server, ident, corr
+        self.answered = False
+
+    def answer(self, reply: m.Message) -> None:
+        if not self.answered:
+            self.answered = True
+            self._server._send_later(self._ident, self._corr, reply)
 
 
 def _user_id(frame: zmq.Frame) -> bytes | None:

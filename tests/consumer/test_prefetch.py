@@ -97,15 +97,17 @@ def test_a_continuation_before_the_grant_wakes_the_prefetch_and_takes_its_lease(
 def test_a_producer_is_polled_while_it_prefills_only_if_it_holds_blocks_then(
     monkeypatch, reserve: int
 ):
-    """A producer names where its passes reserve their blocks (``HelloOk``). One that
-    reserves at the pass's end holds none of the prompt's while it prefills: the prefetch
-    asks it once, then waits for the continuation's wake, which it then answers with a
-    claim. One that reserves at a layer's save is polled while it prefills."""
+    """A producer that does not serve waiting claims names where its passes reserve
+    their blocks (``HelloOk``). One that reserves at the pass's end holds none of the
+    prompt's while it prefills: the prefetch asks it once, then waits for the
+    continuation's wake, which it then answers with a claim. One that reserves at a
+    layer's save is polled while it prefills."""
     monkeypatch.setenv("DISAGG_SAVE_RESERVE_LAYERS", str(reserve))
     monkeypatch.setattr(prefetch, "POLL_AFTER_PASS_S", 30.0)
     prompt = random_prompt(15)
     mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
     prod, psvc = make_producer(CFG)
+    psvc.features = (m.FEATURE_RELEASE_RANGE,)  # no Claim.wait_s
     cons, csvc = make_consumer(CFG, [psvc.endpoint], claim_timeout_s=5.0)
     lookups = _count_lookups(csvc, monkeypatch)
     assert start_prefetch(csvc, prompt, None) is None
@@ -129,6 +131,48 @@ def test_a_producer_is_polled_while_it_prefills_only_if_it_holds_blocks_then(
     if not reserve:
         assert lookups[0] == asked == 1, "woken, the prefetch claims without a lookup"
     assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
+def test_a_waiting_claim_is_granted_as_the_producer_reserves_the_blocks(monkeypatch):
+    """A consumer of one producer serving ``Claim.wait_s`` asks for the prompt's blocks
+    once: the producer answers when its pass reserves them, with no continuation and no
+    wake, and the continuation takes that lease; nothing is claimed on the engine's
+    thread and no lookup polls the producer while it prefills."""
+    prompt = random_prompt(16)
+    mono = Engine(CFG).generate([prompt], max_tokens=3)[0]
+    prod, psvc = make_producer(CFG)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    lookups = _count_lookups(csvc, monkeypatch)
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: psvc.metrics["claims_parked"] == 1)
+    time.sleep(0.2)  # polling would have asked again by now
+    assert lookups[0] <= 1 and psvc.metrics["claims_parked"] == 1
+    produced = prod.generate([prompt], max_tokens=1)[0]
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert psvc.metrics["claims_parked_granted"] == 1
+    assert csvc.metrics["prefetch_parked_granted"] == 1 and csvc.metrics["prefetch_woken"] == 0
+    got = continue_after(cons, prompt, produced[0], 3)
+    assert got.error is None and [produced[0], *got.tokens] == mono
+    assert csvc.metrics["prefetch_taken"] == 1 and csvc.metrics["claims_hit"] == 0
+    assert got.connector_matched_tokens == len(prompt) // TPB * TPB
+    assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
+
+
+def test_a_waiting_claim_misses_at_its_deadline_and_is_asked_again(monkeypatch):
+    """A claim waits at the producer at most ``PARK_S``: then it is answered with a miss
+    (never a part of the keys: the blocks a shorter prompt left are not leased) and the
+    prefetch asks again; a producer that never holds the blocks costs no lease."""
+    monkeypatch.setattr(prefetch, "PARK_S", 0.2)
+    prompt = random_prompt(17)
+    prod, psvc = make_producer(CFG)
+    prod.generate([prompt[: 2 * TPB]], max_tokens=1)  # the first two blocks only
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    assert start_prefetch(csvc, prompt, None) is None
+    assert wait_for(lambda: psvc.metrics["claims_parked"] >= 3)
+    assert psvc.leases.active() == 0 and csvc.metrics["prefetch_granted"] == 0
+    prod.generate([prompt], max_tokens=1)
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
+    assert psvc.leases.active() == 1
 
 
 def test_a_take_waits_for_a_prefetch_only_within_the_claims_budget(monkeypatch):

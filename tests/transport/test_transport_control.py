@@ -254,3 +254,35 @@ def test_a_handshake_slower_than_one_call_completes_for_a_later_call(server):
             assert link.accepted == 1  # one connection, kept across the timeout
     finally:
         link.close()
+
+
+def test_a_handler_answers_later_from_call_soon_while_others_are_served():
+    """A handler may hold its answer (``later()``): other callers are served meanwhile,
+    and the answer goes out when a function given to ``call_soon`` from another thread
+    runs it on the server thread."""
+    held = []
+
+    def parking(ident, msg):
+        if isinstance(msg, Lookup) and msg.owner == "wait":
+            held.append(srv.later())
+            return held[-1]
+        return handler(ident, msg)
+
+    srv = ControlServer("tcp://127.0.0.1:0", parking)
+    with srv, ControlClient(srv.endpoint) as waiting, ControlClient(srv.endpoint) as other:
+        out = []
+        t = threading.Thread(
+            target=lambda: out.append(waiting.call(Lookup(owner="wait", keys=[]), timeout_s=5))
+        )
+        t.start()
+        deadline = time.monotonic() + 5
+        while not held:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert other.call(Heartbeat(owner="c")) == Ok()  # served while the first waits
+        assert not out
+        srv.call_soon(lambda: held[0].answer(LookupOk(num_blocks=7)))  # from this thread
+        t.join(5)
+        assert out == [LookupOk(num_blocks=7)]
+        srv.call_soon(lambda: held[0].answer(LookupOk(num_blocks=8)))  # answered once only
+        assert other.call(Lookup(owner="c", keys=[b"k" * 16])) == LookupOk(num_blocks=1)
