@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .ports import free_port
 
 
 class StartError(RuntimeError):
@@ -67,12 +68,6 @@ class Shape:
         for flag in SHAPE_FLAGS:
             out += [flag, str(getattr(self, flag[2:].replace("-", "_")))]
         return out + ["--dtype", self.dtype, "--seed", str(self.seed), "--device", self.device]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(threads: int = 1) -> dict[str, str]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ from ..cliargs import transport
 from ..consumer import ConsumerScheduler, ConsumerWorker
 from ..producer import ProducerScheduler, ProducerWorker
 from . import devices
+from .ports import free_port
 from .reuse import OneLineParser
 
 EVENTS: dict[str, list[float]] = {"claim": [], "load_start": [], "loaded": []}
@@ -128,12 +128,6 @@ class TimedProducerWorker(ProducerWorker):
         out = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
         _took("get_finished", t0)
         return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _engine(args: argparse.Namespace, role: str | None, endpoint: str = "") -> Any:
@@ -283,7 +277,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     from ..consumer.service import _services
     from .transfer import Roles, measure
 
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "disagg.bench.overhead", "--role", "producer"]
     cmd += ["--endpoint", endpoint, "--prompt-lens", ",".join(map(str, args.lens))]
     cmd += ["--repeats", str(args.repeats), "--layers", str(args.layers)]

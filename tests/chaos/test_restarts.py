@@ -35,6 +35,7 @@ from test_chaos import (
     wait_for,
 )
 
+from disagg.bench.ports import free_port
 from disagg.protocol import messages as m
 from disagg.protocol.errors import ErrorCode, ProtocolError
 from disagg.transport import ControlClient
@@ -65,16 +66,8 @@ def _state(child: Any) -> dict[str, Any]:
     return child.expect("state")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_restart_with_leases_held_by_two_consumers(children, mono):  # noqa: F811
-    control = f"tcp://127.0.0.1:{_free_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
     name = f"rp{next(_ids)}"
     p1 = children({"role": "producer", "config": producer_conf(name, control)})
     inc1 = p1.expect("ready")["incarnation"]
@@ -151,7 +144,7 @@ PAUSE_TTL_S, PAUSE_OWNER_DEAD_S = 2.0, 1.0
 
 
 def test_producer_own_pause_does_not_free_live_leases(children):  # noqa: F811
-    control = f"tcp://127.0.0.1:{_free_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
     pconf = producer_conf(f"sp{next(_ids)}", control)
     pconf["producer"].update(lease_ttl_s=PAUSE_TTL_S, owner_dead_after_s=PAUSE_OWNER_DEAD_S)
     p = children({"role": "producer", "config": pconf})

@@ -8,7 +8,6 @@ loaded (every rank's shard, concatenated) equal the producer's computed pages by
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
 from harness import (
@@ -23,6 +22,7 @@ from harness import (
     wait_for,
 )
 
+from disagg.bench.ports import free_port
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol.keys import block_keys
 from disagg.service_base import rank_endpoint
@@ -81,28 +81,6 @@ def test_tp2_tokens_and_pages_match_monolithic(kv_manager, load_mode):
     _assert_all_returned(psvc)
 
 
-def _consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    pytest.skip("no consecutive free ports")
-
-
 def test_rank_endpoints_follow_port_plus_rank():
     assert rank_endpoint("tcp://10.0.0.1:5557", 0) == "tcp://10.0.0.1:5557"
     assert rank_endpoint("tcp://10.0.0.1:5557", 3) == "tcp://10.0.0.1:5560"
@@ -111,7 +89,7 @@ def test_rank_endpoints_follow_port_plus_rank():
 
     cfg = EngineConfig(**TP2)
     ps = prompts(n=1)
-    base = _consecutive_free_ports(2)
+    base = free_port(2)
     ep = f"tcp://127.0.0.1:{base}"
     prod, psvc = make_producer(cfg, control=ep)
     assert rank_endpoints(psvc) == [ep, f"tcp://127.0.0.1:{base + 1}"]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ from harness import (  # noqa: F401  (re-exported for the security tests)
     run,
     wait_for,
 )
+
+from disagg.bench.ports import free_port  # noqa: F401  (re-exported for the security tests)
 
 
 class KeyPair:
@@ -36,9 +37,3 @@ class KeyPair:
             "curve_public_key_file": str(self.public_file),
             **extra,
         }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.ports import free_port
+
 PROMPT_LEN = 300
 SHAPE = dict(num_layers=4, tokens_per_block=32, num_blocks=1024, kv_manager="v2", seed=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prompt(seed: int = 1, n: int = PROMPT_LEN) -> list[int]:

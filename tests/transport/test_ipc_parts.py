@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_ipc_plane import _dial, _frame, _read_frame
 
+from disagg.bench.ports import free_port
 from disagg.protocol import ipc as wire
 from disagg.protocol.messages import DataCaps
 from disagg.transport.dataplane import StoreRows, TransferState
@@ -338,10 +339,7 @@ def test_a_push_behind_others_to_the_same_receiver_is_notcut(planes):
     """Parts help a push that finds the receiver idle; behind pushes still in flight
     the receiver's checks already overlap the copies, and parts would only add work."""
     tx = planes(push_parts=(1,))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nobody listens there: pushes wait to be sent
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens there: pushes wait
     caps = DataCaps(parts=True)
     slab = tx.register_source(_store(8))
     pages = [(0, slab[:4], [0, 1, 2, 3])]
