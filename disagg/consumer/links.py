@@ -1,9 +1,9 @@
 """The consumer's channels to one producer (``ProducerLink``), and how a call on one ends.
 
-A link holds three DEALER channels (``fg``: the engine thread's claims, lookups and pushes;
+A link holds DEALER channels (``fg``: the engine thread's claims, lookups and pushes;
 ``bg``: the keepalive's renewals and releases, the prefetch's lookups and claims;
-``waits``: a prefetch's claim waiting at the producer for its blocks), each greeted with ``Hello`` before its
-first request and again after any failure. Every call is bounded by one deadline, the
+``waits``: ``WAIT_CHANNELS`` for prefetches' claims waiting at the producer), each
+greeted with ``Hello`` before its first request and again after any failure. Every call is bounded by one deadline, the
 Hello and one retry included.
 
 Incarnations: ``HelloOk`` names the producer process's incarnation (``incarnation``), the
@@ -39,6 +39,8 @@ V = PROTOCOL_VERSION
 # A producer that failed a call is skipped for this long, then tried again (a dead peer
 # must not be cached forever, nor retried on every query).
 DOWN_BACKOFF_S = 2.0
+# Claims waiting at a producer at once, per link (one channel each): more prefetches poll.
+WAIT_CHANNELS = 4
 # Errors about one request (a lease that expired, a bad field) say nothing about the
 # producer's health: only these mark a link down (and force a new Hello).
 _PEER_FAULTS = frozenset(
@@ -105,9 +107,9 @@ class ProducerLink:
         self.producer_tp = 0
         self.fg = _Channel(endpoint, timeout_s, curve)
         self.bg = _Channel(endpoint, timeout_s, curve)
-        # a prefetch's claim waiting at the producer for its blocks (``Claim.wait_s``):
-        # its own channel, so no renewal or lookup queues behind it
-        self.waits = _Channel(endpoint, timeout_s, curve)
+        # prefetches' claims waiting at the producer for their blocks (``Claim.wait_s``):
+        # channels of their own, so no renewal or lookup queues behind one
+        self.waits = [_Channel(endpoint, timeout_s, curve) for _ in range(WAIT_CHANNELS)]
         self.down_until = 0.0
         # why the producer refuses us (``refusals.Refusal``; None while it does not): a
         # refused link is skipped until a background retry finds it accepting us again
@@ -244,4 +246,5 @@ class ProducerLink:
     def close(self) -> None:
         self.fg.client.close()
         self.bg.client.close()
-        self.waits.client.close()
+        for ch in self.waits:
+            ch.client.close()

@@ -6,7 +6,7 @@ first token) arrives once the producer's first token is back. Between the two, t
 module leases every whole block of the prompt as soon as a producer holds them (from the
 reservation of their rows: a pass's end, or a layer's save, ``HelloOk.reserves_at_layer``).
 With one producer serving ``claim_wait`` it sends one ``Claim`` that waits there for the
-blocks (``_park``, on the link's ``waits`` channel); else it polls with ``Lookup`` and
+blocks (``_park``, on one of the link's ``waits`` channels); else it polls with ``Lookup`` and
 claims. When the continuation reaches the scheduler, ``take`` hands that lease over, so
 the engine's thread skips the claim's round trip; the push itself still waits, on the
 producer, until the blocks are stored.

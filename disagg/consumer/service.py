@@ -252,16 +252,19 @@ class ConsumerService(ConnectorService):
         msg: Any,
         timeout_s: float | None = None,
         background: bool = False,
-        waits: bool = False,
+        waits: bool = False,  # on a free channel of waiting claims, BUSY if none
     ) -> Any:
-        """``msg``'s reply; ``waits``: on the channel of waiting claims (BUSY at once)."""
         assert self.fingerprint is not None and self.data is not None
         timeout = timeout_s or self.ccfg.claim_timeout_s
-        ch = link.waits if waits else link.bg if background else link.fg
-        # Bounded even while another thread (a lookup) holds the channel: the engine thread
-        # calls this and must never wait without a deadline.
-        if not (ch.lock.acquire(blocking=False) if waits else ch.lock.acquire(timeout=timeout)):
-            raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
+        if waits:
+            ch = next((c for c in link.waits if c.lock.acquire(blocking=False)), None)
+            if ch is None:
+                raise ProtocolError(ErrorCode.BUSY, f"every waiting channel to {link.endpoint}")
+        else:
+            ch = link.bg if background else link.fg
+            # bounded even while another thread holds it: the engine thread calls this
+            if not ch.lock.acquire(timeout=timeout):
+                raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
         try:
             fp = self.fingerprint if self.routes is not None else self.fingerprint_for(link.tp_rank)
             reply = link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)

@@ -23,7 +23,7 @@ from harness import (
     wait_for,
 )
 
-from disagg.consumer import prefetch
+from disagg.consumer import links, prefetch
 from disagg.engine.reference import Engine, EngineConfig
 from disagg.protocol import messages as m
 from disagg.serve.app import confirm_prefetch, start_prefetch
@@ -158,6 +158,25 @@ def test_a_waiting_claim_is_granted_as_the_producer_reserves_the_blocks(monkeypa
     assert wait_for(lambda: psvc.leases.active() == 0 and psvc.store.pinned_blocks() == 0)
 
 
+def test_prefetches_wait_at_once_up_to_the_links_channels_and_the_rest_poll(monkeypatch):
+    """Each waiting claim holds one of the link's ``WAIT_CHANNELS``; a prefetch that
+    finds none free polls instead. Every one is granted once its blocks are held."""
+    monkeypatch.setattr(links, "WAIT_CHANNELS", 2)
+    prompts = [random_prompt(20 + i) for i in range(3)]
+    prod, psvc = make_producer(CFG)
+    cons, csvc = make_consumer(CFG, [psvc.endpoint])
+    lookups = _count_lookups(csvc, monkeypatch)
+    for p in prompts:
+        assert start_prefetch(csvc, p, None) is None
+    assert wait_for(lambda: psvc.metrics["claims_parked"] == 2 and lookups[0] >= 2)
+    prod.generate(prompts, max_tokens=1)
+    assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 3)
+    assert csvc.metrics["prefetch_parked_granted"] >= 2
+    assert psvc.leases.active() == 3
+    csvc.close()  # gives every prefetched lease back
+    assert wait_for(lambda: psvc.leases.active() == 0)
+
+
 def test_a_waiting_claim_misses_at_its_deadline_and_is_asked_again(monkeypatch):
     """A claim waits at the producer at most ``PARK_S``: then it is answered with a miss
     (never a part of the keys: the blocks a shorter prompt left are not leased) and the
@@ -173,6 +192,8 @@ def test_a_waiting_claim_misses_at_its_deadline_and_is_asked_again(monkeypatch):
     prod.generate([prompt], max_tokens=1)
     assert wait_for(lambda: csvc.metrics["prefetch_granted"] == 1)
     assert psvc.leases.active() == 1
+    csvc.close()  # gives the prefetched lease back
+    assert wait_for(lambda: psvc.leases.active() == 0)
 
 
 def test_a_take_waits_for_a_prefetch_only_within_the_claims_budget(monkeypatch):
