@@ -659,9 +659,7 @@ def test_consumer_killed_mid_pull_fails_the_push_and_the_producer_serves_another
         ep_a, caps_a = q_a.get(timeout=30)
         assert caps_a.rma == wire.RMA_VERSION
         src = StoreRows(slab, rows, ((0, width),))
-        # a short deadline: the consumer reads its first batch within ms of the push
-        deadline_s = 1.5
-        h = tx.post_push(ep_a, 7, 3, b"tok", [(0, src, dst.tolist())], deadline_s, caps_a)
+        h = tx.post_push(ep_a, 7, 3, b"tok", [(0, src, dst.tolist())], 3.0, caps_a)
         start = time.monotonic()
         assert q_a.get(timeout=30) == "stopping"
         a.kill()
@@ -669,7 +667,7 @@ def test_consumer_killed_mid_pull_fails_the_push_and_the_producer_serves_another
         st = tx.wait_push(h, 10)
         took = time.monotonic() - start
         assert st.failed and st.error, st
-        assert took < deadline_s + 2.0, took  # its deadline, not later
+        assert took < 3.0 + 2.0, took  # its deadline, not later
         assert tx.stats["rma_mem_map"] == 1
         # the same producer, a new consumer (another process): all of it lands
         ep_b, (state, err, pages, pool, _), _ = _push_from(tx, slab, rows, dst, width, n, ctx)
