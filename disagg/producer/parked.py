@@ -49,7 +49,7 @@ class ParkedClaims:
         self._check_queued = False
 
     def claim(self, owner: str, msg: m.Claim) -> m.ClaimOk | Later:
-        """Answer ``msg`` now if every key is held (or it does not wait), else park it."""
+        """Answer ``msg`` at once if every key is held (or it cannot wait), else park it."""
         lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
         if lease is not None and len(lease.entries) == len(msg.keys):
             self.metrics["claims_hit"] += 1
