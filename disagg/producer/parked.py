@@ -56,7 +56,7 @@ class ParkedClaims:
             return self._answer(lease, msg)
         if lease is not None:  # a part is no answer to a waiting claim
             self.leases.release(owner, lease.lease_id)
-        if self.server is None or len(self._parked) >= MAX_PARKED:
+        if self.server is None or msg.wait_s <= 0 or len(self._parked) >= MAX_PARKED:
             self.metrics["claims_miss"] += 1
             return self._answer(None, msg)
         later = self.server.later()
