@@ -129,6 +129,20 @@ class ProducerLink:
         # the service once its plane exists)
         self.data_source: Callable[[m.DataCaps], None] | None = None
 
+    def take_channel(self, background: bool, waits: bool, timeout_s: float) -> _Channel:
+        """A channel for one call, its lock held (the caller releases it): ``fg``, ``bg``,
+        or (``waits``) a free waiting one. BUSY if none is free within ``timeout_s`` (a
+        waiting one: at once); bounded, as the engine thread calls this."""
+        if waits:
+            ch = next((c for c in self.waits if c.lock.acquire(blocking=False)), None)
+            if ch is None:
+                raise ProtocolError(ErrorCode.BUSY, f"every waiting channel to {self.endpoint}")
+            return ch
+        ch = self.bg if background else self.fg
+        if not ch.lock.acquire(timeout=timeout_s):
+            raise ProtocolError(ErrorCode.BUSY, f"link to {self.endpoint} busy for {timeout_s}s")
+        return ch
+
     def usable(self) -> bool:
         return self.refusal is None and time.monotonic() >= self.down_until
 

@@ -172,7 +172,8 @@ class Prefetches:
             svc.metrics["prefetch_granted"] += 1
 
     def _lease(self, entry: _Entry) -> Claimed | None:
-        """Poll the producers until one holds every key (or the wait ends), then claim."""
+        """A lease of every key once a producer holds them (or None when the wait ends):
+        a claim waiting at the producer where it can (``_parks``), else polls and a claim."""
         svc = self.svc
         keys, want = entry.keys, len(entry.keys)
         deadline = time.monotonic() + PREFETCH_WAIT_S
@@ -191,7 +192,7 @@ class Prefetches:
                         entry.wake.clear()
                     pause = min(POLL_MAX_S, pause * 2)
                     continue
-                # the link's waiting channel is taken by another prefetch: poll it
+                # every waiting channel of the link is taken by other prefetches: poll it
             for link in links:
                 if woken:  # one producer holds the blocks: ask for them without a lookup
                     got = self._claim_all(link, keys)
@@ -201,9 +202,12 @@ class Prefetches:
                 now = time.monotonic()
                 last = asked.get(link.index)
                 # one that holds them once its pass has ended (known after its first answer)
-                if link.reserves_at_layer == 0 and last is not None:
-                    if now - last < POLL_AFTER_PASS_S:
-                        continue
+                if (
+                    link.reserves_at_layer == 0
+                    and last is not None
+                    and now - last < POLL_AFTER_PASS_S
+                ):
+                    continue
                 asked[link.index] = now
                 try:  # every rank of a TP producer: each plans its saves on its own
                     held = min(
@@ -235,24 +239,13 @@ class Prefetches:
         """Claim ``keys`` on ``link``, the answer waiting at the producer until it holds
         every one (at most ``PARK_S``): the lease, None on a miss (or a failure: the link
         is then down for a while), False if another prefetch waits on the link already."""
-        svc = self.svc
-        claim = m.Claim(
-            v=PROTOCOL_VERSION,
-            owner=svc.owner,
-            request_id="prefetch",
-            keys=keys,
-            ttl_s=svc.ccfg.lease_ttl_s,
-            wait_s=PARK_S,
-        )
         try:
-            ok = svc._call(link, claim, PARK_S + svc.ccfg.claim_timeout_s, waits=True)
+            got = self._claim_one(link, keys, PARK_S)
         except ProtocolError as exc:
             return False if exc.code is ErrorCode.BUSY else None
-        if ok.num_blocks <= 0:
-            return None
-        svc.metrics["prefetch_parked_granted"] += 1
-        svc.keepalive.granted(ok.ttl_s)
-        return Claimed(link, ok.lease_id, ok.num_blocks, ok.ttl_s, ok.incarnation)
+        if got is not None:
+            self.svc.metrics["prefetch_parked_granted"] += 1
+        return got
 
     def _claim_all(self, link: ProducerLink, keys: KeyBlob) -> Claimed | None:
         """``_claim``, kept only if it leases every key (else given back at once)."""
@@ -278,14 +271,24 @@ class Prefetches:
         ranks = len(self._ranks(link))
         if ranks > 1:
             return svc.claims.claim_ranks(link.index, "prefetch", [keys] * ranks, True)
+        return self._claim_one(link, keys)
+
+    def _claim_one(self, link: ProducerLink, keys: KeyBlob, wait_s: float = 0.0) -> Claimed | None:
+        """One ``Claim`` on ``link``: the background channel, or (``wait_s``) a waiting
+        one, its answer bounded by ``wait_s`` + the claim's budget; None on a miss."""
+        svc = self.svc
         claim = m.Claim(
             v=PROTOCOL_VERSION,
             owner=svc.owner,
             request_id="prefetch",
             keys=keys,
             ttl_s=svc.ccfg.lease_ttl_s,
+            wait_s=wait_s,
         )
-        ok = svc._call(link, claim, background=True)
+        if wait_s:
+            ok = svc._call(link, claim, wait_s + svc.ccfg.claim_timeout_s, waits=True)
+        else:
+            ok = svc._call(link, claim, background=True)
         if ok.num_blocks <= 0:
             return None
         svc.keepalive.granted(ok.ttl_s)

@@ -56,7 +56,7 @@ from ..config import DisaggConfig
 from ..metrics import list_services
 from ..pages import PagePool
 from ..protocol import messages as m
-from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.errors import ProtocolError
 from ..protocol.keys import KeyBlob
 from ..protocol.version import PROTOCOL_VERSION
 from ..service_base import ConnectorService, Registry, rank_endpoint
@@ -256,15 +256,7 @@ class ConsumerService(ConnectorService):
     ) -> Any:
         assert self.fingerprint is not None and self.data is not None
         timeout = timeout_s or self.ccfg.claim_timeout_s
-        if waits:
-            ch = next((c for c in link.waits if c.lock.acquire(blocking=False)), None)
-            if ch is None:
-                raise ProtocolError(ErrorCode.BUSY, f"every waiting channel to {link.endpoint}")
-        else:
-            ch = link.bg if background else link.fg
-            # bounded even while another thread holds it: the engine thread calls this
-            if not ch.lock.acquire(timeout=timeout):
-                raise ProtocolError(ErrorCode.BUSY, f"link to {link.endpoint} busy for {timeout}s")
+        ch = link.take_channel(background, waits, timeout)
         try:
             fp = self.fingerprint if self.routes is not None else self.fingerprint_for(link.tp_rank)
             reply = link.call(ch, msg, fp, self.data.endpoint, timeout, self.data.capabilities)

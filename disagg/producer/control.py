@@ -21,7 +21,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.fingerprint import check_compatible
 from ..protocol.version import PROTOCOL_VERSION
-from .parked import ParkedClaims
+from .parked import ParkedClaims, claim_ok
 from .saving import reserve_layers
 
 if TYPE_CHECKING:
@@ -85,21 +85,7 @@ class ControlPlane:
             # msg.keys is a KeyBlob (decode checked it): looked up packed, never copied
             lease = self.leases.grant(owner, msg.request_id, msg.keys, msg.ttl_s)
             self.metrics["claims_hit" if lease else "claims_miss"] += 1
-            if lease is None:
-                return m.ClaimOk(
-                    v=PROTOCOL_VERSION,
-                    lease_id=0,
-                    num_blocks=0,
-                    ttl_s=msg.ttl_s,
-                    incarnation=self.incarnation,
-                )
-            return m.ClaimOk(
-                v=PROTOCOL_VERSION,
-                lease_id=lease.lease_id,
-                num_blocks=len(lease.entries),  # one per leased key
-                ttl_s=lease.ttl_s,
-                incarnation=self.incarnation,
-            )
+            return claim_ok(lease, msg.ttl_s, self.incarnation)
         if isinstance(msg, m.Heartbeat):
             self.leases.heartbeat(owner)
             return m.Ok(v=PROTOCOL_VERSION)

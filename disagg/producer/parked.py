@@ -102,18 +102,19 @@ class ParkedClaims:
         self.expire()
 
     def _answer(self, lease: Any, msg: m.Claim) -> m.ClaimOk:
-        if lease is None:
-            return m.ClaimOk(
-                v=PROTOCOL_VERSION,
-                lease_id=0,
-                num_blocks=0,
-                ttl_s=msg.ttl_s,
-                incarnation=self.incarnation,
-            )
+        return claim_ok(lease, msg.ttl_s, self.incarnation)
+
+
+def claim_ok(lease: Any, ttl_s: float, incarnation: int) -> m.ClaimOk:
+    """A Claim's answer: ``lease`` (one block per leased key), or a miss (None)."""
+    if lease is None:
         return m.ClaimOk(
-            v=PROTOCOL_VERSION,
-            lease_id=lease.lease_id,
-            num_blocks=len(lease.entries),  # one per leased key
-            ttl_s=lease.ttl_s,
-            incarnation=self.incarnation,
+            v=PROTOCOL_VERSION, lease_id=0, num_blocks=0, ttl_s=ttl_s, incarnation=incarnation
         )
+    return m.ClaimOk(
+        v=PROTOCOL_VERSION,
+        lease_id=lease.lease_id,
+        num_blocks=len(lease.entries),
+        ttl_s=lease.ttl_s,
+        incarnation=incarnation,
+    )
