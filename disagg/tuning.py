@@ -268,6 +268,18 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    gc_freeze: (
+        Annotated[
+            bool,
+            Meta(
+                description="HTTP servers (serve, proxy): once started, collect and freeze "
+                "the heap (``gc.freeze``), so a full collection no longer walks the "
+                "start-up's objects (torch, the model: 80-130 ms a collection, GIL held, on "
+                "the H200's host); false: Python's default; default on",
+            ),
+        ]
+        | None
+    ) = None
     tp_hang_timeout_s: (
         Annotated[
             float,

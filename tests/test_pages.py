@@ -11,7 +11,13 @@ from disagg.engine.layout import (
     KvCacheRegion,
 )
 from disagg.pages import PagePool, copy_rows, gather_rows, scatter_rows, wide
-from disagg.producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
+from disagg.producer.saving import (
+    copy_layer_to_store,
+    copy_pass_to_store,
+    flush_pass,
+    land,
+    plan_pass,
+)
 
 
 @pytest.mark.parametrize("width", [64, 13])  # 8-byte elements, and the byte fallback
@@ -32,9 +38,11 @@ def test_gather_scatter_copy_byte_exact(width):
     assert (wide(src).dtype == torch.int64) == (width % 8 == 0)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["layerwise", "whole-pass"])
 @pytest.mark.parametrize("rows", [[3, 0], [1, 2]])  # one index copy a layer; a slice copy
-def test_save_path_layerwise_into_store_rows_multi_group_multi_region(rows):
-    """Two groups, the second with two regions; layer bytes land at the page offsets."""
+def test_save_path_into_store_rows_multi_group_multi_region(rows, whole):
+    """Two groups, the second with two regions; layer bytes land at the page offsets,
+    copied a layer at a time or the whole pass's pages at once."""
     tensors = [torch.randint(0, 256, (6, 2, 2, 8), dtype=torch.uint8) for _ in range(3)]
 
     def region(t, layers):
@@ -57,8 +65,11 @@ def test_save_path_layerwise_into_store_rows_multi_group_multi_region(rows):
     slab = torch.zeros(4, pool.block_bytes, dtype=torch.uint8)
     copy = plan_pass(pool, slab, np.array(rows), [s.numpy() for s in slots])
     assert (copy.run is None) == (rows == [3, 0])
-    for layer in range(4):
-        copy_layer_to_store(pool, layer, copy, slab)
+    if whole:
+        assert copy_pass_to_store(pool, copy, slab)
+    else:
+        for layer in range(4):
+            copy_layer_to_store(pool, layer, copy, slab)
     flush_pass(copy, slab)
     land(copy, slab)
     for i, row in enumerate(rows):

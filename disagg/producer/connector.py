@@ -34,6 +34,7 @@ from ..protocol.keys import block_keys
 from .saving import (
     PassCopy,
     copy_layer_to_store,
+    copy_pass_to_store,
     flush_pass,
     plan_layers,
     plan_pass,
@@ -276,24 +277,35 @@ class ProducerWorker(KvCacheConnectorWorker):
         saves, self._saves = self._saves, []
         self._pass = _PassPlan.reserve(self.service, saves)
 
-    def _place(self, stream: Any) -> None:
-        """Place the reserved pass's copy indices, then copy the layers noted so far."""
+    def _place(self, stream: Any, ended: bool = False) -> None:
+        """Place the reserved pass's copy indices, then copy the layers noted so far: at
+        the pass's end (``ended``) with every layer noted, its whole pages at once
+        (``saving.copy_pass_to_store``), else a layer at a time."""
         plan = self._pass
         pool = self.service.pool
         assert plan is not None and pool is not None
         held, self._held = self._held, []
+        slab = self.service.store.slab
         with self._on_save_stream(stream):  # the indices belong to the copies' stream
-            plan.place(pool, self.service.store.slab)
+            plan.place(pool, slab)
+            assert plan.copy is not None
+            if ended and plan.keys and set(held) >= set(pool.layers):
+                if copy_pass_to_store(pool, plan.copy, slab):
+                    self._staging(plan)
+                    return
         for layer in held:
             self._copy_layer(layer, stream)
+
+    def _staging(self, plan: _PassPlan) -> None:
+        if not plan.staging:
+            self.service.store.mark_staging(plan.keys)
+            plan.staging = True
 
     def _copy_layer(self, layer_idx: int, stream: Any) -> None:
         plan = self._pass
         if plan is None or plan.copy is None or not plan.keys:
             return
-        if not plan.staging:
-            self.service.store.mark_staging(plan.keys)
-            plan.staging = True
+        self._staging(plan)
         pool = self.service.pool
         assert pool is not None
         with self._on_save_stream(stream):
@@ -329,7 +341,7 @@ class ProducerWorker(KvCacheConnectorWorker):
         if plan is None:
             return
         if plan.copy is None:
-            self._place(stream)
+            self._place(stream, ended=True)
         self._pass = None
         assert plan.copy is not None
         with self._on_save_stream(stream) as save:

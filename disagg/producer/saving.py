@@ -32,6 +32,7 @@ import torch
 
 from .. import tuning
 from ..pages import PagePool, copy_rows, scatter_rows
+from ..transport.page_copy import copy_indexed, one_pass
 
 # The pass's copies are planned and enqueued from the save of this many layers on
 # (``tuning.save_plan_layers``); its store rows are reserved at the save of this many
@@ -105,6 +106,46 @@ def copy_layer_to_store(pool: PagePool, layer: int, copy: PassCopy, slab: torch.
         return
     for col, chunk in pool.gather_layer(layer, copy.slots):
         _put(copy, slab, col, chunk)
+
+
+def copy_pass_to_store(pool: PagePool, copy: PassCopy, slab: torch.Tensor) -> bool:
+    """Enqueue the copy of the pass's whole pages, every layer at once, into their rows:
+    one indexed copy per region (``page_copy.copy_indexed``: on CUDA one kernel reading
+    each page and writing its row, where a layer at a time is a gather and a copy per
+    buffer span and layer, dozens of launches; on the host the C row copy). Call once
+    every layer of the pass is saved, with the copies' stream current. False where it
+    does not apply (pool and store on different devices; CUDA without Triton): copy the
+    layers one by one then."""
+    if copy.stage is not None or pool.device != slab.device or not one_pass(slab.device):
+        return False
+    if copy.rows.numel() == 0:
+        return True
+    rows = copy.rows
+    if slab.device.type != "cpu":
+        rows = copy.rows_dst if copy.rows_dst is not None else _to(rows.numpy(), slab.device)
+    for gi, regions in enumerate(pool.regions):
+        slots = copy.slots[gi]
+        if slots.numel() == 0:
+            continue
+        col = pool.page_offsets[gi]  # a group's page is its regions side by side
+        for region in regions:
+            width = region.shape[1]
+            copy_indexed(slab[:, col : col + width], rows, region, slots)
+            col += width
+    return True
+
+
+def warm_pass_copy(pool: PagePool, slab: torch.Tensor) -> None:
+    """At bring-up, before any block is stored: slot 0's pages copied into store row 0
+    the way a pass is, so the copy's kernel is compiled now. Triton compiles a kernel at
+    its first launch: in a producer's first request that held the GIL for over a second,
+    and its control thread answered no claim or push meanwhile."""
+    if slab.shape[0] == 0 or pool.device != slab.device or not one_pass(slab.device):
+        return
+    zero = np.zeros(1, dtype=np.int64)
+    copy_pass_to_store(pool, plan_pass(pool, slab, zero, [zero] * len(pool.regions)), slab)
+    if slab.device.type == "cuda":
+        torch.cuda.synchronize(slab.device)
 
 
 def _put(copy: PassCopy, slab: torch.Tensor, col: int, chunk: torch.Tensor) -> None:

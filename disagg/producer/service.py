@@ -78,7 +78,7 @@ from .commits import Committer, PendingPass
 from .control import ControlPlane
 from .leases import LeaseTable
 from .parked import ParkedClaims
-from .saving import PassCopy, land
+from .saving import PassCopy, land, warm_pass_copy
 from .store import BlockStore
 
 log = logging.getLogger("disagg.producer")
@@ -209,6 +209,7 @@ class ProducerService(ControlPlane, ConnectorService):
             stall_after_s=_stall_after(self._sweep_period()),
         )
         self.parked = ParkedClaims(self.leases, self.metrics, self.incarnation)
+        warm_pass_copy(pool, self.store.slab)
         self.data = make_data_plane(
             self.config.transport,
             checksum=self.config.transport_checksum,

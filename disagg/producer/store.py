@@ -146,6 +146,7 @@ class BlockStore:
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._pins = np.zeros(capacity, dtype=np.int32)  # per row (see Entry.pins)
+        self._unsummed: set[bytes] = set()  # STORED, checksum not recorded yet (commit)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._on_stored = on_stored or (lambda keys: None)
@@ -221,22 +222,43 @@ class BlockStore:
                     e.state = BlockState.STAGING
 
     def commit(self, keys: Iterable[bytes]) -> None:
-        """The bytes of these blocks have landed in their rows: publish them."""
+        """The bytes of these blocks have landed in their rows: publish them. Pushes
+        waiting for them are woken first and the checksums taken after (a device store's
+        are a few dozen launches, a host store's a hash of every byte: neither belongs
+        between a pass's end and its pushes). Until its checksum is recorded a block is
+        pinned by the commit (never evicted, its row never reused) and ``verify`` skips
+        it."""
         done: list[bytes] = []
+        entries: list[Entry] = []
         with self._changed:
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.state is BlockState.STORED:
                     continue
                 e.state = BlockState.STORED
-                if self._pins[e.row] == 0:
-                    self._lru[key] = None
                 done.append(key)
-            self._sums.record(_rows_of([self._entries[k] for k in done]))
+                entries.append(e)
+            rows = _rows_of(entries)
+            self._pins[rows] += 1
+            self._unsummed.update(done)
             self.stats.saves_committed += len(done)
             self._changed.notify_all()
-        if done:
+        if not done:
+            return
+        try:
             self._on_stored(done)
+        finally:
+            self._sums.record(rows)  # the rows are pinned: outside the lock
+            with self._changed:
+                self._pins[rows] -= 1
+                self._unsummed.difference_update(done)
+                for key, e in zip(done, entries):
+                    if self._pins[e.row]:
+                        continue  # the last unpin puts it back, or frees a dead one
+                    if e.dead:
+                        self._free.append(e.row)
+                    elif self._entries.get(key) is e:
+                        self._lru[key] = None
 
     def abort(self, keys: Iterable[bytes]) -> None:
         """A save failed: forget these blocks (never serve half-written bytes)."""
@@ -455,7 +477,11 @@ class BlockStore:
     def verify(self) -> int:
         """Re-read every STORED block against its checksum; returns the number corrupted."""
         with self._lock:
-            stored = [e for e in self._entries.values() if e.state is BlockState.STORED]
+            stored = [
+                e
+                for k, e in self._entries.items()
+                if e.state is BlockState.STORED and k not in self._unsummed
+            ]
             bad = self._sums.mismatches(_rows_of(stored))
         self.stats.corruptions_found += bad
         return bad

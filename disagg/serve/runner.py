@@ -9,6 +9,7 @@ whose protocol-level errors are the same OpenAI-style JSON as ``bodies.json_erro
 from __future__ import annotations
 
 import asyncio
+import gc
 from http import HTTPStatus
 from typing import Any
 
@@ -60,6 +61,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def freeze_heap() -> None:
+    """Collect once, then move every live object to the permanent generation
+    (``tuning.gc_freeze``): a server's start-up heap (torch, the model, the engine) is
+    never garbage, but every full collection walked it with the GIL held, stalling the
+    engine thread, the connectors' threads and the event loop alike."""
+    if tuning.current().gc_freeze is not False:
+        gc.collect()
+        gc.freeze()
+
+
 def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, then clean it up."""
 
@@ -68,6 +79,7 @@ def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: flo
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
+            freeze_heap()
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()
@@ -89,4 +101,4 @@ def run_app(app: web.Application, *, host: str, port: int, shutdown_timeout: flo
         loop.close()
 
 
-__all__: list[Any] = ["run_app"]
+__all__: list[Any] = ["freeze_heap", "run_app"]

@@ -87,6 +87,13 @@ def _triton_kernel() -> Any:
     return copy_pages, triton.cdiv
 
 
+def one_pass(device: torch.device) -> bool:
+    """Whether ``copy_indexed`` on ``device`` reads each source row and writes its
+    destination row directly (the host's row copy; the Triton kernel on CUDA), rather than
+    through torch's gather and scatter."""
+    return device.type == "cpu" or (device.type == "cuda" and _triton_kernel() is not None)
+
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 

@@ -90,18 +90,19 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
 def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after):
     """``tuning.save_after_responses``: the pass's copies are enqueued in ``get_finished``,
     after the engine's responses (its first token out), or in ``wait_for_save`` before
-    sampling; tokens and pages are the monolithic run's either way."""
+    sampling, the whole pass at once; tokens and pages are the monolithic run's either
+    way."""
     import disagg.producer.connector as pc
 
     monkeypatch.setenv("DISAGG_SAVE_AFTER_RESPONSES", after)
     order: list[str] = []
-    copy = pc.copy_layer_to_store
+    for name, tag in (("copy_layer_to_store", "layer"), ("copy_pass_to_store", "pass")):
 
-    def spy(*a, **k):
-        order.append("copy")
-        return copy(*a, **k)
+        def spy(*a, _copy=getattr(pc, name), _tag=tag, **k):
+            order.append(_tag)
+            return _copy(*a, **k)
 
-    monkeypatch.setattr(pc, "copy_layer_to_store", spy)
+        monkeypatch.setattr(pc, name, spy)
     cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
     prod, psvc = make_producer(cfg)
     rid = prod.add_request(prompts(n=1)[0], 1)
@@ -109,11 +110,10 @@ def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after):
     while not prod.results[rid].finished or prod.has_work():
         prod.step()
     first = order.index("respond")
-    assert order.count("copy") == 4
     if after == "1":
-        assert order[:first] == [] and order[first + 1 :] == ["copy"] * 4
+        assert order[:first] == [] and order[first + 1 :] == ["pass"]
     else:
-        assert order[:first] == ["copy"] * 4
+        assert order[:first] == ["pass"]
     assert psvc.drain_commits() and psvc.store.stats.saves_committed > 0
     shape = {**SHAPE, "num_layers": 4}
     _prefill_then_decode_match_monolithic(

@@ -77,3 +77,30 @@ def test_entries_compare_by_identity():
     a, b = s.pin([key(1), key(2)])
     a.row, b.row = 0, 0  # equal fields, different entries
     assert a != b and a == a
+
+
+def test_a_commit_wakes_its_pushes_before_the_checksums_and_holds_the_rows_until_then():
+    """``on_stored`` (the pushes' wake) runs before the commit's checksums: the blocks
+    are STORED and readable then, but pinned by the commit (a plan cannot evict them)
+    and skipped by ``verify``; once the checksums are in, they are evictable and checked,
+    and a push's pin taken meanwhile still holds them."""
+    seen: list[tuple] = []
+    s = BlockStore(8, 8 * 2)
+
+    def woken(keys):
+        seen.append((s.pinned_blocks(), s.verify(), s.plan([key(9)]).tolist()))
+        entries = s.pin(keys)  # a push reading the rows
+        rows = s.wait_stored(entries, 0.0)
+        s.slab[torch.from_numpy(rows)] = 7  # what the checksums are taken of
+        seen.append(entries)
+
+    s._on_stored = woken
+    rows = s.plan([key(1), key(2)])
+    s.commit([key(1), key(2)])
+    assert seen[0] == (2, 0, [-1])  # pinned, unchecked, not evictable (the plan drops)
+    assert s.pinned_blocks() == 2 and s.verify() == 0  # the push's pins hold; sums agree
+    s.slab[int(rows[0])] = 3
+    assert s.verify() == 1  # checked now
+    s.unpin([key(1), key(2)], seen[1])
+    assert s.pinned_blocks() == 0
+    assert s.plan([key(3)]).tolist() != [-1]  # evictable now

@@ -273,3 +273,24 @@ def test_tp_size_from_the_flag_or_the_config_named_when_wrong(
     monkeypatch.setattr(trtllm, "run", lambda *a: ran.append(a[-1]) or 0)
     assert serve.main(["--config", str(two), "--engine", "trtllm", "--model", "m"]) == 0
     assert ran == [["--tp_size", "2"]]
+
+
+@pytest.mark.parametrize(("env", "frozen"), [("", True), ("0", False)])
+def test_a_started_server_freezes_its_heap_unless_told_not_to(env: str, frozen: bool) -> None:
+    """``tuning.gc_freeze``: a server, once up, moves its start-up heap out of the
+    collector's reach (``run_app`` calls ``freeze_heap`` after the site starts)."""
+    code = (
+        "import gc; from disagg.serve.runner import freeze_heap; "
+        "n = gc.get_freeze_count(); freeze_heap(); print(n, gc.get_freeze_count())"
+    )
+    import os
+
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "DISAGG_GC_FREEZE": env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert before == 0 and (after > 1000) == frozen
