@@ -7,12 +7,13 @@ The copies are planned once per forward pass (``plan_pass``, before its first co
 page slots and store rows move to their devices once, from pinned memory and without the
 host waiting (a pageable host->device copy of an index makes the host wait for the stream,
 which holds the engine thread behind the GPU at every layer); whether the rows are one run
-of consecutive rows is decided there too. Each layer then only enqueues its copy
-(``copy_layer_to_store``): one batched gather per buffer span of the layer, and one copy
-into the store (a slice copy when the rows are a run, else one index copy). A pass copied
-at its end (``save_plan_layers`` 0) copies it a layer at a time too: on the H200 whole
-pages (one gather per region) held a 4k first token 2.3 ms behind a local engine's where
-a layer at a time held it 0.95 ms (docs/design/first-token.md).
+of consecutive rows is decided there too. A pass copied at its end (``save_plan_layers``
+0, after the first token is sent) is copied whole (``copy_pass_to_store``): one indexed
+copy per region, one kernel on CUDA, where a layer at a time is dozens of launches between
+the pass's end and its pushes (docs/design/first-token.md). Copied during the forward,
+each layer only enqueues its copy (``copy_layer_to_store``): one batched gather per buffer
+span of the layer, and one copy into the store (a slice copy when the rows are a run,
+else one index copy).
 
 Same device (host pool and host store, or device pool and device store): each layer's
 bytes go straight into the store rows. Device pool and host store: each layer is gathered
