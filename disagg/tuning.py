@@ -243,6 +243,17 @@ class Tuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         ]
         | None
     ) = None
+    save_whole_pass: (
+        Annotated[
+            bool,
+            Meta(
+                description="producer: a pass copied at its end, every layer saved, is "
+                "copied whole (one indexed copy per region, one kernel on CUDA); false: a "
+                "layer at a time (a gather and a copy per buffer span and layer); default on",
+            ),
+        ]
+        | None
+    ) = None
     engine_idle_wait_us: (
         Annotated[
             int,

@@ -280,7 +280,8 @@ class ProducerWorker(KvCacheConnectorWorker):
     def _place(self, stream: Any, ended: bool = False) -> None:
         """Place the reserved pass's copy indices, then copy the layers noted so far: at
         the pass's end (``ended``) with every layer noted, its whole pages at once
-        (``saving.copy_pass_to_store``), else a layer at a time."""
+        (``saving.copy_pass_to_store``; ``tuning.save_whole_pass``), else a layer at a
+        time."""
         plan = self._pass
         pool = self.service.pool
         assert plan is not None and pool is not None
@@ -289,7 +290,8 @@ class ProducerWorker(KvCacheConnectorWorker):
         with self._on_save_stream(stream):  # the indices belong to the copies' stream
             plan.place(pool, slab)
             assert plan.copy is not None
-            if ended and plan.keys and set(held) >= set(pool.layers):
+            whole = ended and tuning.current().save_whole_pass is not False
+            if whole and plan.keys and set(held) >= set(pool.layers):
                 if copy_pass_to_store(pool, plan.copy, slab):
                     self._staging(plan)
                     return

@@ -86,15 +86,18 @@ def test_a_pass_planned_at_a_layers_save_saves_them_all(monkeypatch, plan_layers
     _prefill_then_decode_match_monolithic(cfg)
 
 
+@pytest.mark.parametrize("whole", ["1", "0"], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("after", ["0", "1"], ids=["in-wait-for-save", "after-responses"])
-def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after):
+def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after, whole):
     """``tuning.save_after_responses``: the pass's copies are enqueued in ``get_finished``,
     after the engine's responses (its first token out), or in ``wait_for_save`` before
-    sampling, the whole pass at once; tokens and pages are the monolithic run's either
-    way."""
+    sampling; the whole pass at once, or a layer at a time (``tuning.save_whole_pass``
+    off); tokens and pages are the monolithic run's either way."""
     import disagg.producer.connector as pc
 
     monkeypatch.setenv("DISAGG_SAVE_AFTER_RESPONSES", after)
+    monkeypatch.setenv("DISAGG_SAVE_WHOLE_PASS", whole)
+    copies = ["pass"] if whole == "1" else ["layer"] * 4
     order: list[str] = []
     for name, tag in (("copy_layer_to_store", "layer"), ("copy_pass_to_store", "pass")):
 
@@ -111,9 +114,9 @@ def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after):
         prod.step()
     first = order.index("respond")
     if after == "1":
-        assert order[:first] == [] and order[first + 1 :] == ["pass"]
+        assert order[:first] == [] and order[first + 1 :] == copies
     else:
-        assert order[:first] == ["pass"]
+        assert order[:first] == copies
     assert psvc.drain_commits() and psvc.store.stats.saves_committed > 0
     shape = {**SHAPE, "num_layers": 4}
     _prefill_then_decode_match_monolithic(
