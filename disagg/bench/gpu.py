@@ -1,8 +1,9 @@
 """``disagg bench gpu``: the GPU paths of the connectors, each against its ceiling measured
 in the same run (CUDA only; CI has no GPU, so this runs on a lent H200).
 
-- **save** (producer): scattered pages of a device KV pool copied layer by layer into the
-  block store, with the connector's own code (``producer.saving``): into a pinned host
+- **save** (producer): scattered pages of a device KV pool copied into the block store as
+  the connector copies a pass at its end (``producer.saving.copy_ended_pass``: layer by
+  layer into a host store, the whole pass at once into a device store): into a pinned host
   store (async staging, landed after the event: ceiling pinned device->host) and into a
   device store (ceiling device->device).
 - **load** (consumer): pages from pinned host memory scattered into device page slots with
@@ -308,7 +309,7 @@ def bench_page_size(
     import torch
     import torch.multiprocessing as mp
 
-    from ..producer.saving import copy_layer_to_store, flush_pass, land, plan_pass
+    from ..producer.saving import copy_ended_pass, flush_pass, land, plan_pass
     from ..transport.page_copy import copy_indexed
 
     n = max(1, total // page_bytes)
@@ -336,10 +337,9 @@ def bench_page_size(
         )
 
     def save(slab: torch.Tensor, store_rows: torch.Tensor) -> None:
-        # wait_for_save with the default save_plan_layers 0: every layer, one at a time
+        # the pass's end with the default save_plan_layers 0, as the connector copies it
         copy = plan_pass(pool, slab, store_rows.numpy(), [slots.numpy()])
-        for layer in pool.layers:
-            copy_layer_to_store(pool, layer, copy, slab)
+        copy_ended_pass(pool, copy, slab, pool.layers)
         flush_pass(copy, slab)
         ev = torch.cuda.Event()
         ev.record()

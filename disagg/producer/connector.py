@@ -33,8 +33,8 @@ from ..pages import PagePool
 from ..protocol.keys import block_keys
 from .saving import (
     PassCopy,
+    copy_ended_pass,
     copy_layer_to_store,
-    copy_pass_to_store,
     flush_pass,
     plan_layers,
     plan_pass,
@@ -290,11 +290,11 @@ class ProducerWorker(KvCacheConnectorWorker):
         with self._on_save_stream(stream):  # the indices belong to the copies' stream
             plan.place(pool, slab)
             assert plan.copy is not None
-            whole = ended and tuning.current().save_whole_pass is not False
-            if whole and plan.keys and set(held) >= set(pool.layers):
-                if copy_pass_to_store(pool, plan.copy, slab):
+            if ended:
+                if plan.keys:
                     self._staging(plan)
-                    return
+                    copy_ended_pass(pool, plan.copy, slab, held)
+                return
         for layer in held:
             self._copy_layer(layer, stream)
 

@@ -136,16 +136,26 @@ def copy_pass_to_store(pool: PagePool, copy: PassCopy, slab: torch.Tensor) -> bo
     return True
 
 
+def copy_ended_pass(pool: PagePool, copy: PassCopy, slab: torch.Tensor, layers: list[int]) -> None:
+    """At the pass's end, enqueue the copies of its saved ``layers`` not copied yet: the
+    whole pass at once where every layer is among them (``copy_pass_to_store``;
+    ``tuning.save_whole_pass``), else a layer at a time. The connector and ``disagg bench
+    gpu`` both copy a pass through here."""
+    whole = tuning.current().save_whole_pass is not False and set(layers) >= set(pool.layers)
+    if whole and copy_pass_to_store(pool, copy, slab):
+        return
+    for layer in layers:
+        copy_layer_to_store(pool, layer, copy, slab)
+
+
 def warm_pass_copy(pool: PagePool, slab: torch.Tensor) -> None:
     """At bring-up, before any block is stored: slot 0's pages copied into store row 0
     the way a pass is, so the copy's kernel is compiled now. Triton compiles a kernel at
     its first launch: in a producer's first request that held the GIL for over a second,
     and its control thread answered no claim or push meanwhile."""
-    if slab.shape[0] == 0 or pool.device != slab.device or not one_pass(slab.device):
-        return
     zero = np.zeros(1, dtype=np.int64)
-    copy_pass_to_store(pool, plan_pass(pool, slab, zero, [zero] * len(pool.regions)), slab)
-    if slab.device.type == "cuda":
+    copy = plan_pass(pool, slab, zero, [zero] * len(pool.regions))
+    if copy_pass_to_store(pool, copy, slab) and slab.device.type == "cuda":
         torch.cuda.synchronize(slab.device)
 
 

@@ -93,12 +93,14 @@ def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after, who
     after the engine's responses (its first token out), or in ``wait_for_save`` before
     sampling; the whole pass at once, or a layer at a time (``tuning.save_whole_pass``
     off); tokens and pages are the monolithic run's either way."""
-    import disagg.producer.connector as pc
+    import disagg.producer.saving as pc
 
     monkeypatch.setenv("DISAGG_SAVE_AFTER_RESPONSES", after)
     monkeypatch.setenv("DISAGG_SAVE_WHOLE_PASS", whole)
     copies = ["pass"] if whole == "1" else ["layer"] * 4
     order: list[str] = []
+    cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
+    prod, psvc = make_producer(cfg)  # its bring-up copies a page (warm_pass_copy) unspied
     for name, tag in (("copy_layer_to_store", "layer"), ("copy_pass_to_store", "pass")):
 
         def spy(*a, _copy=getattr(pc, name), _tag=tag, **k):
@@ -106,8 +108,6 @@ def test_a_pass_is_copied_after_the_iterations_responses(monkeypatch, after, who
             return _copy(*a, **k)
 
         monkeypatch.setattr(pc, name, spy)
-    cfg = EngineConfig(**{**SHAPE, "num_layers": 4})
-    prod, psvc = make_producer(cfg)
     rid = prod.add_request(prompts(n=1)[0], 1)
     prod.respond = lambda: order.append("respond")
     while not prod.results[rid].finished or prod.has_work():
