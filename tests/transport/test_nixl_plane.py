@@ -96,6 +96,11 @@ def test_lists_are_prepared_once_and_a_run_is_one_descriptor(pair):
     assert rx.stats["nixl_local_lists"] == rx.stats["nixl_remote_lists"] == 1
     assert torch.equal(pool[8:24], slab[30:46])
     assert torch.equal(pool[[0, 2, 4]], slab[[1, 2, 3]])
+    # closing releases them explicitly (before its memory is deregistered), not the collector
+    prepared = [h for h, _ in rx._reader._local.values()] + list(rx._reader._remote.values())
+    rx.close()
+    assert len(prepared) == 2 and all(h._released for h in prepared)
+    assert not rx._reader._local and not rx._reader._remote
 
 
 def test_a_waiter_is_woken_when_the_transfer_ends_not_at_each_chunk(pair, monkeypatch):

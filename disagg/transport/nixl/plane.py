@@ -317,4 +317,5 @@ class NixlDataPlane(BookedReceiver, DataPlane):
             log.warning("nixl plane closed with %d reads in flight: memory stays registered", left)
             return
         self._reader.pump()  # the producers hear that the transfers ended
+        self._reader.release_lists()
         self._registry.release()

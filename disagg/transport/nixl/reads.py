@@ -15,7 +15,8 @@ Contract (``Reader``, the plane's thread unless said otherwise):
   stretch of a page that is contiguous on both sides (a page is one piece when the group
   has one region and the producer sends whole rows). A read is posted as index lists into
   them (``make_prepped_xfer``); NIXL merges descriptors that are adjacent on both sides,
-  so a run of consecutive rows into consecutive slots goes as one descriptor.
+  so a run of consecutive rows into consecutive slots goes as one descriptor. A plane that
+  closes with no read in flight releases them (``release_lists``) before its memory.
 - Chunks of at most ``HOST_CHUNK`` / ``DEVICE_CHUNK`` bytes are posted in plan order, at
   most ``HOST_WINDOW`` / ``DEVICE_WINDOW`` at once per producer (a stalled producer holds its own window, never another's reads); a
   chunk counts in ``rx.inflight`` from its post until NIXL reports it final (its bytes
@@ -148,6 +149,20 @@ class Reader:
     def forget_lists(self) -> None:
         """Regions re-registered: local lists are prepared again on next use."""
         self._local.clear()
+
+    def release_lists(self) -> None:
+        """The plane closes with no read in flight: every prepared list is released now,
+        in this order before its memory is deregistered, not by the collector later (in
+        whatever thread it runs, after the memory is gone)."""
+        with self.sources_lock:
+            lists = [h for h, _ in self._local.values()] + list(self._remote.values())
+            self._local.clear()
+            self._remote.clear()
+        for handle in lists:
+            try:
+                handle.release()
+            except Exception as exc:
+                log.debug("releasing a prepared NIXL list failed: %s", exc)
 
     # ---------------------------------------------------------------- plans
     def on_plan(self, sender: str, plan: wire.ReadPlan) -> None:
