@@ -16,16 +16,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 # crashed in its progress loop, and a NIXL contract case run after the UCX planes hung
 # past every per-test timeout (stuck in native code, where no timeout signal is handled).
 # The child's whole run has a limit; faulthandler_timeout (pyproject) prints the stacks.
-NIXL_CHILD_ENV = "DISAGG_TEST_NIXL_PROCESS"  # set in that process: run them in place
+NIXL_CHILD_ENV = "DISAGG_TEST_NIXL_PROCESS"  # set (in that process): run them here, last
 NIXL_LIMIT_S = 900  # the whole NIXL process; ~1 min on two cores
 _nixl_ids = pytest.StashKey[list[str]]()
 
 
 def pytest_collection_modifyitems(config, items):
     nixl = [i for i in items if i.get_closest_marker("nixl") is not None]
-    if not nixl or len(nixl) == len(items) or os.environ.get(NIXL_CHILD_ENV):
+    if not nixl or len(nixl) == len(items):
         return
-    if config.option.collectonly:  # listed where they run: last
+    if config.option.collectonly or os.environ.get(NIXL_CHILD_ENV):  # in this process: last
         items.sort(key=lambda i: i.get_closest_marker("nixl") is not None)
         return
     items[:] = [i for i in items if i.get_closest_marker("nixl") is None]
