@@ -61,7 +61,7 @@ def pytest_sessionfinish(session, exitstatus):
         out.seek(0)
         text = out.read()
     if report is not None:
-        report.ensure_newline()
+        report.write("\n")  # the progress line has no end of line yet
         report.write_sep("=", f"{len(ids)} NIXL tests in a process of their own: {verdict}")
         report.write(text)
     if rc != 0:
