@@ -151,9 +151,9 @@ class Reader:
         self._local.clear()
 
     def release_lists(self) -> None:
-        """The plane closes with no read in flight: every prepared list is released now,
-        in this order before its memory is deregistered, not by the collector later (in
-        whatever thread it runs, after the memory is gone)."""
+        """The plane closes with no read in flight: every prepared list is released here,
+        before the plane deregisters its memory, rather than by the collector later (from
+        whatever thread it runs in, after the memory is gone)."""
         with self.sources_lock:
             lists = [h for h, _ in self._local.values()] + list(self._remote.values())
             self._local.clear()
